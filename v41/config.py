@@ -426,7 +426,7 @@ def _toy() -> V41Config:
 
 
 # size of the toy tokenizer's Engram normalization map (asserted in tests/test_engram.py)
-TOY_COMPRESSED_VOCAB = 919
+TOY_COMPRESSED_VOCAB = 798
 
 PRESETS = {"flash": _flash, "flash-slice": _flash_slice, "toy": _toy}
 
