@@ -1,0 +1,256 @@
+"""Reference FP8 / FP4 formats of DeepSeek-V4.1 (spec/model.md §2.4, §4, §5.2).
+
+Element formats
+  E4M3   OCP float8_e4m3fn: bias 7, 3 mantissa bits, no infinities. Normals 2^-6 .. 448,
+         subnormal quantum 2^-9. We round to nearest even and saturate to ±448.
+  E2M1   FP4 magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}; nearest even, saturating at ±6.
+         A 4-bit code is the magnitude index 0..7 with bit 3 the sign. Two codes go in a byte,
+         element 2k in the low nibble; checkpoints store the bytes as I8.
+  E8M0   (UE8M0) an unsigned power-of-two scale: code c means 2^(c-127); 255 is NaN.
+
+Block formats (s = scale, q = element values, dequantized value = q * s)
+  FP8 activations / SWA KV   groups of 32 along the last dim, s = pow2ceil(max(amax, 1e-4) / 448)
+  FP4 index keys / queries   groups of 32, s = pow2ceil(max(amax, 6*2^-126) / 6)
+  FP4 compressed main KV     groups of 16, s = round_e4m3(max(amax, 6*2^-9) / 6), q from x / s
+  FP8 index plane (runtime)  one power-of-two scale per row, as FP8 activations with group = row
+  FP8 weights                E4M3 [n, k] + E8M0 scale per 32x32 block [ceil(n/32), ceil(k/32)]
+  FP4 routed-expert weights  packed E2M1 [n, k/2] + E8M0 scale per 1x32 along k [n, k/32]
+
+Exactness. Every rounding is done arithmetically in the input's own dtype (float32 for
+bfloat16 / float16 inputs, cast back at the end): the binade comes from torch.frexp, the value
+is divided by a power-of-two quantum (exact), rounded by torch.round (half to even) and
+multiplied back. Nothing goes through `.to(torch.float8_e4m3fn)`, which converts via float32: a
+float64 value just above a rounding tie would first collapse onto the tie and then round the
+wrong way. So a float64 oracle sees exactly the grid the spec defines. Powers of two are built
+from their bit pattern rather than pow/exp2, whose vectorized versions need not be exact.
+
+Function results come back in the input dtype: float64, float32 or bfloat16 hold every q, s and
+q * s exactly. (float16 cannot hold the 2^-126 FP4 scale floor.)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+FP8_AMAX_FLOOR = 1e-4
+FP4_AMAX_FLOOR = 6 * 2.0**-126     # smallest scale 2^-126, the smallest normal float32
+FP4_E4M3_AMAX_FLOOR = 6 * 2.0**-9  # smallest scale 2^-9, the smallest nonzero E4M3
+FP4_WEIGHT_GROUP = 32
+E8M0_NAN = 255
+
+
+# ---------------------------------------------------------------------------------------------
+# scalars and element grids
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _exp2(n: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2**n for an integer tensor n in [-1022, 1023], exactly, in `dtype`.
+
+    Built as float64 bits; the cast to `dtype` is exact wherever 2**n is representable there
+    (including float32 subnormals such as 2^-127)."""
+    return ((n.to(torch.int64) + 1023) << 52).view(torch.float64).to(dtype)
+
+
+def _ceil_log2(v: torch.Tensor) -> torch.Tensor:
+    """ceil(log2 v) of positive v as an integer tensor, exactly."""
+    m, e = torch.frexp(v.to(_work_dtype(v.dtype)))  # v = m * 2^e with m in [0.5, 1)
+    return e - (m == 0.5).to(e.dtype)                 # m == 0.5: v is 2^(e-1) itself
+
+
+def pow2ceil(v: torch.Tensor) -> torch.Tensor:
+    """2**ceil(log2 v) exactly (a UE8M0 scale), in v's dtype, for positive normal v."""
+    return _exp2(_ceil_log2(v), v.dtype)
+
+
+def _round_to_grid(x: torch.Tensor, mant_bits: int, min_exp: int, max_val: float) -> torch.Tensor:
+    """Round x to nearest even on a sign-magnitude float grid with `mant_bits` mantissa bits and
+    smallest normal exponent `min_exp` (evenly spaced subnormals below), saturating at ±max_val."""
+    w = x.to(_work_dtype(x.dtype))
+    a = w.abs().clamp(max=max_val)  # saturate first: max_val is itself on the grid
+    _, e = torch.frexp(a)           # a lies in the binade [2^(e-1), 2^e)
+    quantum = (e - 1).clamp(min=min_exp) - mant_bits
+    # Scaling by a power of two is exact, so torch.round (half to even) sees the true ratio; an
+    # even integer multiple of the quantum is an even mantissa, so this is RNE on the grid.
+    q = torch.round(a * _exp2(-quantum, w.dtype)) * _exp2(quantum, w.dtype)
+    return torch.copysign(q, w).to(x.dtype)
+
+
+def round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round to nearest even onto float8_e4m3fn values, saturating to ±448; in x's dtype."""
+    return _round_to_grid(x, mant_bits=3, min_exp=-6, max_val=E4M3_MAX)
+
+
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round to nearest even onto ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}, saturating at ±6; in x's dtype."""
+    return _round_to_grid(x, mant_bits=1, min_exp=0, max_val=E2M1_MAX)
+
+
+# ---------------------------------------------------------------------------------------------
+# group quantizers along the last dim
+
+def _group_quant(x, group, amax_floor, scale_of, round_q):
+    """Per `group` elements of the last dim: s = scale_of(max(amax, floor)), q = round_q(x / s).
+
+    Returns (q [..., D/group, group], s [..., D/group, 1]) in the working dtype. The spec's
+    clamp(x / s, ±max) before rounding is implicit: round_q saturates at the same bound."""
+    w = x.to(_work_dtype(x.dtype)).unflatten(-1, (-1, group))
+    amax = w.abs().amax(-1, keepdim=True).clamp(min=amax_floor)
+    s = scale_of(amax)
+    return round_q(w / s), s
+
+
+def _fp8(x, group):
+    return _group_quant(x, group, FP8_AMAX_FLOOR, lambda a: pow2ceil(a / E4M3_MAX), round_e4m3)
+
+
+def _fp4(x, group):
+    return _group_quant(x, group, FP4_AMAX_FLOOR, lambda a: pow2ceil(a / E2M1_MAX), round_e2m1)
+
+
+def _fp4_e4m3(x, group):
+    # True division x / s (not x * (1/s)): the two differ only at E2M1 ties (spec §2.4, open).
+    return _group_quant(x, group, FP4_E4M3_AMAX_FLOOR, lambda a: round_e4m3(a / E2M1_MAX),
+                        round_e2m1)
+
+
+def _as_pair(x, q, s):
+    """(q [..., D], s [..., D/group]) in x's dtype."""
+    return q.flatten(-2).to(x.dtype), s.squeeze(-1).to(x.dtype)
+
+
+def _round_trip(x, q, s):
+    return (q * s).flatten(-2).to(x.dtype)
+
+
+def fp8_act_quant(x: torch.Tensor, group: int = 32):
+    """FP8 activation quant: (q holding E4M3 values [..., D], power-of-two s [..., D/group])."""
+    return _as_pair(x, *_fp8(x, group))
+
+
+def fp8_qat(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """FP8 fake-quant round trip q * s, in x's dtype."""
+    return _round_trip(x, *_fp8(x, group))
+
+
+def fp4_act_quant(x: torch.Tensor, group: int = 32):
+    """FP4 with UE8M0 scale: (q holding E2M1 values [..., D], power-of-two s [..., D/group])."""
+    return _as_pair(x, *_fp4(x, group))
+
+
+def fp4_qat(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """FP4 (UE8M0 scale) fake-quant round trip q * s, in x's dtype."""
+    return _round_trip(x, *_fp4(x, group))
+
+
+def fp4_e4m3_act_quant(x: torch.Tensor, group: int = 16):
+    """FP4 with E4M3 scale (compressed KV): (q holding E2M1 values, E4M3-valued s [..., D/group])."""
+    return _as_pair(x, *_fp4_e4m3(x, group))
+
+
+def fp4_e4m3_qat(x: torch.Tensor, group: int = 16) -> torch.Tensor:
+    """FP4 (E4M3 scale) fake-quant round trip q * s, in x's dtype."""
+    return _round_trip(x, *_fp4_e4m3(x, group))
+
+
+def fp8_row_quant(x: torch.Tensor):
+    """FP8 index-plane rows: one power-of-two scale per row, i.e. FP8 act quant with
+    group = row. Returns (q [..., D], s [..., 1]); callers store s as fp32."""
+    return fp8_act_quant(x, group=x.shape[-1])
+
+
+def fp8_row_qat(x: torch.Tensor) -> torch.Tensor:
+    """FP8 index-plane round trip q * s, in x's dtype."""
+    return fp8_qat(x, group=x.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# codes and storage
+
+def _e2m1_table(dtype, device):
+    return torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=dtype, device=device)
+
+
+def e2m1_encode(values: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes (magnitude index | sign << 3) of values rounded RNE onto the grid
+    (a no-op for grid values). -0.0 encodes as 8."""
+    v = round_e2m1(values.to(_work_dtype(values.dtype)))
+    grid = torch.tensor(E2M1_VALUES, dtype=v.dtype, device=v.device)
+    magnitude = torch.searchsorted(grid, v.abs().contiguous()).to(torch.uint8)
+    return magnitude | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def e2m1_decode(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values of uint8 E2M1 codes 0..15, in `dtype`."""
+    return _e2m1_table(dtype, codes.device)[codes.long()]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] codes -> [..., K/2] int8 bytes, element 2k in the low nibble, 2k+1 in the high."""
+    c = codes.to(torch.uint8)
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).view(torch.int8)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] int8 (or uint8) bytes -> [..., K] uint8 codes."""
+    p = packed.view(torch.uint8)
+    return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
+
+
+def e8m0_decode(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2^(code - 127) in `dtype` for uint8 or float8_e8m0fnu codes; code 255 is NaN.
+    Code 0 (2^-127) is a subnormal in float32 / bfloat16 and still exact."""
+    c = codes.view(torch.uint8)
+    return _exp2(c.to(torch.int64) - 127, dtype).masked_fill(c == E8M0_NAN, float("nan"))
+
+
+def e8m0_encode(scales: torch.Tensor) -> torch.Tensor:
+    """float8_e8m0fnu codes of positive power-of-two scales (exact); any other value rounds
+    up to the next power of two, the safe direction for a scale."""
+    return (_ceil_log2(scales) + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _expand_blocks(scale: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    """Per-block scale [..., ceil(n/b), ceil(k/b)] -> per element [..., n, k]."""
+    return scale.repeat_interleave(block, -2).repeat_interleave(block, -1)[..., :n, :k]
+
+
+def dequant_fp8_block(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                      block: int = 32) -> torch.Tensor:
+    """float8_e4m3fn [..., n, k] times its E8M0 per-block scale, in `dtype` (exact)."""
+    n, k = w.shape[-2:]
+    return w.to(dtype) * _expand_blocks(e8m0_decode(scale, dtype), n, k, block)
+
+
+def dequant_fp4_expert(w_packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Packed E2M1 [..., n, k/2] (int8) times E8M0 scale [..., n, k/32] -> [..., n, k] in `dtype`."""
+    values = e2m1_decode(unpack_fp4(w_packed), dtype)
+    return values * e8m0_decode(scale, dtype).repeat_interleave(FP4_WEIGHT_GROUP, -1)
+
+
+def quant_fp8_block(w: torch.Tensor, block: int = 32):
+    """Inverse of dequant_fp8_block: (float8_e4m3fn [..., n, k], float8_e8m0fnu scale
+    [..., ceil(n/b), ceil(k/b)]) with s = pow2ceil(max(block amax, 1e-4) / 448).
+
+    The amax floor is the activation one, so an all-zero block still gets a finite scale. Ragged
+    edges are zero-padded into whole blocks, which leaves every block amax unchanged."""
+    n, k = w.shape[-2:]
+    x = F.pad(w.to(_work_dtype(w.dtype)), (0, -k % block, 0, -n % block))
+    blocks = x.unflatten(-1, (-1, block)).unflatten(-3, (-1, block))  # [..., N, b, K, b]
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=FP8_AMAX_FLOOR)
+    s = pow2ceil(amax / E4M3_MAX)
+    q = round_e4m3(blocks / s).flatten(-2).flatten(-3, -2)[..., :n, :k]
+    return q.to(torch.float8_e4m3fn), e8m0_encode(s.squeeze((-3, -1)))
+
+
+def quant_fp4_expert(w: torch.Tensor):
+    """Inverse of dequant_fp4_expert: (packed int8 [..., n, k/2], float8_e8m0fnu scale
+    [..., n, k/32]), quantized exactly like fp4_act_quant with group 32."""
+    q, s = fp4_act_quant(w, FP4_WEIGHT_GROUP)
+    return pack_fp4(e2m1_encode(q)), e8m0_encode(s)
