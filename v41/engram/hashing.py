@@ -107,11 +107,20 @@ def hash_ids(compressed, layout: EngramLayout, i: int, start: int = 0, history=N
         raise ValueError(f"history has {hist.numel()} ids; position {start} needs the last {h}")
     # Positions before 0 act like DEAD: both make the look-back (and every longer one) pad.
     ext = torch.cat([torch.full((n - 1 - h,), DEAD, dtype=torch.int64), hist[hist.numel() - h:], c])
+    lookback = torch.stack([ext[n - 1 - k: n - 1 - k + S] for k in range(n)], 1)  # c[p - k]
+    return hash_lookback(lookback, layout, i)
+
+
+def hash_lookback(lookback: torch.Tensor, layout: EngramLayout, i: int) -> torch.Tensor:
+    """Hash ids from look-back rows: lookback[t, k] = compressed id at position p_t - k, DEAD
+    where that position is an image token or lies before the sequence. Rows of many requests
+    hash in one call (the runtime's batched path)."""
+    n, H = layout.max_ngram, layout.n_heads
     m = layout.multipliers[i]
-    blocked = torch.zeros(S, dtype=torch.bool)
+    blocked = torch.zeros(lookback.shape[0], dtype=torch.bool)
     prods = []
     for k in range(n):
-        tok = ext[n - 1 - k: n - 1 - k + S]  # c[p - k] for every p
+        tok = lookback[:, k]
         blocked = blocked | (tok < 0)
         tok = torch.where(blocked, torch.full_like(tok, layout.pad_id), tok)
         prods.append(tok * m[k])  # int64 multiply wraps mod 2**64, as in the reference

@@ -1,0 +1,26 @@
+"""Routed experts (spec §3.4): W4A8 SwiGLU experts with the clamp, routing weight applied before
+the down projection's activation quant, outputs accumulated in ascending expert id."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from custom_ops.registry import define
+from v41 import quant
+
+
+@define("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor w1, Tensor w3, Tensor w2, "
+        "float limit, Tensor(a!) out) -> ()")
+def moe_experts(x, ids, weights, w1, w3, w2, limit, out) -> None:
+    """x [T, D]; ids/weights [T, k] (ids -1 for padding); w1/w3 [E, I, D], w2 [E, D, I]
+    dequantized; out [T, D] (accumulation dtype) <- sum of the selected experts' outputs."""
+    out.zero_()
+    acc = out.dtype
+    for e in torch.unique(ids[ids >= 0]).tolist():
+        t, slot = (ids == e).nonzero(as_tuple=True)
+        xq = quant.fp8_qat(x[t])
+        g = (xq @ w1[e].T).to(acc)
+        u = (xq @ w3[e].T).to(acc).clamp(-limit, limit)
+        h = F.silu(g.clamp(max=limit)) * u * weights[t, slot, None].to(acc)
+        y = quant.fp8_qat(h.to(x.dtype)) @ w2[e].T
+        out.index_add_(0, t, y.to(acc))

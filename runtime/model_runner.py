@@ -1,0 +1,170 @@
+"""ModelRunner: publishes a ScheduledBatch into persistent buffers (fixed addresses, sized for
+`max_num_batched_tokens` and `max_num_seqs`), runs the forward and returns the hidden rows that
+sample. Metadata is computed on the host with numpy, without a Python loop over tokens.
+
+A step runs `running_tokens` rows for `running_bs` requests: the scheduled ones first, then
+padding rows (batch id -1, every destination -1) and zero-length padding requests, which read
+and write nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from runtime.cache import KVCache
+from runtime.geometry import PoolGeometry
+from runtime.scheduler import ScheduledBatch
+from v41.engram.hashing import DEAD, EngramLayout, hash_lookback
+from v41.model import Transformer
+
+ops = torch.ops.v41
+
+
+@dataclass
+class Batch:
+    """The forward's view of one step: tensors of `running_tokens` rows / `running_bs` requests."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    batch_ids: torch.Tensor        # request of each row, -1 for padding
+    block_table: torch.Tensor      # [running_bs, max_pages]
+    win_idx: torch.Tensor          # [T, W] window rows: ring row, ring rows + batch row, or -1
+    ring_dest: torch.Tensor        # [T] ring row each row is kept in after the step, or -1
+    owner_dest: dict               # ratio -> [T] owner plane row of the group a row completes
+    tail_src: torch.Tensor         # [T] tail slot a row's group starts in, or -1
+    tail_dst: torch.Tensor         # [T] tail slot that keeps the row for the next step, or -1
+    engram_rows: dict              # layer -> [T, width] gathered table rows
+
+
+class ModelRunner:
+    def __init__(self, cfg, weights, geo: PoolGeometry, num_pages: int, num_slots: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, token_map,
+                 device="cpu", dtype=torch.bfloat16):
+        self.cfg, self.geo, self.device, self.dtype = cfg, geo, torch.device(device), dtype
+        self.model = Transformer(cfg, weights, dtype, device, max_pos=max_model_len)
+        self.cache = KVCache(geo, num_pages, num_slots, device)
+        self.cache.cursor[:, 1:] = DEAD
+        self.W, self.page = cfg.sliding_window, geo.page_tokens
+        self.token_map = np.asarray(token_map, dtype=np.int64)
+        self.layout = EngramLayout(cfg, pad_id=int(self.token_map[cfg.engram_pad_token_id]))
+        self.engram_tables = {l: (weights[f"layers.{l}.engram.embed.weight"],
+                                  weights[f"layers.{l}.engram.embed.scale"]) for l in cfg.engram_layer_ids}
+        self.max_pages = -(-max_model_len // geo.page_tokens)
+        T, B = max_num_batched_tokens, max_num_seqs
+        self.max_tokens, self.max_seqs = T, B
+        z = lambda *s: torch.zeros(*s, dtype=torch.long, device=self.device)  # noqa: E731
+        self.buf = {"input_ids": z(T), "positions": z(T), "batch_ids": z(T), "block_table": z(B, self.max_pages),
+                    "win_idx": z(T, self.W), "ring_dest": z(T), "tail_src": z(T), "tail_dst": z(T),
+                    "dest1": z(T), "dest2": z(T)}
+        width = cfg.engram_width
+        self.engram_buf = {l: torch.zeros(T, width, dtype=dtype, device=self.device)
+                           for l in cfg.engram_layer_ids}
+
+    # ---- metadata ------------------------------------------------------------------------
+    def prepare(self, sb: ScheduledBatch, running_tokens: int | None = None,
+                running_bs: int | None = None) -> tuple[Batch, dict]:
+        """Host metadata for the step, copied into the persistent buffers."""
+        n = np.asarray(sb.num_new, dtype=np.int64)
+        starts = np.asarray(sb.starts, dtype=np.int64)
+        slots = np.asarray([s.slot for s in sb.seqs], dtype=np.int64)
+        T = int(n.sum())
+        Tr, Br = running_tokens or T, running_bs or len(sb.seqs)
+        if Tr > self.max_tokens or Br > self.max_seqs or Tr < T or Br < len(sb.seqs):
+            raise ValueError(f"step of {T} tokens / {len(sb.seqs)} requests does not fit running width "
+                             f"{Tr}/{Br} (capacity {self.max_tokens}/{self.max_seqs})")
+        W, S = self.W, self.cache.num_slots
+        bid = np.repeat(np.arange(len(n)), n)
+        first = np.repeat(np.cumsum(n) - n, n)                      # row of each request's first token
+        pos = np.repeat(starts, n) + (np.arange(T) - first)
+        start_t, slot_t = np.repeat(starts, n), np.repeat(slots, n)
+        end_t = np.repeat(starts + n, n)
+        ids = np.concatenate([np.asarray(s.token_ids[a:a + k], dtype=np.int64)
+                              for s, a, k in zip(sb.seqs, starts, n)]) if T else np.zeros(0, np.int64)
+        # window: positions p-W+1 .. p, oldest first; this step's rows where computed now
+        q = pos[:, None] - (W - 1) + np.arange(W)
+        row = np.where(q >= start_t[:, None], S * W + np.arange(T)[:, None] - (pos[:, None] - q),
+                       slot_t[:, None] * W + q % W)
+        win = np.where(q >= 0, row, -1)
+        ring_dest = np.where(pos >= end_t - W, slot_t * W + pos % W, -1)
+        tail_src = np.where((pos % 2 == 1) & (pos == start_t), slot_t, -1)
+        tail_dst = np.where((pos == end_t - 1) & (pos % 2 == 0), slot_t, -1)
+        bt = np.zeros((Br, self.max_pages), dtype=np.int64)
+        for i, s in enumerate(sb.seqs):
+            bt[i, : len(s.pages)] = s.pages
+        dest = {}
+        for r in (1, 2):
+            rpp = self.page // r
+            j = pos // r
+            page = bt[bid, (j * r) // self.page] if T else np.zeros(0, np.int64)
+            dest[r] = np.where(pos % r == r - 1, page * rpp + j % rpp, -1)
+        host = dict(input_ids=ids, positions=pos, batch_ids=bid, win_idx=win, ring_dest=ring_dest,
+                    tail_src=tail_src, tail_dst=tail_dst, dest1=dest[1], dest2=dest[2])
+        pad = {"batch_ids": -1, "win_idx": -1, "ring_dest": -1, "tail_src": -1, "tail_dst": -1,
+               "dest1": -1, "dest2": -1, "input_ids": 0, "positions": 0}
+        v = {}
+        for k, a in host.items():
+            b = self.buf[k]
+            b[:T].copy_(torch.from_numpy(a))
+            b[T:Tr].fill_(pad[k])
+            v[k] = b[:Tr]
+        self.buf["block_table"][:Br].copy_(torch.from_numpy(bt))
+        engram = self.prepare_engram(sb, ids, n, starts, slots, T, Tr)
+        batch = Batch(v["input_ids"], v["positions"], v["batch_ids"], self.buf["block_table"][:Br],
+                      v["win_idx"], v["ring_dest"], {1: v["dest1"], 2: v["dest2"]}, v["tail_src"],
+                      v["tail_dst"], engram)
+        return batch
+
+    def prepare_engram(self, sb, ids, n, starts, slots, T, Tr) -> dict:
+        """Hash ids from the tokens and each request's committed Engram history (the STATE
+        cursor, read after any restore), then the table rows of every Engram layer."""
+        m = self.layout.max_ngram - 1
+        hist = self.cache.cursor[torch.as_tensor(slots, device=self.device), 1:].cpu().numpy() \
+            if len(slots) else np.zeros((0, m), np.int64)
+        # a slot may hold an earlier request's history: positions before 0 are DEAD
+        hist = np.where(starts[:, None] - m + np.arange(m) >= 0, hist, DEAD)
+        comp = self.token_map[ids]
+        # per request: [history (m ids, oldest first), this step's compressed ids]
+        ext_len = n + m
+        ext = np.empty(int(ext_len.sum()), dtype=np.int64)
+        base = np.cumsum(ext_len) - ext_len
+        hrow = np.repeat(base, m) + np.tile(np.arange(m), len(n))
+        ext[hrow] = hist.reshape(-1)[: hrow.size]
+        first = np.repeat(np.cumsum(n) - n, n)
+        tok_ext = np.repeat(base + m, n) + (np.arange(T) - first)
+        ext[tok_ext] = comp
+        look = ext[tok_ext[:, None] - np.arange(m + 1)]
+        # the last m compressed ids of each request become its history after the step
+        self._tail_ids = ext[(base + ext_len)[:, None] - m + np.arange(m)] if len(n) else np.zeros((0, m), np.int64)
+        look_t = torch.from_numpy(look)
+        out = {}
+        for i, l in enumerate(self.cfg.engram_layer_ids):
+            hid = hash_lookback(look_t, self.layout, i)
+            buf = self.engram_buf[l]
+            table, scale = self.engram_tables[l]
+            ops.engram_gather(table, scale, hid, buf[:T])
+            out[l] = buf[:Tr]
+        return out
+
+    # ---- step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, sb: ScheduledBatch, all_rows: bool = False, **width) -> torch.Tensor:
+        """Forward one step. Returns logits of each request's last row (the sampling rows), or of
+        every row when `all_rows` (teacher forcing)."""
+        batch = self.prepare(sb, **width)
+        h = self.model(batch, self.cache)
+        self.commit(sb)
+        T = sb.scheduled_tokens
+        if all_rows:
+            return self.model.logits(h[:T])
+        last = torch.as_tensor(np.cumsum(sb.num_new) - 1, device=h.device)
+        return self.model.logits(h[last])
+
+    def commit(self, sb: ScheduledBatch) -> None:
+        """Positions and Engram history advance after the forward: cursor = (committed position,
+        last three compressed ids)."""
+        if not sb.seqs:
+            return
+        slots = torch.as_tensor([s.slot for s in sb.seqs], device=self.device)
+        pos = torch.as_tensor([s.num_computed + k for s, k in zip(sb.seqs, sb.num_new)])
+        self.cache.cursor[slots] = torch.cat([pos[:, None], torch.from_numpy(self._tail_ids)], 1).to(self.device)

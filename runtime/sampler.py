@@ -1,0 +1,41 @@
+"""Sampling from the last-row logits: greedy, temperature, top-k, top-p; a request with a seed
+draws from its own generator, so its tokens do not depend on what it is batched with."""
+from __future__ import annotations
+
+import torch
+
+from runtime.sequence import Sequence
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    logits = logits.float()
+    out = logits.argmax(-1).tolist()
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if p.temperature == 0:
+            continue
+        if seq.generator is None:
+            seq.generator = torch.Generator(device="cpu")
+            if p.seed is not None:
+                seq.generator.manual_seed(p.seed)
+            else:
+                seq.generator.seed()
+        out[i] = int(torch.multinomial(probs(logits[i].cpu(), p.temperature, p.top_k, p.top_p), 1,
+                                       generator=seq.generator))
+    return out
+
+
+def probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution a token is drawn from: temperature, then the top-k and top-p filters
+    (the most likely token always stays)."""
+    x = logits / temperature
+    if top_k and top_k < x.numel():
+        kth = torch.topk(x, top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, -1)
+    if top_p < 1:
+        sp, si = torch.sort(p, descending=True)
+        drop = sp.cumsum(-1) - sp > top_p
+        p = p.scatter(0, si, sp.masked_fill(drop, 0))
+        p = p / p.sum()
+    return p

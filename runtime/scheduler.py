@@ -1,0 +1,131 @@
+"""Continuous batching with chunked prefill: every step mixes the running requests' next tokens
+(decode rows, or the next chunk of an unfinished prompt) with new requests' first chunks, under
+`max_num_batched_tokens` and `max_num_seqs`. When pages run out the newest running request is
+preempted: it gives back its pages and slot and is recomputed later from position 0."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from runtime.block_manager import BlockManager
+from runtime.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new: list[int]            # query length of each request this step
+
+    @property
+    def starts(self) -> list[int]:
+        return [s.num_computed for s in self.seqs]
+
+    @property
+    def is_final_chunk(self) -> list[bool]:
+        """The step computes the request's last known token, so it samples."""
+        return [s.num_computed + n == s.num_tokens for s, n in zip(self.seqs, self.num_new)]
+
+    @property
+    def scheduled_bs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def scheduled_tokens(self) -> int:
+        return sum(self.num_new)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_id: int | None, max_prefill_chunk: int | None = None):
+        self.bm = block_manager
+        self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
+        self.eos = eos_token_id
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = seq.num_uncomputed
+        if n > 1:  # a prompt (or a recompute): chunked
+            n = min(n, self.max_prefill_chunk)
+        return min(n, budget)
+
+    def schedule(self) -> ScheduledBatch:
+        seqs, num_new, budget = [], [], self.max_tokens
+        for seq in list(self.running):
+            if seq not in self.running or budget == 0:
+                continue
+            n = self._chunk(seq, budget)
+            while not self.bm.can_allocate(seq, n):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            self.bm.allocate(seq, n)
+            seqs.append(seq), num_new.append(n)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._chunk(seq, budget)
+            if not self.bm.can_allocate(seq, n):
+                break
+            self.waiting.popleft()
+            self.bm.allocate(seq, n)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            seqs.append(seq), num_new.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, num_new)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free everything the request holds; it recomputes all its tokens when rescheduled."""
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Cancel a request wherever it is; its pages and slot return at once."""
+        for q in (self.running, self.waiting):
+            for seq in q:
+                if seq.request_id == request_id:
+                    q.remove(seq)
+                    self.bm.free(seq)
+                    seq.status, seq.finish_reason = Status.FINISHED, "abort"
+                    return seq
+        return None
+
+    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
+        """Commit the step: positions advance, sampled tokens append, finished requests free.
+        `sampled` maps seq_id -> token for the requests whose final chunk ran."""
+        finished = []
+        for seq, n in zip(batch.seqs, batch.num_new):
+            if seq.status is not Status.RUNNING:
+                continue  # aborted or preempted after scheduling
+            seq.num_computed += n
+            tok = sampled.get(seq.seq_id)
+            if tok is None:
+                continue
+            seq.token_ids.append(tok)
+            p = seq.params
+            if (not p.ignore_eos and tok == self.eos) or tok in p.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.completion_token_ids) >= p.max_tokens:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                seq.status = Status.FINISHED
+                self.running.remove(seq)
+                self.bm.free(seq)
+                finished.append(seq)
+        return finished

@@ -1,0 +1,112 @@
+"""CSA2 attention of one layer over the flat token batch (spec §3.3).
+
+Every layer: query, window KV (FP8 QAT) and sparse attention with sink over its window.
+FULL owners also compress their input into global main rows and index keys; FULL and REINDEX
+layers score the owner's index rows and publish a top-k that the REUSE layers after them read.
+The irregular steps are `torch.ops.v41` ops; the rest is plain PyTorch.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import custom_ops  # noqa: F401  (registers torch.ops.v41)
+from v41 import quant
+from v41.config import LayerSpec, Role, V41Config
+from v41.layers import Linear, RMSNorm, Rope, acc_dtype
+
+ops = torch.ops.v41
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: V41Config, spec: LayerSpec, w: dict, rope: Rope):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.spec, self.rope = spec, rope
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.o_groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
+        self.scale = cfg.head_dim ** -0.5
+        self.wq_a, self.wq_b = Linear(w["wq_a"], "fp8"), Linear(w["wq_b"], "fp8")
+        self.wkv, self.wo_b = Linear(w["wkv"], "fp8"), Linear(w["wo_b"], "fp8")
+        self.wo_a = w["wo_a"].view(cfg.o_groups, cfg.o_lora_rank, cfg.o_group_in)
+        self.q_norm, self.kv_norm = RMSNorm(w["q_norm"], eps), RMSNorm(w["kv_norm"], eps)
+        self.sink = w["attn_sink"]
+        if spec.role is Role.FULL:
+            self.ratio = spec.ratio
+            kind = "f32" if spec.ratio == 2 else "bf16"
+            self.c_wkv = Linear(w["compressor.wkv"], kind)
+            self.c_wgate = Linear(w["compressor.wgate"], "f32") if spec.ratio == 2 else None
+            self.c_norm = RMSNorm(w["compressor.norm"], eps)
+            self.i_wk, self.i_knorm = Linear(w["indexer.wk"], "bf16"), RMSNorm(w["indexer.k_norm"], eps)
+        if spec.scores:
+            self.i_wq_b = Linear(w["indexer.wq_b"], "fp8")
+            self.i_wproj = Linear(w["indexer.weights_proj"], "bf16")
+            self.i_heads, self.i_dim = cfg.index_n_heads, cfg.index_head_dim
+            self.i_scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
+            self.topk, self.n_cand = cfg.index_topk, cfg.candidate_topk_blocks
+            self.cand_block = cfg.candidate_block_size
+
+    def forward(self, x, batch, cache, sel: dict):
+        T, l, spec = x.shape[0], self.spec.layer, self.spec
+        pos = batch.positions
+        qr = self.q_norm(self.wq_a(x))
+        q = self.rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), pos)
+        kv = quant.fp8_qat(self.rope(self.kv_norm(self.wkv(x)), pos))
+        if spec.role is Role.FULL:
+            self.compress(x, batch, cache)
+        if spec.scores:
+            self.select(x, qr, batch, cache, sel)
+        ring = cache.ring[l]
+        o = torch.empty_like(q)
+        if spec.ratio:
+            owner = cache.owner(spec.kv_owner)
+            ops.sparse_attn(q, kv, ring, batch.win_idx, owner.main, sel["topk", spec.topk_owner],
+                            batch.block_table, batch.batch_ids, spec.ratio, owner.rows_per_page,
+                            self.sink, self.scale, o)
+        else:
+            ops.sparse_attn(q, kv, ring, batch.win_idx, None, None, batch.block_table,
+                            batch.batch_ids, 1, 1, self.sink, self.scale, o)
+        # every query of the batch has read its window: only now may the ring move on
+        ops.scatter_rows(ring, kv, batch.ring_dest)
+        o = self.rope(o, pos, inverse=True).view(T, self.o_groups, -1)
+        z = torch.einsum("tgi,goi->tgo", o, self.wo_a).flatten(1)
+        return self.wo_b(z)
+
+    def compress(self, x, batch, cache):
+        """Owner rows: pooled latent -> main row (RoPE, FP4 E4M3/16 QAT) and index key (k_norm,
+        RoPE, FP4/32 QAT), written for the groups this batch completes."""
+        owner = cache.owner(self.spec.layer)
+        if self.ratio == 2:
+            v, g = self.c_wkv(x), self.c_wgate(x)
+            pooled = torch.empty_like(v)
+            ops.compress_pool(v, g, batch.positions, batch.batch_ids, batch.tail_src, batch.tail_dst,
+                              owner.tail_v, owner.tail_g, pooled)
+            latent = self.c_norm(pooled.to(x.dtype))
+        else:
+            latent = self.c_norm(self.c_wkv(x))
+        # a compressed row stands for its group's first token
+        first = (batch.positions - (self.ratio - 1)).clamp(min=0)
+        k = quant.fp4_qat(self.rope(self.i_knorm(self.i_wk(latent)), first), 32)
+        main = quant.fp4_e4m3_qat(self.rope(latent, first), 16)
+        dest = batch.owner_dest[self.ratio]
+        ops.scatter_rows(owner.main, main, dest)
+        vals, scales = owner.encode_index(k)
+        ops.scatter_rows(owner.index, vals, dest)
+        ops.scatter_rows(owner.index_scale, scales, dest)
+
+    def select(self, x, qr, batch, cache, sel):
+        """Index scoring and top-k; the candidate source also publishes its level-1 blocks."""
+        spec, T = self.spec, x.shape[0]
+        owner = cache.owner(spec.kv_owner)
+        qi = self.rope(self.i_wq_b(qr).view(T, self.i_heads, self.i_dim), batch.positions)
+        w = (self.i_wproj(x) * self.i_scale).to(acc_dtype(x.dtype))
+        topk = torch.empty(T, self.topk, dtype=torch.long, device=x.device)
+        produce = spec.produces_candidates
+        cand_in = sel.get("cand") if spec.role is Role.REINDEX and spec.candidate_owner is not None else None
+        cand_out = torch.empty(T, self.n_cand, dtype=torch.long, device=x.device) if produce else None
+        ops.index_topk(qi, w, owner.index, owner.index_scale, batch.block_table, batch.batch_ids,
+                       batch.positions, spec.ratio, owner.rows_per_page, owner.index_fmt, cand_in,
+                       self.cand_block, topk, cand_out)
+        sel["topk", spec.layer] = topk
+        if produce:
+            sel["cand"] = cand_out

@@ -1,0 +1,147 @@
+"""DeepSeek-V4.1 as plain PyTorch over a flat token batch (spec §3).
+
+The forward takes the tokens of many requests at once, each with its own positions; a `Batch`
+carries the step's metadata (batch id per token, block tables, ring and page destinations) and
+a `Cache` the PAGE and STATE planes. Nothing loops over requests: Q/KV and output projections
+run over all tokens, and the ops that need request boundaries take all of them in one call.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from v41 import quant
+from v41.attention import Attention
+from v41.config import V41Config
+from v41.engram.device import Engram
+from v41.layers import Linear, RMSNorm, Rope, acc_dtype
+from v41.moe import MoE
+
+
+class MHC(nn.Module):
+    """Manifold-constrained hyper-connection coefficients of one sublayer (spec §3.1)."""
+
+    def __init__(self, fn, base, scale, hc: int, iters: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        self.fn, self.base, self.scale = fn, base, scale
+        self.hc, self.iters, self.hc_eps, self.norm_eps = hc, iters, hc_eps, norm_eps
+
+    def forward(self, X):
+        hc, eps = self.hc, self.hc_eps
+        xf = X.flatten(1).to(self.fn.dtype)
+        m = (xf @ self.fn.T) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        pre = torch.sigmoid(m[:, :hc] * self.scale[0] + self.base[:hc]) + eps
+        post = 2 * torch.sigmoid(m[:, hc:2 * hc] * self.scale[1] + self.base[hc:2 * hc])
+        c = (m[:, 2 * hc:] * self.scale[2] + self.base[2 * hc:]).view(-1, hc, hc)
+        c = torch.softmax(c, -1) + eps
+        c = c / (c.sum(-2, keepdim=True) + eps)
+        for _ in range(self.iters - 1):
+            c = c / (c.sum(-1, keepdim=True) + eps)
+            c = c / (c.sum(-2, keepdim=True) + eps)
+        return pre, post, c
+
+
+def collapse(X, mix):
+    """Σ_k mix[k]·X[k] accumulated in FP32, cast once."""
+    return torch.einsum("tk,tkd->td", mix, X.to(mix.dtype)).to(X.dtype)
+
+
+def expand(out, X, post, comb):
+    """New stream j = post[j]·out + Σ_i comb[i][j]·X[i]."""
+    acc = post.dtype
+    y = post[..., None] * out.to(acc)[:, None, :] + torch.einsum("tij,tid->tjd", comb, X.to(acc))
+    return y.to(X.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: V41Config, spec, w: dict, rope: Rope):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        mk = lambda s: MHC(w[f"hc_{s}_fn"], w[f"hc_{s}_base"], w[f"hc_{s}_scale"], cfg.hc_mult,  # noqa: E731
+                           cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        self.layer = spec.layer
+        self.mix_attn, self.mix_ffn = mk("attn"), mk("ffn")
+        self.attn_norm, self.ffn_norm = RMSNorm(w["attn_norm"], eps), RMSNorm(w["ffn_norm"], eps)
+        self.attn = Attention(cfg, spec, {k[5:]: v for k, v in w.items() if k.startswith("attn.")}, rope)
+        self.ffn = MoE({k[4:]: v for k, v in w.items() if k.startswith("ffn.")},
+                       cfg.num_experts_per_tok if spec.layer < cfg.num_hidden_layers else
+                       cfg.dspark_num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit)
+        self.engram = Engram(w, cfg.hc_mult, eps) if "engram.wkv" in w else None
+
+    def forward(self, X, pre, batch, cache, sel):
+        if self.engram is not None:
+            X = self.engram(X, batch.engram_rows[self.layer])
+        pa, post, comb = self.mix_attn(X)
+        X = expand(self.attn(self.attn_norm(collapse(X, pre)), batch, cache, sel), X, post, comb)
+        pf, post, comb = self.mix_ffn(X)
+        X = expand(self.ffn(self.ffn_norm(collapse(X, pa))), X, post, comb)
+        return X, pf
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: V41Config, weights: dict, dtype=torch.bfloat16, device=None, max_pos=None):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        w = prepare_weights(cfg, weights, dtype, device)
+        max_pos = max_pos or cfg.max_position_embeddings
+        window = Rope(cfg.qk_rope_head_dim, cfg.rope_theta, None, max_pos, device)
+        compressed = Rope(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling, max_pos, device)
+        topo = cfg.topology
+        self.layers = nn.ModuleList(
+            Block(cfg, s, w[f"layers.{s.layer}"], compressed if s.ratio else window) for s in topo.backbone)
+        self.embed = w["embed.weight"]
+        self.norm = RMSNorm(w["norm.weight"], cfg.rms_norm_eps)
+        self.head = w["head.weight"]
+        self.hc = cfg.hc_mult
+
+    def forward(self, batch, cache):
+        """Hidden state of every token after the final collapse and norm, [T, D]."""
+        X = self.embed[batch.input_ids].unsqueeze(1).expand(-1, self.hc, -1).contiguous()
+        acc = acc_dtype(self.dtype)
+        pre = torch.zeros(X.shape[0], self.hc, dtype=acc, device=X.device)
+        pre[:, 0] = 1
+        sel: dict = {}
+        for block in self.layers:
+            X, pre = block(X, pre, batch, cache, sel)
+        return self.norm(collapse(X, pre))
+
+    def logits(self, h):
+        return h.to(self.head.dtype) @ self.head.T
+
+
+# ---- weights ----------------------------------------------------------------------------
+
+def prepare_weights(cfg: V41Config, weights: dict, dtype, device) -> dict:
+    """Native checkpoint tensors (after post-load processing) -> compute tensors: global ones by
+    name, layer ones grouped under `layers.L` with the prefix and the `.weight` suffix stripped.
+    FP8/FP4 weights are dequantized once here; activation quantization stays in the forward.
+    Tensors the spec keeps in FP32 (mHC, sink, router, ratio-2 compressor) take the
+    accumulation dtype."""
+    acc = acc_dtype(dtype)
+    out: dict = {}
+    for name, t in weights.items():
+        if name.endswith(".scale") or ".engram.embed." in name or name.startswith("mtp."):
+            continue
+        scale = weights.get(name[: -len("weight")] + "scale")
+        if t.dtype == torch.float8_e4m3fn:
+            t = quant.dequant_fp8_block(t, scale, dtype)
+        elif t.dtype == torch.int8:
+            t = quant.dequant_fp4_expert(t, scale, dtype)
+        if not name.startswith("layers."):
+            out[name] = t.to(device=device, dtype=acc if name == "head.weight" else dtype)
+            continue
+        _, idx, rest = name.split(".", 2)
+        rest = rest.removesuffix(".weight")
+        f32 = rest.startswith(("hc_", "attn.attn_sink", "ffn.gate")) or (
+            rest.startswith("attn.compressor.w") and cfg.compress_ratios[int(idx)] == 2)
+        out.setdefault(f"layers.{idx}", {})[rest] = t.to(device=device, dtype=acc if f32 else dtype)
+    for layer in out.values():
+        if isinstance(layer, dict):
+            _stack_experts(layer)
+    return out
+
+
+def _stack_experts(layer: dict) -> None:
+    n = sum(1 for k in layer if k.startswith("ffn.experts.") and k.endswith(".w1"))
+    for p in ("w1", "w3", "w2"):
+        layer[f"ffn.experts.{p}"] = torch.stack([layer.pop(f"ffn.experts.{e}.{p}") for e in range(n)])

@@ -1,0 +1,42 @@
+"""Mixture of experts (spec §3.4): sqrt-softplus router with a selection bias, W4A8 routed
+experts (the `v41::moe_experts` op) and one FP8 shared expert."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import custom_ops  # noqa: F401
+from v41.layers import Linear, acc_dtype
+
+ops = torch.ops.v41
+
+
+class MoE(nn.Module):
+    def __init__(self, w: dict, top_k: int, route_scale: float, limit: float):
+        super().__init__()
+        self.gate = w["gate"]                      # accumulation dtype (FP32 router)
+        self.bias = w["gate.bias"]
+        self.w1, self.w3, self.w2 = w["experts.w1"], w["experts.w3"], w["experts.w2"]
+        self.s_w1, self.s_w3 = Linear(w["shared_experts.w1"], "fp8"), Linear(w["shared_experts.w3"], "fp8")
+        self.s_w2 = Linear(w["shared_experts.w2"], "fp8")
+        self.top_k, self.route_scale, self.limit = top_k, route_scale, limit
+
+    def route(self, x):
+        """Experts are chosen on biased scores, weighted by the unbiased ones; ties go to the
+        smaller expert id."""
+        s = (x.to(self.gate.dtype) @ self.gate.T)
+        s = F.softplus(s).sqrt()
+        ids = torch.sort(s + self.bias, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
+        w = s.gather(1, ids)
+        return ids, w / (w.sum(-1, keepdim=True) + 1e-20) * self.route_scale
+
+    def forward(self, x):
+        acc = acc_dtype(x.dtype)
+        ids, w = self.route(x)
+        y = torch.empty(x.shape, dtype=acc, device=x.device)
+        ops.moe_experts(x, ids, w, self.w1, self.w3, self.w2, self.limit, y)
+        g = self.s_w1(x).to(acc).clamp(max=self.limit)
+        u = self.s_w3(x).to(acc).clamp(-self.limit, self.limit)
+        y = y + self.s_w2((F.silu(g) * u).to(x.dtype)).to(acc)
+        return y.to(x.dtype)
