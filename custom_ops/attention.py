@@ -35,6 +35,7 @@ def sparse_attn(q, kv, ring, win_idx, pool, topk, block_table, batch_ids, ratio,
         rows = torch.cat([rows, pool[prow].to(kv.dtype)], 1)
         valid = torch.cat([valid, topk >= 0], 1)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rows = torch.where(valid[..., None], rows, torch.zeros_like(rows))  # never read stale memory
     s = torch.einsum("thd,tnd->thn", q.to(acc), rows.to(acc)) * scale
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     m = s.amax(-1, keepdim=True).clamp(min=-1e30)  # a row with nothing valid keeps m finite

@@ -71,7 +71,8 @@ class EngineArgs:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, weights=None):
+        """`weights`: already loaded checkpoint tensors (tests share one load across engines)."""
         cfg, geo = args.admit()
         from v41.loader import load_weights
         from v41.tokenizer import load_tokenizer
@@ -80,7 +81,9 @@ class LLMEngine:
         self.max_model_len = args.max_model_len or min(cfg.max_position_embeddings, 8192)
         self.tokenizer, token_map = load_tokenizer(args.model, cfg)
         t0 = time.perf_counter()
-        weights = load_weights(args.model, cfg, device=device, load_format=args.load_format, seed=args.seed)
+        if weights is None:
+            weights = load_weights(args.model, cfg, device=device, load_format=args.load_format,
+                                   seed=args.seed)
         pages_per_seq = -(-self.max_model_len // geo.page_tokens)
         num_pages = args.num_pages or args.max_num_seqs * pages_per_seq
         self.runner = ModelRunner(cfg, weights, geo, num_pages, args.max_num_seqs, args.max_num_seqs,

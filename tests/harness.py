@@ -1,0 +1,89 @@
+"""Schedule-invariance harness (the seeds' validate_runtime scenarios, no oracle): a fixed set of
+requests runs once uninterrupted, then under a perturbing scenario; greedy tokens must be equal
+and every page and slot free afterwards. Later issues add scenarios here (prefix forks,
+replay from a missing image, ...)."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.engine import EngineArgs, LLMEngine
+from runtime.sequence import SamplingParams, Status
+
+# spanning < W, = W, > PAGE and several PAGEs of the toy (W = 16, PAGE = 32)
+PROMPT_LENS = (5, 16, 17, 33, 9, 64, 100, 150)
+
+
+def prompts(n_lens=PROMPT_LENS, seed: int = 0, vocab: int = 1000) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in n_lens]
+
+
+@dataclass
+class Scenario:
+    """Engine settings plus a hook that perturbs the run between steps."""
+    name: str
+    engine: dict = field(default_factory=dict)
+    arrival_steps: list | None = None       # step at which request i arrives (None: all at 0)
+    hook: object = None                      # hook(engine, live: dict[idx, Sequence], step, rng)
+    seed: int = 0
+
+
+def make_engine(weights, dtype="float64", **kw) -> LLMEngine:
+    args = EngineArgs(model="toy", dtype=dtype, device="cpu", **{"max_num_seqs": 8,
+                                                                  "max_num_batched_tokens": 512, **kw})
+    return LLMEngine(args, weights=weights)
+
+
+def run(weights, reqs: list[list[int]], max_tokens: int = 8, scenario: Scenario | None = None,
+        dtype: str = "float64") -> dict[int, list[int] | None]:
+    """Greedy tokens per request index; None for a request the scenario cancelled."""
+    sc = scenario or Scenario("uninterrupted")
+    eng = make_engine(weights, dtype, **sc.engine)
+    rng = random.Random(sc.seed)
+    arrive = sc.arrival_steps or [0] * len(reqs)
+    pending = sorted(range(len(reqs)), key=lambda i: (arrive[i], i))
+    live, step, cancelled = {}, 0, set()
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    while pending or eng.has_unfinished():
+        while pending and arrive[pending[0]] <= step:
+            i = pending.pop(0)
+            live[i] = eng.add_request(reqs[i], params, request_id=f"r{i}")
+        if sc.hook is not None:
+            for i in sc.hook(eng, live, step, rng) or ():
+                cancelled.add(i)
+        eng.step()
+        step += 1
+        assert step < 10_000, "no progress"
+    eng.bm.check([])
+    assert eng.bm.all_free, "pages or slots leaked"
+    return {i: (None if i in cancelled else s.completion_token_ids) for i, s in live.items()}
+
+
+# ---- perturbations ------------------------------------------------------------------------
+
+def preempt_randomly(p: float = 0.15, phase: str = "any"):
+    """Preempt running requests mid prefill and/or mid decode (they recompute from 0)."""
+    def hook(eng, live, step, rng):
+        for seq in list(eng.scheduler.running):
+            prefill = seq.num_computed < seq.num_prompt_tokens
+            if phase == "prefill" and not prefill or phase == "decode" and prefill:
+                continue
+            if seq.num_computed > 0 and rng.random() < p:
+                eng.scheduler.preempt(seq)
+    return hook
+
+
+def cancel_randomly(p: float = 0.1):
+    """Cancel requests in every phase: waiting, mid prefill chunk, before their first token,
+    mid decode. Returns the cancelled request indices."""
+    def hook(eng, live, step, rng):
+        out = []
+        for i, seq in live.items():
+            if seq.status is not Status.FINISHED and rng.random() < p:
+                assert eng.abort(seq.request_id)
+                out.append(i)
+        return out
+    return hook
