@@ -1,0 +1,30 @@
+# Two commands (README): `make run` sets up and runs the default model; `make test` sets up and
+# runs the test suite. Everything installs into .venv.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+PROMPT  ?= The sliding window ring keeps
+# torch 2.13 CPU comes from the machine's local wheel; a GPU machine keeps the torch it has
+TORCH   ?= torch==2.13.0
+
+.PHONY: setup run serve test test-gpu
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[serve,test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(BIN)/python -m v41.generate --prompt "$(PROMPT)" --max-tokens 32
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-gpu: setup
+	$(BIN)/python -m pytest -q -m gpu
