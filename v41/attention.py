@@ -99,7 +99,7 @@ class Attention(nn.Module):
         spec, T = self.spec, x.shape[0]
         owner = cache.owner(spec.kv_owner)
         qi = self.rope(self.i_wq_b(qr).view(T, self.i_heads, self.i_dim), batch.positions)
-        w = (self.i_wproj(x) * self.i_scale).to(acc_dtype(x.dtype))
+        w = self.i_wproj(x).to(acc_dtype(x.dtype)) * self.i_scale
         topk = torch.empty(T, self.topk, dtype=torch.long, device=x.device)
         produce = spec.produces_candidates
         cand_in = sel.get("cand") if spec.role is Role.REINDEX and spec.candidate_owner is not None else None
