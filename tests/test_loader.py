@@ -1,0 +1,456 @@
+"""v41.loader: schema and counts (spec/model.md §5.2-5.3), the random-weight writer, the
+header-first checker, loading, dummy weights and the once-only post-load processing (§5.4)."""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open as st_safe_open
+from safetensors.torch import save_file
+
+import v41.loader as L
+from v41.config import preset
+
+# ---- flash: schema and totals on the meta device ----------------------------------------
+
+FLASH_PARAMS = {"routed_experts": 543_581_798_400, "engram_tables": 196_613_849_600,
+                "other": 8_299_036_784, "dspark": 14_225_362_530, "vision": 0}
+FLASH_BYTES = {"routed_experts": 288_777_830_400, "engram_tables": 202_758_032_400,
+               "other": 9_846_748_608, "dspark": 7_932_874_632}
+
+
+@pytest.fixture(scope="module")
+def flash():
+    cfg = preset("flash")
+    return cfg, L.checkpoint_schema(cfg)
+
+
+def test_flash_param_counts(flash):
+    cfg, _ = flash
+    p = L.count_params(cfg)
+    for k, v in FLASH_PARAMS.items():
+        assert p[k] == v, k
+    assert p["total"] == sum(FLASH_PARAMS.values()) == 762_720_047_314
+    # = spec §5.3 total 763,205,315,794 minus the vision tower we do not have
+    assert p["total"] + 485_268_480 == 763_205_315_794
+    assert p["dspark"] - 3 * 128 * 3 * 5120 * 2304 == 14_225_362_530 - 13_589_544_960
+
+
+def test_flash_tensor_count_and_bytes(flash):
+    cfg, schema = flash
+    t = L.schema_totals(cfg, schema)
+    assert t["tensors"] == 95_819
+    assert t["bytes"] == 509_315_486_040
+    assert t["bytes_per_part"] == FLASH_BYTES
+
+
+def test_flash_schema_entries(flash):
+    _, S = flash
+
+    def chk(name, dtype, shape):
+        assert S[name].dtype == dtype and S[name].shape == tuple(shape), (name, S[name])
+
+    f8, e8, bf, f32, i8 = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.bfloat16, torch.float32,
+                           torch.int8)
+    chk("embed.weight", bf, [129280, 5120])
+    chk("head.weight", bf, [129280, 5120])
+    chk("layers.0.hc_attn_fn", f32, [24, 20480])
+    chk("layers.0.hc_ffn_base", f32, [24])
+    chk("layers.0.hc_ffn_scale", f32, [3])
+    chk("layers.0.attn.attn_sink", f32, [64])
+    chk("layers.5.attn.wq_a.scale", e8, [40, 160])
+    chk("layers.5.attn.wq_b.weight", f8, [32768, 1280])
+    chk("layers.5.attn.wq_b.scale", e8, [1024, 40])
+    chk("layers.5.attn.wo_a.weight", f8, [8192, 4096])
+    chk("layers.5.attn.wo_a.scale", e8, [256, 128])
+    chk("layers.5.attn.wo_b.scale", e8, [160, 256])
+    chk("layers.5.ffn.experts.383.w1.weight", i8, [2304, 2560])
+    chk("layers.5.ffn.experts.383.w1.scale", e8, [2304, 160])
+    chk("layers.5.ffn.experts.0.w2.weight", i8, [5120, 1152])
+    chk("layers.5.ffn.experts.0.w2.scale", e8, [5120, 72])
+    chk("layers.5.ffn.shared_experts.w2.scale", e8, [160, 72])
+    chk("layers.5.ffn.gate.bias_vl", f32, [384])
+    chk("layers.20.attn.compressor.wkv.weight", bf, [512, 5120])
+    chk("layers.20.attn.indexer.wk.weight", bf, [128, 512])
+    chk("layers.24.attn.indexer.wq_b.scale", e8, [128, 40])
+    chk("layers.24.attn.indexer.weights_proj.weight", bf, [32, 5120])
+    chk("layers.1.engram.embed.weight", f8, [384006168, 256])
+    chk("layers.1.engram.embed.scale", e8, [384006168, 8])
+    chk("layers.14.engram.embed.weight", f8, [384016682, 256])
+    chk("layers.14.engram.wkv.scale", e8, [800, 192])
+    chk("layers.14.engram.q_weight", bf, [4, 5120])
+    chk("mtp.0.main_proj.weight", f8, [5120, 15360])
+    chk("mtp.0.main_proj.scale", e8, [160, 480])
+    chk("mtp.1.ffn.gate.weight", bf, [128, 5120])
+    chk("mtp.2.markov_head.head.weight", bf, [129280, 256])
+    chk("mtp.2.confidence_head.proj.weight", bf, [1, 5376])
+
+    def count(suffix):
+        return sum(n.endswith(suffix) for n in S)
+
+    assert count("compressor.wkv.weight") == 4 and count("compressor.wgate.weight") == 3
+    assert count("indexer.wq_b.weight") == 8 and count("indexer.wk.weight") == 4
+    assert count("engram.wkv.weight") == 2
+    assert {n for n in S if n.endswith("compressor.wgate.weight")} == {
+        f"layers.{i}.attn.compressor.wgate.weight" for i in (2, 8, 14)}
+    assert "mtp.99.ffn.experts.128.w1.weight" not in S and "mtp.2.ffn.experts.128.w1.weight" not in S
+    assert "mtp.2.ffn.experts.127.w1.weight" in S and "layers.39.ffn.experts.384.w1.weight" not in S
+    assert not any(n.startswith(("model.", "vision.", "aligner.", "image_")) for n in S)
+    assert not any("mtp." in n and ("compressor" in n or "indexer" in n) for n in S)
+    assert all((n.endswith(".scale") and s.kind == "e8m0") or s.kind != "e8m0" for n, s in S.items())
+    # every quantized weight has its scale right after it
+    names = list(S)
+    for i, n in enumerate(names):
+        if S[n].kind in ("fp8", "fp4"):
+            assert names[i + 1] == n[: -len(".weight")] + ".scale"
+
+
+def test_config_cli_counts():
+    """`python -m v41.config flash --json` (v41.config run as __main__) reports the same counts."""
+    out = subprocess.run([sys.executable, "-m", "v41.config", "flash", "--json"], capture_output=True,
+                         text=True, cwd=Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)["params"]
+    assert {k: p[k] for k in FLASH_PARAMS} == FLASH_PARAMS
+
+
+# ---- toy: write / load ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def toy():
+    return preset("toy")
+
+
+@pytest.fixture(scope="module")
+def toy_schema(toy):
+    return L.checkpoint_schema(toy)
+
+
+@pytest.fixture(scope="module")
+def toy_ckpt(toy, tmp_path_factory):
+    return L.write_checkpoint(toy, tmp_path_factory.mktemp("ckpt") / "toy", seed=0, progress=False)
+
+
+def _fresh_copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_toy_schema_shapes(toy, toy_schema):
+    S, D = toy_schema, toy.hidden_size
+    assert S["layers.0.hc_attn_fn"].shape == (24, 4 * D)
+    assert S["layers.3.attn.wo_a.weight"].shape == (toy.o_groups * toy.o_lora_rank, toy.o_group_in)
+    assert S["layers.3.ffn.experts.7.w2.weight"].shape == (D, toy.moe_intermediate_size // 2)
+    assert S["layers.3.ffn.experts.7.w2.scale"].shape == (D, toy.moe_intermediate_size // 32)
+    rows = toy.engram_num_embeddings
+    assert S["layers.1.engram.embed.weight"].shape == (rows[0], toy.engram_head_dim)
+    assert S["layers.14.engram.embed.scale"].shape == (rows[1], toy.engram_head_dim // 32)
+    assert S["layers.14.engram.wkv.weight"].shape == (5 * D, toy.engram_width)
+    assert S["mtp.0.main_proj.weight"].shape == (D, 3 * D)
+    assert S["mtp.2.confidence_head.proj.weight"].shape == (1, D + toy.dspark_markov_rank)
+    assert "mtp.1.ffn.experts.3.w1.weight" in S and "mtp.1.ffn.experts.4.w1.weight" not in S
+
+
+def test_toy_checkpoint_files(toy, toy_ckpt, toy_schema):
+    files = sorted(p.name for p in toy_ckpt.iterdir())
+    assert "config.json" in files and L.INDEX_FILE in files
+    assert "tokenizer.json" in files and "tokenizer_config.json" in files
+    idx = json.loads((toy_ckpt / L.INDEX_FILE).read_text())
+    assert set(idx["weight_map"]) == set(toy_schema)
+    shard_bytes = sum((toy_ckpt / f).stat().st_size for f in set(idx["weight_map"].values()))
+    assert idx["metadata"]["total_size"] == sum(s.nbytes for s in toy_schema.values())
+    print(f"\ntoy checkpoint: {len(set(idx['weight_map'].values()))} shards, {len(toy_schema)} tensors, "
+          f"{shard_bytes / 1e6:.2f} MB of shards")
+    assert shard_bytes < 10e6
+    # the Engram tables are the last shards, one layer each
+    shards = sorted(set(idx["weight_map"].values()))
+    for i, layer in enumerate(toy.engram_layer_ids):
+        sh = shards[len(shards) - len(toy.engram_layer_ids) + i]
+        assert {n for n, s in idx["weight_map"].items() if s == sh} == {
+            f"layers.{layer}.engram.embed.weight", f"layers.{layer}.engram.embed.scale"}
+    cfg2 = json.loads((toy_ckpt / "config.json").read_text())
+    assert cfg2 == json.loads(json.dumps(toy.to_hf_dict()))
+
+
+def _ref_dequant_fp8_block(w, s):
+    """Independent 32x32 block dequant: value * 2^(code - 127)."""
+    n, k = w.shape
+    e = s.view(torch.uint8).to(torch.float64) - 127
+    scale = torch.pow(2.0, e).repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)[:, :k]
+    return (w.to(torch.float64) * scale).to(torch.bfloat16)
+
+
+def test_toy_write_load_roundtrip(toy, toy_ckpt, toy_schema):
+    raw = L.load_checkpoint(toy_ckpt, progress=False, process=False)
+    assert not raw.processed and list(raw) == list(toy_schema)
+    for name, spec in toy_schema.items():
+        t = raw[name]
+        assert t.dtype == spec.dtype and tuple(t.shape) == spec.shape, name
+        assert torch.equal(_bytes(t), _bytes(L.tensor_values(toy, name, spec, 0))), name
+    w = L.load_checkpoint(toy_ckpt, progress=False)
+    assert w.processed
+    changed = set(w.postprocessed)
+    wo_a = [n for n in toy_schema if n.endswith("attn.wo_a.weight")]
+    assert len(wo_a) == toy.num_hidden_layers + toy.num_nextn_predict_layers
+    for n in wo_a:
+        s = n[: -len(".weight")] + ".scale"
+        assert s not in w
+        assert w[n].dtype == torch.bfloat16
+        assert torch.equal(w[n], _ref_dequant_fp8_block(raw[n], raw[s])), n
+    f32 = ["head.weight", "mtp.2.markov_head.head.weight", "mtp.2.confidence_head.proj.weight"]
+    for n in f32:
+        assert w[n].dtype == torch.float32 and torch.equal(w[n], raw[n].float()), n
+    assert changed == set(wo_a) | set(f32)
+    for n, t in w.items():
+        if n not in changed:
+            assert t.dtype == toy_schema[n].dtype and torch.equal(_bytes(t), _bytes(raw[n])), n
+    assert len(w) == len(toy_schema) - len(wo_a)
+    assert set(w.host_tables) == {f"layers.{l}.engram.embed.{s}" for l in toy.engram_layer_ids
+                                  for s in ("weight", "scale")}
+
+
+def _bytes(t):
+    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t.contiguous().view(-1).view(torch.uint8)
+
+
+def test_writer_deterministic(toy, toy_ckpt, tmp_path, toy_schema):
+    again = L.write_checkpoint(toy, tmp_path / "again", seed=0, progress=False)
+    a = sorted(p.name for p in toy_ckpt.iterdir())
+    assert a == sorted(p.name for p in again.iterdir())
+    for f in a:
+        assert (toy_ckpt / f).read_bytes() == (again / f).read_bytes(), f
+    # values do not depend on order; another seed changes them
+    names = list(toy_schema)[::-7]
+    for n in names[:20]:
+        assert torch.equal(_bytes(L.tensor_values(toy, n, toy_schema[n], 0)),
+                           _bytes(L.tensor_values(toy, n, None, 0)))
+    n = "layers.3.attn.wq_b.weight"
+    assert not torch.equal(_bytes(L.tensor_values(toy, n, seed=0)), _bytes(L.tensor_values(toy, n, seed=1)))
+
+
+def test_value_scales(toy):
+    """The random weights have the intended magnitudes (dequantized std ~ 1/sqrt(fan_in))."""
+    from v41.quant import dequant_fp4_expert, dequant_fp8_block
+    g = lambda n: L.tensor_values(toy, n)
+    w = dequant_fp8_block(g("layers.3.attn.wq_b.weight"), g("layers.3.attn.wq_b.scale"), torch.float32)
+    assert abs(w.std().item() * toy.q_lora_rank ** 0.5 - 1) < 0.1
+    e = dequant_fp4_expert(g("layers.3.ffn.experts.1.w2.weight"), g("layers.3.ffn.experts.1.w2.scale"),
+                           torch.float32)
+    assert abs(e.std().item() * toy.moe_intermediate_size ** 0.5 - 1) < 0.2
+    s = g("layers.3.attn.wq_b.scale").view(torch.uint8)
+    assert len(torch.unique(s)) == 3          # the per-block scales differ
+    for n in ("layers.3.attn_norm.weight", "layers.3.attn.q_norm.weight", "norm.weight"):
+        assert (g(n).float() - 1).abs().max() < 0.5
+    assert g("layers.3.hc_attn_fn").dtype == torch.float32
+    assert g("layers.3.hc_attn_fn").std() < 1e-1
+    assert g("layers.3.attn.attn_sink").abs().max() < 1
+
+
+def test_dummy_equals_files(toy, toy_ckpt):
+    a = L.load_weights(toy_ckpt, toy, load_format="safetensors", progress=False)
+    b = L.load_weights("toy", None, load_format="dummy", progress=False)
+    c = L.load_weights("toy", progress=False)                 # auto: a preset name -> dummy
+    d = L.load_weights(toy_ckpt, progress=False)              # auto: a directory -> safetensors
+    assert b.source == c.source == "dummy" and d.source == str(toy_ckpt)
+    assert list(a) == list(b) and b.processed and a.processed
+    for n in a:
+        assert a[n].dtype == b[n].dtype and torch.equal(_bytes(a[n]), _bytes(b[n])), n
+    with pytest.raises(ValueError):
+        L.load_weights("toy", load_format="pickle")
+
+
+def test_dummy_device_keeps_host_tables():
+    cfg = preset("toy")
+    w = L.dummy_weights(cfg, device="meta", progress=False)
+    for n, t in w.items():
+        assert t.device.type == ("cpu" if L.is_host_table(n) else "meta"), n
+    assert w["layers.3.attn.wo_a.weight"].dtype == torch.bfloat16
+
+
+def test_postprocess_runs_once(toy, toy_ckpt):
+    w = L.load_checkpoint(toy_ckpt, progress=False)
+    with pytest.raises(RuntimeError, match="exactly once"):
+        w.postprocess()
+    with pytest.raises(RuntimeError):
+        L.postprocess(w)
+    raw = L.dummy_weights(toy, progress=False, process=False)
+    assert raw["layers.0.attn.wo_a.weight"].dtype == torch.float8_e4m3fn
+    L.postprocess(raw)
+    assert raw["layers.0.attn.wo_a.weight"].dtype == torch.bfloat16
+    with pytest.raises(RuntimeError):
+        raw.postprocess()
+
+
+# ---- header check: corruptions --------------------------------------------------------------
+
+def _shard_of(d: Path, name: str) -> Path:
+    return d / json.loads((d / L.INDEX_FILE).read_text())["weight_map"][name]
+
+
+def _rewrite_shard(path: Path, edit):
+    with st_safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _edit_index(d: Path, edit):
+    p = d / L.INDEX_FILE
+    idx = json.loads(p.read_text())
+    edit(idx["weight_map"])
+    p.write_text(json.dumps(idx))
+
+
+VICTIM = "layers.7.attn.wkv.weight"
+
+
+def _garbage_header(d):
+    p = _shard_of(d, VICTIM)
+    b = bytearray(p.read_bytes())
+    (n,) = struct.unpack("<Q", b[:8])
+    b[8:8 + n] = b"{ not json" + b"#" * (n - 10)
+    p.write_bytes(bytes(b))
+    return p.name
+
+
+def _header_too_long(d):
+    p = _shard_of(d, VICTIM)
+    b = bytearray(p.read_bytes())
+    b[:8] = struct.pack("<Q", len(b) * 2)
+    p.write_bytes(bytes(b))
+    return p.name
+
+
+def _missing_tensor(d):
+    _rewrite_shard(_shard_of(d, VICTIM), lambda t: t.pop(VICTIM))
+    _edit_index(d, lambda wm: wm.pop(VICTIM))
+    return VICTIM
+
+
+def _missing_from_shard(d):
+    _rewrite_shard(_shard_of(d, VICTIM), lambda t: t.pop(VICTIM))
+    return VICTIM
+
+
+def _extra_tensor(d):
+    extra = "layers.7.attn.bogus.weight"
+    p = _shard_of(d, VICTIM)
+    _rewrite_shard(p, lambda t: t.__setitem__(extra, torch.zeros(4, dtype=torch.bfloat16)))
+    _edit_index(d, lambda wm: wm.__setitem__(extra, p.name))
+    return extra
+
+
+def _extra_unindexed(d):
+    extra = "mtp.0.ffn.experts.99.w1.weight"
+    _rewrite_shard(_shard_of(d, VICTIM), lambda t: t.__setitem__(extra, torch.zeros(4, dtype=torch.int8)))
+    return extra
+
+
+def _wrong_dtype(d):
+    n = "layers.7.attn_norm.weight"
+    _rewrite_shard(_shard_of(d, n), lambda t: t.__setitem__(n, t[n].float()))
+    return n
+
+
+def _wrong_dtype_scale(d):
+    n = "layers.7.attn.wkv.scale"
+    _rewrite_shard(_shard_of(d, n), lambda t: t.__setitem__(n, t[n].view(torch.uint8)))
+    return n
+
+
+def _wrong_shape(d):
+    n = "layers.7.ffn.experts.3.w2.weight"
+    _rewrite_shard(_shard_of(d, n), lambda t: t.__setitem__(n, t[n].reshape(-1, 2 * t[n].shape[1]).clone()))
+    return n
+
+
+def _truncated(d):
+    p = _shard_of(d, VICTIM)
+    with open(p, "r+b") as f:
+        f.truncate(p.stat().st_size - 1000)
+    return "past the end"
+
+
+def _missing_shard(d):
+    p = _shard_of(d, VICTIM)
+    p.unlink()
+    return p.name
+
+
+def _missing_index(d):
+    (d / L.INDEX_FILE).unlink()
+    return L.INDEX_FILE
+
+
+CORRUPTIONS = {"garbage_header": _garbage_header, "header_too_long": _header_too_long,
+               "missing_tensor": _missing_tensor, "missing_from_shard": _missing_from_shard,
+               "extra_tensor": _extra_tensor, "extra_unindexed": _extra_unindexed,
+               "wrong_dtype": _wrong_dtype, "wrong_dtype_scale": _wrong_dtype_scale,
+               "wrong_shape": _wrong_shape, "truncated": _truncated, "missing_shard": _missing_shard,
+               "missing_index": _missing_index}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_corrupt_checkpoint_refused_before_reading(kind, toy, toy_ckpt, tmp_path, monkeypatch):
+    d = _fresh_copy(toy_ckpt, tmp_path)
+    needle = CORRUPTIONS[kind](d)
+
+    def no_read(*a, **k):
+        raise AssertionError("tensor data read before the header check finished")
+
+    monkeypatch.setattr(L, "safe_open", no_read)
+    with pytest.raises(L.CheckpointError) as ei:
+        L.load_checkpoint(d, toy, progress=False)
+    assert needle in str(ei.value), str(ei.value)
+    assert isinstance(ei.value, ValueError)
+    with pytest.raises(L.CheckpointError):
+        L.check_checkpoint(d)
+
+
+def test_check_report_and_cli(toy, toy_ckpt, tmp_path):
+    r = L.check_checkpoint(toy_ckpt)
+    assert r.tensors == len(L.checkpoint_schema(toy)) and r.params == L.count_params(toy)
+    assert "OK" in r.summary()
+    out = subprocess.run([sys.executable, "-m", "v41.loader", "check", str(toy_ckpt)],
+                         capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr
+    d = _fresh_copy(toy_ckpt, tmp_path)
+    _missing_shard(d)
+    assert L.main(["check", str(d)]) == 2
+    assert L.main(["write", "toy", str(tmp_path / "w"), "--seed", "0", "--no-progress"]) == 0
+    for f in sorted(p.name for p in toy_ckpt.iterdir()):
+        assert (toy_ckpt / f).read_bytes() == (tmp_path / "w" / f).read_bytes(), f
+
+
+# ---- cached preset checkpoints ----------------------------------------------------------
+
+def test_ensure_preset_checkpoint(tmp_path, toy_ckpt):
+    # two processes race for the same cache entry: one writes it under the lock, both return it
+    code = ("import sys, v41.loader as L; "
+            "print(L.ensure_preset_checkpoint('toy', root=sys.argv[1]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+    paths = {o[0].strip().splitlines()[-1] for o in outs}
+    assert len(paths) == 1
+    d = Path(paths.pop())
+    assert d.parent == tmp_path and d.name.startswith("toy-s0-")
+    assert (d / L.COMPLETE_MARKER).exists()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    marker = (d / L.COMPLETE_MARKER).stat().st_mtime_ns
+    assert L.ensure_preset_checkpoint("toy", root=tmp_path) == d
+    assert (d / L.COMPLETE_MARKER).stat().st_mtime_ns == marker
+    for f in sorted(p.name for p in toy_ckpt.iterdir()):
+        assert (toy_ckpt / f).read_bytes() == (d / f).read_bytes(), f
+    L.check_checkpoint(d)
+    # a different seed is a different directory
+    assert L.checkpoint_key(preset("toy"), 1) != L.checkpoint_key(preset("toy"), 0)
