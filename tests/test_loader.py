@@ -253,12 +253,18 @@ def test_value_scales(toy):
     assert g("layers.3.attn.attn_sink").abs().max() < 1
 
 
-def test_dummy_equals_files(toy, toy_ckpt):
+def test_dummy_equals_files(toy, toy_ckpt, monkeypatch):
     a = L.load_weights(toy_ckpt, toy, load_format="safetensors", progress=False)
     b = L.load_weights("toy", None, load_format="dummy", progress=False)
-    c = L.load_weights("toy", progress=False)                 # auto: a preset name -> dummy
+    monkeypatch.setattr(L, "dummy_weights", lambda cfg, *a, **k: L.Weights(cfg, {}, "dummy"))
+    c = L.load_weights("flash-slice", progress=False)        # auto: a large preset -> dummy
+    monkeypatch.undo()
     d = L.load_weights(toy_ckpt, progress=False)              # auto: a directory -> safetensors
+    e = L.load_weights("toy", progress=False)                 # auto: the toy's cached checkpoint
     assert b.source == c.source == "dummy" and d.source == str(toy_ckpt)
+    assert e.source == str(L.ensure_preset_checkpoint("toy"))
+    for n in a:
+        assert torch.equal(_bytes(a[n]), _bytes(e[n])), n
     assert list(a) == list(b) and b.processed and a.processed
     for n in a:
         assert a[n].dtype == b[n].dtype and torch.equal(_bytes(a[n]), _bytes(b[n])), n
