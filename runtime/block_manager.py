@@ -5,31 +5,32 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from runtime.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, num_slots: int, page_tokens: int):
+    def __init__(self, num_pages: int, num_slots: int, page_tokens: int, max_pages_per_seq: int):
         self.page_tokens = page_tokens
+        # block table rows live with the slot, so a step gathers them without touching pages
+        self.table = np.zeros((num_slots, max_pages_per_seq), dtype=np.int64)
         self.num_pages, self.num_slots = num_pages, num_slots
         self.free_pages = deque(range(num_pages))
         self.free_slots = deque(range(num_slots))
 
-    def pages_needed(self, seq: Sequence, n_tokens: int) -> int:
-        total = -(-(seq.num_computed + n_tokens) // self.page_tokens)
-        return max(0, total - len(seq.pages))
-
-    def can_allocate(self, seq: Sequence, n_tokens: int) -> bool:
-        slot_ok = seq.slot is not None or bool(self.free_slots)
-        return slot_ok and self.pages_needed(seq, n_tokens) <= len(self.free_pages)
-
-    def allocate(self, seq: Sequence, n_tokens: int) -> None:
-        """Pages up to position num_computed + n_tokens, and a slot if the request has none."""
-        assert self.can_allocate(seq, n_tokens)
+    def allocate(self, seq: Sequence, n_tokens: int) -> bool:
+        """Pages up to position num_computed + n_tokens, and a slot if the request has none;
+        False (and nothing taken) when they are not free."""
+        need = -(-(seq.num_computed + n_tokens) // self.page_tokens) - len(seq.pages)
+        if need > len(self.free_pages) or (seq.slot is None and not self.free_slots):
+            return False
         if seq.slot is None:
             seq.slot = self.free_slots.popleft()
-        for _ in range(self.pages_needed(seq, n_tokens)):
-            seq.pages.append(self.free_pages.popleft())
+        for _ in range(need):
+            self.table[seq.slot, len(seq.pages)] = page = self.free_pages.popleft()
+            seq.pages.append(page)
+        return True
 
     def free(self, seq: Sequence) -> None:
         self.free_pages.extend(seq.pages)

@@ -11,7 +11,7 @@ import torch
 from runtime.block_manager import BlockManager
 from runtime.geometry import AdmissionError, PoolGeometry
 from runtime.model_runner import ModelRunner
-from runtime.sampler import sample
+from runtime.sampler import sample, token_logprobs
 from runtime.scheduler import Scheduler
 from runtime.sequence import SamplingParams, Sequence, Status
 from v41.config import ConfigError, V41Config, load_config, validate_page
@@ -92,14 +92,16 @@ class LLMEngine:
         log.info("model %s ready on %s in %.1fs: %d pages of %d tokens, %d slots, cache %.1f MiB",
                  cfg.name, device, time.perf_counter() - t0, num_pages, geo.page_tokens,
                  args.max_num_seqs, self.runner.cache.nbytes / 2**20)
-        self.bm = BlockManager(num_pages, args.max_num_seqs, geo.page_tokens)
+        self.bm = BlockManager(num_pages, args.max_num_seqs, geo.page_tokens, pages_per_seq)
         self.scheduler = Scheduler(self.bm, args.max_num_seqs, args.max_num_batched_tokens,
                                    cfg.eos_token_id, args.max_prefill_chunk)
         self.seqs: dict[str, Sequence] = {}
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Sequence:
+                    request_id: str | None = None, logprobs: int | None = None) -> Sequence:
+        """`logprobs`: opt-in; N >= 0 fills `seq.logprobs` with one (logprob of the sampled token,
+        top-N [(token id, logprob)]) per completion token."""
         if not prompt_token_ids:
             raise ValueError("prompt is empty")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
@@ -109,6 +111,8 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
         seq = Sequence(prompt_token_ids, params, request_id)
+        seq.num_logprobs = logprobs
+        seq.logprobs = [] if logprobs is not None else None
         if seq.request_id in self.seqs:
             raise ValueError(f"request id {seq.request_id!r} is already running")
         self.seqs[seq.request_id] = seq
@@ -133,8 +137,15 @@ class LLMEngine:
         final = [i for i, f in enumerate(sb.is_final_chunk) if f]
         toks = sample(logits[final], [sb.seqs[i] for i in final]) if final else []
         sampled = {sb.seqs[i].seq_id: t for i, t in zip(final, toks)}
+        want = [j for j, i in enumerate(final) if getattr(sb.seqs[i], "num_logprobs", None) is not None]
+        lps = dict(zip([sb.seqs[final[j]].seq_id for j in want],
+                       token_logprobs(logits[[final[j] for j in want]], [toks[j] for j in want],
+                                      [sb.seqs[final[j]].num_logprobs for j in want]))) if want else {}
         self.scheduler.postprocess(sb, sampled)
         out = [s for s in sb.seqs if s.seq_id in sampled]
+        for s in out:
+            if s.seq_id in lps and len(s.logprobs) < len(s.completion_token_ids):
+                s.logprobs.append(lps[s.seq_id])
         for s in out:
             if s.status is Status.FINISHED:
                 self.seqs.pop(s.request_id, None)

@@ -66,8 +66,8 @@ class ModelRunner:
                 running_bs: int | None = None) -> tuple[Batch, dict]:
         """Host metadata for the step, copied into the persistent buffers."""
         n = np.asarray(sb.num_new, dtype=np.int64)
-        starts = np.asarray(sb.starts, dtype=np.int64)
-        slots = np.asarray([s.slot for s in sb.seqs], dtype=np.int64)
+        starts = np.fromiter((s.num_computed for s in sb.seqs), dtype=np.int64, count=len(n))
+        slots = sb.slots
         T = int(n.sum())
         Tr, Br = running_tokens or T, running_bs or len(sb.seqs)
         if Tr > self.max_tokens or Br > self.max_seqs or Tr < T or Br < len(sb.seqs):
@@ -79,8 +79,8 @@ class ModelRunner:
         pos = np.repeat(starts, n) + (np.arange(T) - first)
         start_t, slot_t = np.repeat(starts, n), np.repeat(slots, n)
         end_t = np.repeat(starts + n, n)
-        ids = np.concatenate([np.asarray(s.token_ids[a:a + k], dtype=np.int64)
-                              for s, a, k in zip(sb.seqs, starts, n)]) if T else np.zeros(0, np.int64)
+        ids = np.fromiter((t for s, a, k in zip(sb.seqs, sb.starts, sb.num_new) for t in s.token_ids[a:a + k]),
+                          dtype=np.int64, count=T)
         # window: positions p-W+1 .. p, oldest first; this step's rows where computed now
         q = pos[:, None] - (W - 1) + np.arange(W)
         row = np.where(q >= start_t[:, None], S * W + np.arange(T)[:, None] - (pos[:, None] - q),
@@ -89,9 +89,7 @@ class ModelRunner:
         ring_dest = np.where(pos >= end_t - W, slot_t * W + pos % W, -1)
         tail_src = np.where((pos % 2 == 1) & (pos == start_t), slot_t, -1)
         tail_dst = np.where((pos == end_t - 1) & (pos % 2 == 0), slot_t, -1)
-        bt = np.zeros((Br, self.max_pages), dtype=np.int64)
-        for i, s in enumerate(sb.seqs):
-            bt[i, : len(s.pages)] = s.pages
+        bt = sb.block_tables
         dest = {}
         for r in (1, 2):
             rpp = self.page // r
@@ -108,7 +106,9 @@ class ModelRunner:
             b[:T].copy_(torch.from_numpy(a))
             b[T:Tr].fill_(pad[k])
             v[k] = b[:Tr]
-        self.buf["block_table"][:Br].copy_(torch.from_numpy(bt))
+        self.buf["block_table"][: len(n)].copy_(torch.from_numpy(bt))
+        self.buf["block_table"][len(n):Br].fill_(0)
+        self._committed = (slots, starts + n)
         engram = self.prepare_engram(sb, ids, n, starts, slots, T, Tr)
         batch = Batch(v["input_ids"], v["positions"], v["batch_ids"], self.buf["block_table"][:Br],
                       v["win_idx"], v["ring_dest"], {1: v["dest1"], 2: v["dest2"]}, v["tail_src"],
@@ -136,10 +136,9 @@ class ModelRunner:
         look = ext[tok_ext[:, None] - np.arange(m + 1)]
         # the last m compressed ids of each request become its history after the step
         self._tail_ids = ext[(base + ext_len)[:, None] - m + np.arange(m)] if len(n) else np.zeros((0, m), np.int64)
-        look_t = torch.from_numpy(look)
         out = {}
         for i, l in enumerate(self.cfg.engram_layer_ids):
-            hid = hash_lookback(look_t, self.layout, i)
+            hid = torch.from_numpy(hash_lookback(look, self.layout, i))
             buf = self.engram_buf[l]
             table, scale = self.engram_tables[l]
             ops.engram_gather(table, scale, hid, buf[:T])
@@ -165,6 +164,6 @@ class ModelRunner:
         last three compressed ids)."""
         if not sb.seqs:
             return
-        slots = torch.as_tensor([s.slot for s in sb.seqs], device=self.device)
-        pos = torch.as_tensor([s.num_computed + k for s, k in zip(sb.seqs, sb.num_new)])
-        self.cache.cursor[slots] = torch.cat([pos[:, None], torch.from_numpy(self._tail_ids)], 1).to(self.device)
+        slots, pos = self._committed
+        cur = torch.from_numpy(np.concatenate([pos[:, None], self._tail_ids], 1))
+        self.cache.cursor[torch.from_numpy(slots).to(self.device)] = cur.to(self.device)

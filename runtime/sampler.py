@@ -39,3 +39,18 @@ def probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) ->
         p = p.scatter(0, si, sp.masked_fill(drop, 0))
         p = p / p.sum()
     return p
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], num: list[int]) -> list[tuple[float, list]]:
+    """Per row: the log-probability of the sampled token and the `num[i]` most likely
+    (token id, log-probability) pairs, from the model's distribution (the raw logits, before
+    temperature and the top-k/top-p filters), computed from the same logits the token came from."""
+    lp = torch.log_softmax(logits.float(), -1)
+    k = min(max(num, default=0), lp.shape[-1])
+    top = torch.topk(lp, k, -1) if k else None
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device).view(-1, 1)).view(-1).tolist()
+    out = []
+    for i, n in enumerate(num):
+        tops = list(zip(top.indices[i, :n].tolist(), top.values[i, :n].tolist())) if n else []
+        out.append((chosen[i], tops))
+    return out

@@ -5,7 +5,9 @@ preempted: it gives back its pages and slot and is recomputed later from positio
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from runtime.block_manager import BlockManager
 from runtime.sequence import Sequence, Status
@@ -15,6 +17,8 @@ from runtime.sequence import Sequence, Status
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new: list[int]            # query length of each request this step
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # STATE slot per request
+    block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
 
     @property
     def starts(self) -> list[int]:
@@ -52,39 +56,39 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        n = seq.num_uncomputed
+        n = len(seq.token_ids) - seq.num_computed
         if n > 1:  # a prompt (or a recompute): chunked
             n = min(n, self.max_prefill_chunk)
         return min(n, budget)
 
     def schedule(self) -> ScheduledBatch:
         seqs, num_new, budget = [], [], self.max_tokens
-        for seq in list(self.running):
-            if seq not in self.running or budget == 0:
-                continue
+        i = 0
+        while i < len(self.running) and budget > 0:  # preemption shortens the list as we go
+            seq = self.running[i]
             n = self._chunk(seq, budget)
-            while not self.bm.can_allocate(seq, n):
+            while not self.bm.allocate(seq, n):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
-                continue
-            self.bm.allocate(seq, n)
+                break
             seqs.append(seq), num_new.append(n)
             budget -= n
+            i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = self._chunk(seq, budget)
-            if not self.bm.can_allocate(seq, n):
+            if not self.bm.allocate(seq, n):
                 break
             self.waiting.popleft()
-            self.bm.allocate(seq, n)
             seq.status = Status.RUNNING
             self.running.append(seq)
             seqs.append(seq), num_new.append(n)
             budget -= n
-        return ScheduledBatch(seqs, num_new)
+        slots = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=len(seqs))
+        return ScheduledBatch(seqs, num_new, slots, self.bm.table[slots])
 
     def preempt(self, seq: Sequence) -> None:
         """Free everything the request holds; it recomputes all its tokens when rescheduled."""

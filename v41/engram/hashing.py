@@ -111,25 +111,21 @@ def hash_ids(compressed, layout: EngramLayout, i: int, start: int = 0, history=N
     return hash_lookback(lookback, layout, i)
 
 
-def hash_lookback(lookback: torch.Tensor, layout: EngramLayout, i: int) -> torch.Tensor:
+def hash_lookback(lookback, layout: EngramLayout, i: int):
     """Hash ids from look-back rows: lookback[t, k] = compressed id at position p_t - k, DEAD
     where that position is an image token or lies before the sequence. Rows of many requests
-    hash in one call (the runtime's batched path)."""
+    hash in one call (the runtime's batched path). numpy in, numpy out; a tensor in gives a
+    tensor out."""
+    as_tensor = isinstance(lookback, torch.Tensor)
+    look = lookback.numpy() if as_tensor else np.asarray(lookback, dtype=np.int64)
     n, H = layout.max_ngram, layout.n_heads
-    m = layout.multipliers[i]
-    blocked = torch.zeros(lookback.shape[0], dtype=torch.bool)
-    prods = []
-    for k in range(n):
-        tok = lookback[:, k]
-        blocked = blocked | (tok < 0)
-        tok = torch.where(blocked, torch.full_like(tok, layout.pad_id), tok)
-        prods.append(tok * m[k])  # int64 multiply wraps mod 2**64, as in the reference
-    primes = torch.tensor(layout.primes[i], dtype=torch.int64).view(n - 1, H)
-    offsets = torch.tensor(layout.offsets[i], dtype=torch.int64).view(n - 1, H)
-    rolling = prods[0]
-    out = []
-    for o in range(2, n + 1):
-        rolling = rolling ^ prods[o - 1]
-        # torch % on int64 is floor-mod: non-negative for a positive prime, like the reference
-        out.append(rolling[:, None] % primes[o - 2] + offsets[o - 2])
-    return torch.cat(out, dim=1)
+    blocked = np.maximum.accumulate(look < 0, axis=1)  # once blocked, every longer look-back is pad
+    tok = np.where(blocked, np.int64(layout.pad_id), look)
+    with np.errstate(over="ignore"):
+        prods = tok * np.asarray(layout.multipliers[i], dtype=np.int64)  # wraps mod 2**64 like torch
+    primes = np.asarray(layout.primes[i], dtype=np.int64).reshape(n - 1, H)
+    offsets = np.asarray(layout.offsets[i], dtype=np.int64).reshape(n - 1, H)
+    rolling = np.bitwise_xor.accumulate(prods, axis=1)[:, 1:]      # order o = column o - 1
+    # np.mod is floor-mod like torch and the reference: non-negative for a positive prime
+    out = (np.mod(rolling[:, :, None], primes) + offsets).reshape(len(look), -1)
+    return torch.from_numpy(out) if as_tensor else out

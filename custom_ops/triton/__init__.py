@@ -1,0 +1,10 @@
+"""Triton impls of the v41 ops, registered for CUDA tensors (`registry.register_impl(...,
+"triton", device_type="cuda")`); the torch reference stays the impl of every other device.
+Each impl is also a plain function with the op's signature (e.g. `triton_sparse_attn`), which
+the CPU tests run on CPU tensors under TRITON_INTERPRET=1 (set before triton is imported).
+Importing this package needs triton; callers guard it with `except ImportError`.
+"""
+from custom_ops.triton.attention import triton_sparse_attn  # noqa: F401
+from custom_ops.triton.cache import triton_scatter_rows  # noqa: F401
+from custom_ops.triton.compressor import triton_compress_pool  # noqa: F401
+from custom_ops.triton.index import triton_index_topk  # noqa: F401

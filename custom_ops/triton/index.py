@@ -1,0 +1,223 @@
+"""Triton impl of `v41::index_topk` (spec §3.3 f-h; the reference in custom_ops/index.py is the
+definition).
+
+Scoring. One scorer for every shape: a program takes one query row and one tile of BLOCK_J
+columns of that row's own column list, with that row's own bound: FULL, column c is owner row c
+of its request (visible while c < (p+1)//ratio); REINDEX, column c is row cand[c // B]·B + c % B
+of its candidate blocks (B = cand_block). A tile past the row's bound writes -inf and loads
+nothing. The program gathers the tile's key rows from the index plane in place, through the
+block table (fp8: E4M3 x one FP32 row scale; fp4: packed E2M1 nibbles x E8M0 per 32 dims),
+decodes them exactly into the dot dtype (BF16 on GPU, which holds every FP8/FP4 grid value,
+FP32 under the interpreter), and scores score = Σ_h relu(q_h·k)·w_h in FP32 with the index
+heads as the N of `tl.dot`. The query is rounded first exactly as the reference rounds it
+(`round_query`); for fp4 its even and odd dims meet the low and high nibbles separately, so the
+packed bytes are never interleaved.
+
+Selection (torch ops on the tile's score buffer; the buffer is bounded: query rows are processed
+in tiles of at most SCORE_BUDGET scores). Top-k with smaller-column-first ties, without a full
+sort: the k-th largest score is the threshold, every score above it is taken, and among the
+scores equal to it the first ones in column order until k are taken (a prefix count); -inf is
+never taken. A prefix count over the taken mask gives each taken column its output slot, so
+the result is ascending in column order (FULL: = row order; REINDEX: sorted by row after).
+Level-1 candidates: block max over the score buffer, the newest visible block forced +inf, the
+same selection over blocks.
+
+Width. REINDEX scores C·B columns. FULL scores up to the longest visible prefix of the batch
+(read from the device, like the reference), or - while a CUDA graph is being captured, or with
+`static_width=True` - up to the block table's capacity, so nothing on the host depends on the
+step's data.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops import index as _ref
+from custom_ops.registry import register_impl
+
+BLOCK_J = 64                 # columns per program
+NUM_WARPS = 4
+SCORE_BUDGET = 1 << 23       # scores per token tile (the selection's temporaries scale with it)
+
+
+@triton.jit
+def _e2m1(code):
+    """FP32 values of E2M1 codes (magnitude index | sign << 3)."""
+    c = code.to(tl.int32)
+    m = c & 7
+    e = m >> 1
+    mant = (m & 1).to(tl.float32)
+    pw = (1 << tl.maximum(e - 1, 0)).to(tl.float32)
+    v = tl.where(e == 0, 0.5 * mant, (1.0 + 0.5 * mant) * pw)
+    return tl.where((c & 8) != 0, -v, v)
+
+
+@triton.jit
+def _e8m0(code):
+    """2^(code-127) in FP32 (code 0: the subnormal 2^-127; 255: NaN)."""
+    c = code.to(tl.int32)
+    v = (c << 23).to(tl.float32, bitcast=True)
+    v = tl.where(c == 0, (c + 0x400000).to(tl.float32, bitcast=True), v)
+    return tl.where(c == 255, float("nan"), v)
+
+
+@triton.jit
+def _index_score_kernel(
+        qa_ptr, qb_ptr, w_ptr, plane_ptr, pscale_ptr, bt_ptr, bid_ptr, pos_ptr, cand_ptr, score_ptr,
+        t0, ratio, rows_per_page, max_pages, width, n_cand, cand_block, n_heads,
+        stride_qt, stride_qh, stride_wt, stride_plane, stride_pscale, stride_bt, stride_cand,
+        stride_st,
+        BLOCK_NH: tl.constexpr, DQ: tl.constexpr, FP4: tl.constexpr, HAS_CAND: tl.constexpr,
+        BLOCK_J: tl.constexpr, PREC: tl.constexpr):
+    i = tl.program_id(0)
+    jt = tl.program_id(1)
+    t = (t0 + i).to(tl.int64)
+    col = jt * BLOCK_J + tl.arange(0, BLOCK_J)
+    sptr = score_ptr + i.to(tl.int64) * stride_st + col
+    smask = col < width
+    b = tl.load(bid_ptr + t)
+    p = tl.load(pos_ptr + t)
+    vis = tl.where(b >= 0, (p + 1) // ratio, 0)
+    if HAS_CAND:
+        bound = n_cand * cand_block
+    else:
+        bound = vis
+    if jt * BLOCK_J < bound:
+        if HAS_CAND:
+            slot = col // cand_block
+            cb = tl.load(cand_ptr + t * stride_cand + slot, mask=slot < n_cand, other=-1).to(tl.int64)
+            c = tl.where(cb >= 0, cb * cand_block + col % cand_block, -1)
+        else:
+            c = col.to(tl.int64)
+        cc = tl.maximum(c, 0)
+        pg = cc // rows_per_page
+        ok = (c >= 0) & (c < vis) & (pg < max_pages)
+        page = tl.load(bt_ptr + tl.maximum(b, 0).to(tl.int64) * stride_bt + pg, mask=ok, other=0)
+        row = page.to(tl.int64) * rows_per_page + cc % rows_per_page
+        hs = tl.arange(0, BLOCK_NH)
+        dd = tl.arange(0, DQ)
+        qmask = (hs < n_heads)[None, :] & (dd < DQ)[:, None]
+        kmask = ok[:, None] & (dd < DQ)[None, :]
+        qoff = t * stride_qt + hs[None, :] * stride_qh + dd[:, None]              # [DQ, NH]
+        qa = tl.load(qa_ptr + qoff, mask=qmask, other=0.0)
+        kptr = plane_ptr + row[:, None] * stride_plane + dd[None, :]
+        if FP4:
+            byte = tl.load(kptr, mask=kmask, other=0).to(tl.int32)
+            sc = tl.load(pscale_ptr + row[:, None] * stride_pscale + (dd // 16)[None, :],
+                         mask=kmask, other=127)
+            s = _e8m0(sc)
+            k_lo = (_e2m1(byte & 15) * s).to(qa.dtype)          # dims 2i
+            k_hi = (_e2m1(byte >> 4) * s).to(qa.dtype)          # dims 2i+1
+            qb = tl.load(qb_ptr + qoff, mask=qmask, other=0.0)
+            dots = tl.dot(k_lo, qa, input_precision=PREC) + tl.dot(k_hi, qb, input_precision=PREC)
+        else:
+            k = tl.load(kptr, mask=kmask, other=0.0).to(qa.dtype)
+            ks = tl.load(pscale_ptr + row, mask=ok, other=0.0)
+            dots = tl.dot(k, qa, input_precision=PREC) * ks[:, None]
+        w = tl.load(w_ptr + t * stride_wt + hs, mask=hs < n_heads, other=0.0)
+        score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1)
+        score = tl.where(ok, score, float("-inf"))
+        tl.store(sptr, score, mask=smask)
+    else:
+        tl.store(sptr, tl.full([BLOCK_J], float("-inf"), tl.float32), mask=smask)
+
+
+def top_columns(score: torch.Tensor, k: int, src: torch.Tensor) -> torch.Tensor:
+    """Per row, the k best finite scores (equal scores: smaller column first), returned as
+    src[row, column] in ascending column order, -1 padded: [n, k] int64."""
+    n, w = score.shape
+    kk = min(k, w)
+    thr = torch.topk(score, kk, dim=1, sorted=False).values.amin(1, keepdim=True)
+    gt = score > thr
+    eq = score == thr
+    need = kk - gt.sum(1, keepdim=True)
+    take = (gt | (eq & (torch.cumsum(eq, 1) <= need))) & (score > float("-inf"))
+    slot = torch.where(take, torch.cumsum(take, 1) - 1, k)
+    res = torch.full((n, k + 1), -1, dtype=torch.long, device=score.device)
+    res.scatter_(1, slot, src.to(torch.long).expand(n, w))
+    return res[:, :k]
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def triton_index_topk(q, w, plane, plane_scale, block_table, batch_ids, positions, ratio, rows_per_page,
+                      fmt, cand, cand_block, topk, cand_out, *, static_width: bool | None = None,
+                      score_budget: int | None = None, block_j: int | None = None,
+                      num_warps: int | None = None) -> None:
+    """`v41::index_topk` (same signature); keyword knobs: `static_width` (FULL width from the
+    block table instead of the batch's longest prefix; default: only while capturing), the
+    score-tile budget and launch options."""
+    T, K = topk.shape
+    if w.dtype != torch.float32 or fmt not in ("fp8", "fp4"):
+        return _ref.index_topk(q, w, plane, plane_scale, block_table, batch_ids, positions, ratio,
+                               rows_per_page, fmt, cand, cand_block, topk, cand_out)
+    topk.fill_(-1)
+    if cand_out is not None:
+        cand_out.fill_(-1)
+    if T == 0:
+        return
+    dev = q.device
+    vis = torch.where(batch_ids >= 0, (positions + 1) // ratio, torch.zeros_like(positions))
+    if cand is None:
+        if static_width or (static_width is None and _capturing(dev)):
+            width = block_table.shape[1] * rows_per_page
+        else:
+            width = int(vis.max())
+    else:
+        width = cand.shape[1] * cand_block
+    if width <= 0:
+        return
+    if cand_out is not None:
+        width = -(-width // cand_block) * cand_block
+    # the reference's query rounding; its grid values are exact in BF16 (the GPU dot dtype)
+    cdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    qr = _ref.round_query(q, fmt).to(cdt)
+    if fmt == "fp4":
+        qa, qb = qr[..., 0::2].contiguous(), qr[..., 1::2].contiguous()
+    else:
+        qa = qb = qr.contiguous()
+    n_heads, dq = qa.shape[1], qa.shape[2]
+    wf = w.contiguous()
+    pscale = plane_scale if fmt == "fp4" else plane_scale.reshape(-1)
+    bj = block_j or BLOCK_J
+    tt = max(1, min(T, (score_budget or SCORE_BUDGET) // width))
+    score = torch.empty(tt, width, dtype=torch.float32, device=dev)
+    cols = torch.arange(width, device=dev)
+    if cand is not None:
+        cand_rows = torch.where(cand[..., None] >= 0,
+                                cand[..., None] * cand_block + torch.arange(cand_block, device=dev),
+                                -1).flatten(1)
+    n_cand = cand.shape[1] if cand is not None else 0
+    for t0 in range(0, T, tt):
+        n = min(tt, T - t0)
+        s = score[:n]
+        _index_score_kernel[(n, triton.cdiv(width, bj))](
+            qa, qb, wf, plane, pscale, block_table, batch_ids, positions,
+            cand if cand is not None else batch_ids, s,
+            t0, ratio, rows_per_page, block_table.shape[1], width, n_cand, cand_block, n_heads,
+            qa.stride(0), qa.stride(1), wf.stride(0), plane.stride(0),
+            pscale.stride(0), block_table.stride(0), cand.stride(0) if cand is not None else 0,
+            s.stride(0),
+            BLOCK_NH=max(16, triton.next_power_of_2(n_heads)), DQ=dq, FP4=fmt == "fp4",
+            HAS_CAND=cand is not None, BLOCK_J=bj, PREC="ieee" if cdt == torch.float32 else "tf32",
+            num_warps=num_warps or NUM_WARPS)
+        if cand is None:
+            topk[t0:t0 + n] = top_columns(s, K, cols)
+        else:
+            rows = top_columns(s, K, cand_rows[t0:t0 + n])
+            big = torch.iinfo(torch.long).max
+            rows = torch.where(rows >= 0, rows, big).sort(1).values
+            topk[t0:t0 + n] = torch.where(rows == big, -1, rows)
+        if cand_out is not None:
+            nb = width // cand_block
+            bs = s.view(n, nb, cand_block).amax(-1)
+            v = vis[t0:t0 + n]
+            newest = ((v - 1) // cand_block).clamp(0, nb - 1)[:, None]
+            bs.scatter_(1, newest, torch.where((v > 0)[:, None], float("inf"), bs.gather(1, newest)))
+            cand_out[t0:t0 + n] = top_columns(bs, cand_out.shape[1], torch.arange(nb, device=dev))
+
+
+register_impl("index_topk", "triton", triton_index_topk, device_type="cuda")
