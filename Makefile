@@ -23,6 +23,9 @@ setup: $(VENV)/.installed
 run: setup
 	$(BIN)/python -m v41.generate --prompt "$(PROMPT)" --max-tokens 32
 
+serve: setup
+	$(BIN)/python -m v41.serve
+
 test: setup
 	$(BIN)/python -m pytest -q
 
