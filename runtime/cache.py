@@ -32,7 +32,7 @@ class OwnerPlanes:
 
 
 class KVCache:
-    def __init__(self, geo: PoolGeometry, num_pages: int, num_slots: int, device=None):
+    def __init__(self, geo: PoolGeometry, num_pages: int, num_slots: int, num_images: int = 0, device=None):
         self.geo, self.num_pages, self.num_slots = geo, num_pages, num_slots
         planes = {p.name: p for p in geo.page_planes}
 
@@ -53,13 +53,17 @@ class KVCache:
         self.ring = torch.zeros(geo.n_layers, num_slots * geo.window, geo.head_dim, dtype=geo.dtype,
                                 device=device)
         self.cursor = torch.zeros(num_slots, 4, dtype=torch.int64, device=device)
+        # checkpoint images (StateTransfer.copy): ring rows and cursor at a PAGE boundary
+        self.image_ring = torch.zeros(geo.n_layers, num_images * geo.window, geo.head_dim, dtype=geo.dtype,
+                                      device=device)
+        self.image_cursor = torch.zeros(num_images, 4, dtype=torch.int64, device=device)
 
     def owner(self, layer: int) -> OwnerPlanes:
         return self.owners[layer]
 
     @property
     def nbytes(self) -> int:
-        ts = [self.ring, self.cursor] + [t for o in self.owners.values()
+        ts = [self.ring, self.cursor, self.image_ring, self.image_cursor] + [t for o in self.owners.values()
                                          for t in (o.main, o.index, o.index_scale, o.tail_v, o.tail_g)
                                          if t is not None]
         return sum(t.numel() * t.element_size() for t in ts)

@@ -40,6 +40,9 @@ class EngineArgs:
     max_prefill_chunk: int | None = None      # per-request chunk cap (default: the step budget)
     max_model_len: int | None = None
     num_pages: int | None = None              # default: every running request at max_model_len
+    enable_prefix_caching: bool = True
+    encoder_swa_bounded_replay: bool = True   # prefix hits replay one hash block; False: checkpoint images
+    num_images: int | None = None             # checkpoint images (copy mode); default 4 per sequence
     enforce_eager: bool = True
     speculative_method: str | None = None
     extra: dict = field(default_factory=dict)
@@ -61,6 +64,9 @@ class EngineArgs:
         geo = PoolGeometry(cfg, self.block_size, self.index_cache_dtype, self.kv_cache_dtype,
                            DTYPES[self.dtype])
         validate_page(cfg, geo.page_tokens, "block_size")
+        if self.enable_prefix_caching and not self.encoder_swa_bounded_replay and geo.page_tokens < cfg.sliding_window:
+            raise AdmissionError(f"block_size: checkpoint images (--no-encoder-swa-bounded-replay) need a PAGE of at "
+                                 f"least the window ({cfg.sliding_window}); got {geo.page_tokens}")
         if self.max_model_len is not None and self.max_model_len > cfg.max_position_embeddings:
             raise AdmissionError(f"max_model_len: {self.max_model_len} exceeds max_position_embeddings "
                                  f"{cfg.max_position_embeddings}")
@@ -86,15 +92,18 @@ class LLMEngine:
                                    seed=args.seed)
         pages_per_seq = -(-self.max_model_len // geo.page_tokens)
         num_pages = args.num_pages or args.max_num_seqs * pages_per_seq
+        copy = args.enable_prefix_caching and not args.encoder_swa_bounded_replay
+        num_images = (args.num_images if args.num_images is not None else 4 * args.max_num_seqs) if copy else 0
         self.runner = ModelRunner(cfg, weights, geo, num_pages, args.max_num_seqs, args.max_num_seqs,
                                   args.max_num_batched_tokens, self.max_model_len, token_map, device,
-                                  DTYPES[args.dtype])
+                                  DTYPES[args.dtype], "copy" if copy else "replay", num_images)
         log.info("model %s ready on %s in %.1fs: %d pages of %d tokens, %d slots, cache %.1f MiB",
                  cfg.name, device, time.perf_counter() - t0, num_pages, geo.page_tokens,
                  args.max_num_seqs, self.runner.cache.nbytes / 2**20)
-        self.bm = BlockManager(num_pages, args.max_num_seqs, geo.page_tokens, pages_per_seq)
+        self.bm = BlockManager(num_pages, args.max_num_seqs, geo.page_tokens, pages_per_seq,
+                               args.enable_prefix_caching, num_images)
         self.scheduler = Scheduler(self.bm, args.max_num_seqs, args.max_num_batched_tokens,
-                                   cfg.eos_token_id, args.max_prefill_chunk)
+                                   cfg.eos_token_id, args.max_prefill_chunk, self.runner.state)
         self.seqs: dict[str, Sequence] = {}
 
     # ---- requests ------------------------------------------------------------------------

@@ -10,6 +10,8 @@ image carries `layout_id`, a hash of them. Imports nothing from the model or the
       ring           [layers, window, head_dim] every SWA ring
       tail_v, tail_g [ratio-2 owners, head_dim] FP32 compressor tails
       cursor         [4] int64: committed position, last three compressed Engram ids
+    IMAGE (StateTransfer.copy: the state at a PAGE boundary, owned by that PAGE) holds ring and
+      cursor, not the tails: a boundary is a multiple of every ratio, so no group is open there.
 
     python -m runtime.geometry toy --index-cache-dtype fp8 --json
 """
@@ -88,6 +90,14 @@ class PoolGeometry:
                              Plane("tail_g", (nt, cfg.head_dim), self.acc),
                              Plane("cursor", (4,), torch.int64)]
 
+    @property
+    def image_planes(self) -> list:
+        return [p for p in self.state_planes if p.name in ("ring", "cursor")]
+
+    @property
+    def bytes_per_image(self) -> int:
+        return sum(_aligned(p.nbytes) for p in self.image_planes)
+
     def rows_per_page(self, owner: int) -> int:
         return self.page_tokens // self.owners[owner]
 
@@ -112,6 +122,7 @@ class PoolGeometry:
     def summary(self) -> dict:
         return {"page_tokens": self.page_tokens, "index_cache_dtype": self.index_fmt,
                 "bytes_per_page": self.bytes_per_page, "bytes_per_state": self.bytes_per_state,
+                "bytes_per_image": self.bytes_per_image,
                 "global_bytes_per_token": self.global_bytes_per_token, "layout_id": self.layout_id,
                 "page_planes": {p.name: p.nbytes for p in self.page_planes},
                 "state_planes": {p.name: p.nbytes for p in self.state_planes}}

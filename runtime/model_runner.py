@@ -16,6 +16,7 @@ import torch
 from runtime.cache import KVCache
 from runtime.geometry import PoolGeometry
 from runtime.scheduler import ScheduledBatch
+from runtime.state import StateTransfer
 from v41.engram.hashing import DEAD, EngramLayout, hash_lookback
 from v41.model import Transformer
 
@@ -35,15 +36,17 @@ class Batch:
     tail_src: torch.Tensor         # [T] tail slot a row's group starts in, or -1
     tail_dst: torch.Tensor         # [T] tail slot that keeps the row for the next step, or -1
     engram_rows: dict              # layer -> [T, width] gathered table rows
+    image_dest: torch.Tensor | None = None  # [T] checkpoint-image ring row, or -1 (copy mode)
 
 
 class ModelRunner:
     def __init__(self, cfg, weights, geo: PoolGeometry, num_pages: int, num_slots: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, token_map,
-                 device="cpu", dtype=torch.bfloat16):
+                 device="cpu", dtype=torch.bfloat16, transfer: str = "replay", num_images: int = 0):
         self.cfg, self.geo, self.device, self.dtype = cfg, geo, torch.device(device), dtype
         self.model = Transformer(cfg, weights, dtype, device, max_pos=max_model_len)
-        self.cache = KVCache(geo, num_pages, num_slots, device)
+        self.cache = KVCache(geo, num_pages, num_slots, num_images, device)
+        self.state = StateTransfer(self.cache, transfer)
         self.cache.cursor[:, 1:] = DEAD
         self.W, self.page = cfg.sliding_window, geo.page_tokens
         self.token_map = np.asarray(token_map, dtype=np.int64)
@@ -56,15 +59,17 @@ class ModelRunner:
         z = lambda *s: torch.zeros(*s, dtype=torch.long, device=self.device)  # noqa: E731
         self.buf = {"input_ids": z(T), "positions": z(T), "batch_ids": z(T), "block_table": z(B, self.max_pages),
                     "win_idx": z(T, self.W), "ring_dest": z(T), "tail_src": z(T), "tail_dst": z(T),
-                    "dest1": z(T), "dest2": z(T)}
+                    "dest1": z(T), "dest2": z(T), "image_dest": z(T)}
         width = cfg.engram_width
         self.engram_buf = {l: torch.zeros(T, width, dtype=dtype, device=self.device)
                            for l in cfg.engram_layer_ids}
 
     # ---- metadata ------------------------------------------------------------------------
     def prepare(self, sb: ScheduledBatch, running_tokens: int | None = None,
-                running_bs: int | None = None) -> tuple[Batch, dict]:
-        """Host metadata for the step, copied into the persistent buffers."""
+                running_bs: int | None = None) -> Batch:
+        """Host metadata for the step, copied into the persistent buffers. Prefix hits get
+        their state first (a restored image, or a replay cursor), before Engram inputs."""
+        self.resume(sb)
         n = np.asarray(sb.num_new, dtype=np.int64)
         starts = np.fromiter((s.num_computed for s in sb.seqs), dtype=np.int64, count=len(n))
         slots = sb.slots
@@ -85,21 +90,25 @@ class ModelRunner:
         q = pos[:, None] - (W - 1) + np.arange(W)
         row = np.where(q >= start_t[:, None], S * W + np.arange(T)[:, None] - (pos[:, None] - q),
                        slot_t[:, None] * W + q % W)
-        win = np.where(q >= 0, row, -1)
+        floor = np.repeat(np.fromiter((s.swa_floor for s in sb.seqs), dtype=np.int64, count=len(n)), n)
+        win = np.where(q >= floor[:, None], row, -1)      # encoder replay: no window below the floor
         ring_dest = np.where(pos >= end_t - W, slot_t * W + pos % W, -1)
         tail_src = np.where((pos % 2 == 1) & (pos == start_t), slot_t, -1)
         tail_dst = np.where((pos == end_t - 1) & (pos % 2 == 0), slot_t, -1)
         bt = sb.block_tables
+        write_from = np.repeat(np.fromiter((s.write_from for s in sb.seqs), dtype=np.int64, count=len(n)), n)
         dest = {}
         for r in (1, 2):
             rpp = self.page // r
             j = pos // r
             page = bt[bid, (j * r) // self.page] if T else np.zeros(0, np.int64)
-            dest[r] = np.where(pos % r == r - 1, page * rpp + j % rpp, -1)
+            # a group is written by the row completing it, unless the prefix cache holds it
+            dest[r] = np.where((pos % r == r - 1) & (pos >= write_from), page * rpp + j % rpp, -1)
         host = dict(input_ids=ids, positions=pos, batch_ids=bid, win_idx=win, ring_dest=ring_dest,
-                    tail_src=tail_src, tail_dst=tail_dst, dest1=dest[1], dest2=dest[2])
+                    tail_src=tail_src, tail_dst=tail_dst, dest1=dest[1], dest2=dest[2],
+                    image_dest=self.plan_captures(sb, starts, np.cumsum(n) - n, T))
         pad = {"batch_ids": -1, "win_idx": -1, "ring_dest": -1, "tail_src": -1, "tail_dst": -1,
-               "dest1": -1, "dest2": -1, "input_ids": 0, "positions": 0}
+               "dest1": -1, "dest2": -1, "input_ids": 0, "positions": 0, "image_dest": -1}
         v = {}
         for k, a in host.items():
             b = self.buf[k]
@@ -112,8 +121,39 @@ class ModelRunner:
         engram = self.prepare_engram(sb, ids, n, starts, slots, T, Tr)
         batch = Batch(v["input_ids"], v["positions"], v["batch_ids"], self.buf["block_table"][:Br],
                       v["win_idx"], v["ring_dest"], {1: v["dest1"], 2: v["dest2"]}, v["tail_src"],
-                      v["tail_dst"], engram)
+                      v["tail_dst"], engram, v["image_dest"] if sb.captures else None)
         return batch
+
+    def resume(self, sb: ScheduledBatch) -> None:
+        """A prefix hit's fresh slot gets its state: the checkpoint image (copy), or, for
+        encoder replay, only the cursor: the replay start and the compressed tokens before it."""
+        for i, (kind, *arg) in sb.resumes:
+            seq, slot = sb.seqs[i], int(sb.slots[i])
+            if kind == "image":
+                self.state.restore(arg[0], slot)
+            else:
+                self.cache.cursor[slot] = torch.as_tensor(self.cursor_at(seq.token_ids, seq.num_computed))
+
+    def cursor_at(self, token_ids, position: int) -> list[int]:
+        m = self.layout.max_ngram - 1
+        hist = [int(self.token_map[token_ids[p]]) if p >= 0 else DEAD for p in range(position - m, position)]
+        return [position] + hist
+
+    def plan_captures(self, sb: ScheduledBatch, starts, offsets, T) -> np.ndarray:
+        """Copy mode: image rows of each boundary a request's forward crosses, [T] destinations
+        for this forward's rows; rows computed earlier are copied from the ring now, before the
+        forward moves the ring on."""
+        dest = np.full(T, -1, dtype=np.int64)
+        W, c = self.W, self.cache
+        for i, end, img in sb.captures:
+            seq, slot, a = sb.seqs[i], int(sb.slots[i]), int(starts[i])
+            for p in range(max(0, end - W), end):
+                if p >= a:
+                    dest[offsets[i] + p - a] = img * W + p % W
+                else:
+                    c.image_ring[:, img * W + p % W] = c.ring[:, slot * W + p % W]
+            c.image_cursor[img] = torch.as_tensor(self.cursor_at(seq.token_ids, end))
+        return dest
 
     def prepare_engram(self, sb, ids, n, starts, slots, T, Tr) -> dict:
         """Hash ids from the tokens and each request's committed Engram history (the STATE
@@ -153,6 +193,8 @@ class ModelRunner:
         batch = self.prepare(sb, **width)
         h = self.model(batch, self.cache)
         self.commit(sb)
+        for _, end, img in sb.captures:
+            self.state.seal(img, end)
         T = sb.scheduled_tokens
         if all_rows:
             return self.model.logits(h[:T])

@@ -1,7 +1,12 @@
 """Continuous batching with chunked prefill: every step mixes the running requests' next tokens
 (decode rows, or the next chunk of an unfinished prompt) with new requests' first chunks, under
 `max_num_batched_tokens` and `max_num_seqs`. When pages run out the newest running request is
-preempted: it gives back its pages and slot and is recomputed later from position 0."""
+preempted: it gives back its pages and slot and is recomputed later from position 0.
+
+A new request first looks its prompt up in the prefix cache. A hit of h tokens (whole PAGEs)
+shares those pages and resumes below h, as the StateTransfer dictates: `replay` one hash
+block below (`replay_start`), `copy` at the newest valid checkpoint image at or below h.
+Either way nothing below h is written again (`write_from`)."""
 from __future__ import annotations
 
 from collections import deque
@@ -19,6 +24,8 @@ class ScheduledBatch:
     num_new: list[int]            # query length of each request this step
     slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # STATE slot per request
     block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    resumes: list = field(default_factory=list)     # (batch index, ("image", img) | ("replay",))
+    captures: list = field(default_factory=list)    # (batch index, boundary position, image)
 
     @property
     def starts(self) -> list[int]:
@@ -40,8 +47,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_id: int | None, max_prefill_chunk: int | None = None):
+                 eos_token_id: int | None, max_prefill_chunk: int | None = None, state=None):
         self.bm = block_manager
+        self.state = state            # StateTransfer (prefix hits), or None without prefix caching
+        self.stats = {"replayed_rows": 0}
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
         self.eos = eos_token_id
@@ -79,8 +88,12 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not seq.pages:
+                self.resume_from_cache(seq)
             n = self._chunk(seq, budget)
             if not self.bm.allocate(seq, n):
+                self.bm.free(seq)
+                self._reset(seq)
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -88,13 +101,59 @@ class Scheduler:
             seqs.append(seq), num_new.append(n)
             budget -= n
         slots = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=len(seqs))
-        return ScheduledBatch(seqs, num_new, slots, self.bm.table[slots])
+        sb = ScheduledBatch(seqs, num_new, slots, self.bm.table[slots])
+        for i, seq in enumerate(seqs):
+            if seq.resume is not None:
+                sb.resumes.append((i, seq.resume))
+                seq.resume = None
+                self.bm.stats["hit_tokens"] += seq.num_cached_tokens
+                self.stats["replayed_rows"] += seq.num_cached_tokens - seq.num_computed
+        if self.state is not None and self.state.mode == "copy":
+            self._plan_captures(sb)
+        return sb
+
+    def resume_from_cache(self, seq: Sequence) -> None:
+        """Share the longest cached prefix and decide where the forward resumes."""
+        pages = self.bm.match(seq)
+        if not pages:
+            return
+        P = self.bm.page_tokens
+        hit = len(pages) * P
+        if self.state.mode == "replay":
+            start, seq.resume = self.bm.replay_start(hit), ("replay",)
+            seq.swa_floor = start
+        else:
+            start = 0
+            for i in reversed(range(len(pages))):
+                img = self.bm.image_of.get(pages[i])
+                if img is not None and self.state.valid(img, (i + 1) * P):
+                    start, seq.resume = (i + 1) * P, ("image", img)
+                    break
+                if img is not None:  # refused: never restored, recomputed instead
+                    self.bm.drop_image(pages[i])
+                    self.state.forget(img)
+        self.bm.share(seq, pages)
+        seq.num_computed, seq.write_from, seq.num_cached_tokens = start, hit, hit
+
+    def _plan_captures(self, sb: ScheduledBatch) -> None:
+        """Copy mode: every full prompt PAGE boundary a forward crosses gets an image."""
+        P = self.bm.page_tokens
+        for i, (seq, n) in enumerate(zip(sb.seqs, sb.num_new)):
+            a, b = seq.num_computed, min(seq.num_computed + n, seq.num_prompt_tokens)
+            for end in range((a // P + 1) * P, b + 1, P):
+                img = self.bm.take_image(seq.pages[end // P - 1])
+                if img is not None:
+                    sb.captures.append((i, end, img))
+
+    def _reset(self, seq: Sequence) -> None:
+        seq.num_computed = seq.write_from = seq.swa_floor = seq.num_cached_tokens = 0
+        seq.resume = None
 
     def preempt(self, seq: Sequence) -> None:
         """Free everything the request holds; it recomputes all its tokens when rescheduled."""
         self.running.remove(seq)
         self.bm.free(seq)
-        seq.num_computed = 0
+        self._reset(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -118,6 +177,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue  # aborted or preempted after scheduling
             seq.num_computed += n
+            self.bm.register(seq)
             tok = sampled.get(seq.seq_id)
             if tok is None:
                 continue

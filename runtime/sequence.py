@@ -51,8 +51,12 @@ class Sequence:
         self.status = Status.WAITING
         self.params = params
         self.finish_reason: str | None = None
-        self.num_cached_tokens = 0       # prompt tokens served from the prefix cache
+        self.num_cached_tokens = 0       # prompt tokens served from the prefix cache (the hit)
         self.generator = None            # per-request torch.Generator for seeded sampling
+        self.page_hashes: list[int] = []  # chained hashes of full prompt PAGEs (memo)
+        self.resume = None               # how a prefix hit resumes, until its first forward
+        self.write_from = 0              # global rows of groups ending below this are cached
+        self.swa_floor = 0               # no window reads below this position (encoder replay)
 
     @property
     def num_tokens(self) -> int:

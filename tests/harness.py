@@ -32,8 +32,9 @@ class Scenario:
 
 
 def make_engine(weights, dtype="float64", **kw) -> LLMEngine:
-    args = EngineArgs(model="toy", dtype=dtype, device="cpu", **{"max_num_seqs": 8,
-                                                                  "max_num_batched_tokens": 512, **kw})
+    # prefix caching is a scenario of its own (under replay a hit is approximate by design)
+    args = EngineArgs(model="toy", dtype=dtype, device="cpu", **{"max_num_seqs": 8, "max_num_batched_tokens": 512,
+                                                                  "enable_prefix_caching": False, **kw})
     return LLMEngine(args, weights=weights)
 
 
@@ -87,3 +88,53 @@ def cancel_randomly(p: float = 0.1):
                 out.append(i)
         return out
     return hook
+
+
+# ---- prefix caching ---------------------------------------------------------------------------
+
+PAGE = 32
+
+
+def forks(root_len: int = 150, seed: int = 7, suffix: int = 9) -> list[list[int]]:
+    """A root prompt, then forks sharing its first 1-4 PAGEs, diverging on a PAGE boundary and
+    off it (5 tokens in), each with its own suffix. The root runs first, alone."""
+    g = torch.Generator().manual_seed(seed)
+    root = torch.randint(3, 1000, (root_len,), generator=g).tolist()
+    out = [root]
+    for k in (1, 2, 3, 4):
+        for off in (0, 5):
+            out.append(root[: k * PAGE + off] + torch.randint(3, 1000, (suffix,), generator=g).tolist())
+    return out
+
+
+def fork_arrivals(n: int, after: int = 8) -> list[int]:
+    """The root at step 0, every fork once the root has been prefilled."""
+    return [0] + [after] * (n - 1)
+
+
+def evict_images(keep_first: int = 1):
+    """Drop every checkpoint image but the first `keep_first` of each cached prefix: hits must
+    then resume from an earlier boundary (replay from a missing image)."""
+    def hook(eng, live, step, rng):
+        bm = eng.bm
+        for page in sorted(bm.image_of)[keep_first:]:
+            bm.drop_image(page)
+    return hook
+
+
+def corrupt_images(kind: str):
+    """Alter stored images: 'bytes' flips ring values, 'geometry' rewrites the layout id."""
+    def hook(eng, live, step, rng):
+        st = eng.runner.state
+        for page, img in list(eng.bm.image_of.items()):
+            if kind == "bytes":
+                eng.runner.cache.image_ring[:, img * st.W] += 1
+            else:
+                lid, pos, chk = st.meta[img]
+                st.meta[img] = ("another-geometry", pos, chk)
+    return hook
+
+
+def preset_cfg():
+    from v41.config import preset
+    return preset("toy")

@@ -68,6 +68,8 @@ class Attention(nn.Module):
                             batch.batch_ids, 1, 1, self.sink, self.scale, o)
         # every query of the batch has read its window: only now may the ring move on
         ops.scatter_rows(ring, kv, batch.ring_dest)
+        if batch.image_dest is not None:  # checkpoint images at PAGE boundaries (copy mode)
+            ops.scatter_rows(cache.image_ring[l], kv, batch.image_dest)
         o = self.rope(o, pos, inverse=True).view(T, self.o_groups, -1)
         z = torch.einsum("tgi,goi->tgo", o, self.wo_a).flatten(1)
         return self.wo_b(z)

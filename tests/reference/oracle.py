@@ -190,6 +190,7 @@ class ForwardState:
     window_lo: dict = field(default_factory=dict)     # layer → [S] first window position
     hidden: torch.Tensor | None = None                # final collapsed stream [S, D]
     stats: dict = field(default_factory=dict)
+    cached: tuple | None = None                       # (hit, ForwardState of a cold run)
 
 
 @dataclass
@@ -273,13 +274,16 @@ class Oracle:
 
     # ---- §3.0 top level ----
     def forward(self, token_ids, start: int = 0, window_start: Callable | None = None,
-                engram_history=None) -> torch.Tensor:
+                engram_history=None, cached: tuple | None = None) -> torch.Tensor:
         """Logits [S, vocab] (acc) of tokens at positions start..start+S-1. The request has no
         context before `start` (start > 0 only moves positions; it must be a multiple of
         2·candidate_block_size so row groups and candidate blocks align).
         window_start(layer, positions) -> LongTensor | None: a floor on the first window
         position per query (bounded replay); the window is [max(floor, p-W+1, start), p].
-        engram_history: compressed ids before `start` (default: DEAD = pad n-grams)."""
+        engram_history: compressed ids before `start` (default: DEAD = pad n-grams).
+        cached: (hit, state of an earlier untruncated forward over the same prefix): owner rows
+        of groups ending below `hit` are taken from it, as a runtime resuming a prefix hit reads
+        them from the prefix cache instead of recomputing them (encoder replay)."""
         cfg, dt, acc = self.cfg, self.dtype, self.acc
         ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
         S = ids.numel()
@@ -287,7 +291,7 @@ class Oracle:
         if start % align:
             raise ValueError(f"start {start} must be a multiple of {align}")
         pos = start + torch.arange(S)
-        st = ForwardState(start, pos)
+        st = ForwardState(start, pos, cached=cached)
         st.stats = {"seq_len": S, "window": cfg.sliding_window, "window_dropped": S > cfg.sliding_window,
                     "layers": {}}
         hashes = self.engram_hashes(ids, start, engram_history)
@@ -446,6 +450,11 @@ class Oracle:
         k = self.norm(self.blinear(latent, ix + ".wk"), ix + ".k_norm.weight")
         st.index_rows[l] = Q.fp4_qat_ue8m0(apply_rope(k, cos, sin, acc), 32)
         st.main_rows[l] = Q.fp4_qat_e4m3(apply_rope(latent, cos, sin, acc), 16)
+        if st.cached is not None:  # encoder replay: groups below the hit come from the cache
+            hit, cold = st.cached
+            keep = min(hit // r, n)
+            st.index_rows[l][:keep] = cold.index_rows[l][:keep]
+            st.main_rows[l][:keep] = cold.main_rows[l][:keep]
 
     def index_scores(self, spec, x, qr, cos, sin, st):
         """(f): score[t, j] = Σ_h relu(qI[t,h]·k_j)·wI[t,h] in acc over the kv owner's index

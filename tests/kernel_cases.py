@@ -1,0 +1,126 @@
+"""Random inputs for the kernel tests (tests/test_kernels_cpu.py, tests/test_kernels_gpu.py):
+a ragged step laid out the way runtime/model_runner.py lays it out (flat tokens, padding rows
+with batch id -1, zero-length padding requests, window rows from the ring or this batch, block
+tables of distinct pages), plus per-op tensors. Imports no triton."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from v41 import quant
+
+
+@dataclass
+class Step:
+    positions: torch.Tensor     # [T]
+    batch_ids: torch.Tensor     # [T], -1 padding
+    block_table: torch.Tensor   # [B, max_pages]
+    win_idx: torch.Tensor       # [T, W]: ring row (< n_ring), n_ring + batch row, or -1
+    n_ring: int                 # slots * W
+    num_pages: int
+    page: int
+    starts: list
+    n_new: list
+    T: int                      # rows including padding
+
+    def vis(self, ratio: int) -> torch.Tensor:
+        return torch.where(self.batch_ids >= 0, (self.positions + 1) // ratio, 0)
+
+
+def make_step(g: torch.Generator, *, n_req: int, max_new: int, max_start: int, W: int, page: int,
+              n_slots: int, pad_tokens: int = 0, pad_reqs: int = 0, decode: bool = False,
+              new_tokens: list | None = None, device="cpu") -> Step:
+    """Requests with a random cached prefix (start) and 1..max_new new tokens (1 for decode,
+    or exactly `new_tokens`)."""
+    ri = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    starts = [ri(0, max_start) for _ in range(n_req)]
+    n_new = list(new_tokens) if new_tokens else [1 if decode else ri(1, max_new) for _ in range(n_req)]
+    slots = torch.randperm(n_slots, generator=g)[:n_req].tolist()
+    need = [-(-(s + n) // page) for s, n in zip(starts, n_new)]
+    max_pages = max(need) + 1
+    num_pages = sum(need) + 3
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    B = n_req + pad_reqs
+    bt = torch.zeros(B, max_pages, dtype=torch.long)
+    k = 0
+    for i, n in enumerate(need):
+        bt[i, :n] = torch.tensor(perm[k:k + n])
+        k += n
+    pos, bid, win = [], [], []
+    t = 0
+    for i, (s, n) in enumerate(zip(starts, n_new)):
+        for p in range(s, s + n):
+            q = torch.arange(p - (W - 1), p + 1)
+            in_batch = q >= s
+            row = torch.where(in_batch, n_slots * W + t - (p - q), slots[i] * W + q % W)
+            win.append(torch.where(q >= 0, row, -1))
+            pos.append(p)
+            bid.append(i)
+            t += 1
+    for _ in range(pad_tokens):
+        pos.append(0)
+        bid.append(-1)
+        win.append(torch.full((W,), -1))
+    T = len(pos)
+    return Step(torch.tensor(pos, device=device), torch.tensor(bid, device=device), bt.to(device),
+                torch.stack(win).to(device), n_slots * W, num_pages, page, starts, n_new, T)
+
+
+def random_topk(g, step: Step, ratio: int, K: int, holes: float = 0.1) -> torch.Tensor:
+    """[T, K] distinct visible owner rows, ascending, -1 padded, with some -1 holes inside."""
+    out = torch.full((step.T, K), -1, dtype=torch.long)
+    vis = step.vis(ratio).cpu()
+    for t in range(step.T):
+        v = int(vis[t])
+        if v == 0:
+            continue
+        n = min(K, v)
+        rows = torch.randperm(v, generator=g)[:n].sort().values
+        out[t, :n] = rows
+    hole = (torch.rand(out.shape, generator=g) < holes)
+    out[hole] = -1
+    return out.to(step.positions.device)
+
+
+def random_candidates(g, step: Step, ratio: int, C: int, block: int) -> torch.Tensor:
+    """[T, C] distinct visible candidate blocks, ascending, -1 padded (a producer's output)."""
+    out = torch.full((step.T, C), -1, dtype=torch.long)
+    vis = step.vis(ratio).cpu()
+    for t in range(step.T):
+        nb = -(-int(vis[t]) // block)
+        if nb == 0:
+            continue
+        n = min(C, nb)
+        out[t, :n] = torch.randperm(nb, generator=g)[:n].sort().values
+    return out.to(step.positions.device)
+
+
+def encode_index(k: torch.Tensor, fmt: str):
+    """Index-plane storage of keys k [rows, d] (runtime/cache.py OwnerPlanes.encode_index)."""
+    if fmt == "fp8":
+        q, s = quant.fp8_row_quant(k)
+        return q.to(torch.float8_e4m3fn), s[..., 0].to(torch.float32)
+    q, s = quant.fp4_act_quant(k, 32)
+    codes = quant.pack_fp4(quant.e2m1_encode(q)).view(torch.uint8)
+    return codes, quant.e8m0_encode(s.float()).view(torch.uint8)
+
+
+def device_generator(g: torch.Generator, device) -> torch.Generator:
+    """A generator on `device` seeded from the CPU generator g (g itself on the CPU)."""
+    if torch.device(device).type == "cpu":
+        return g
+    return torch.Generator(device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
+
+
+def index_plane(g, rows: int, d: int, fmt: str, device="cpu", ties: bool = True):
+    """A random index plane; with `ties`, some all-zero keys and some duplicated keys so exact
+    score ties occur and the tie rule is exercised."""
+    k = torch.randn(rows, d, generator=device_generator(g, device), device=device)
+    if ties and rows >= 8:
+        z = torch.randperm(rows, generator=g)[: rows // 8]
+        k[z] = 0
+        a = torch.randperm(rows, generator=g)[: rows // 8]
+        b = torch.randperm(rows, generator=g)[: rows // 8]
+        k[a] = k[b]
+    return encode_index(k, fmt)
