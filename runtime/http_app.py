@@ -71,14 +71,8 @@ class _Track:
 
 
 def _pool_stats(bm) -> tuple[int, int, int, int]:
-    """(free pages, pages, free slots, slots) of a block manager."""
-    free_pages = getattr(bm, "num_free_pages", None)
-    if free_pages is None or callable(free_pages):
-        free_pages = len(bm.free_pages)
-    free_slots = getattr(bm, "num_free_slots", None)
-    if free_slots is None or callable(free_slots):
-        free_slots = len(bm.free_slots)
-    return int(free_pages), int(bm.num_pages), int(free_slots), int(bm.num_slots)
+    """(pages no request holds (free or cached), pages, free slots, slots) of a block manager."""
+    return bm.num_available_pages, bm.num_pages, len(bm.free_slots), bm.num_slots
 
 
 class AsyncEngine:
@@ -277,6 +271,12 @@ class AsyncEngine:
         m.slot_usage.set(1 - fs / ns if ns else 0.0, **lab)
         q = m.prefix_queries.get(**lab)
         m.prefix_hit_rate.set(m.prefix_hits.get(**lab) / q if q else 0.0, **lab)
+        st = self.engine.runner.state.stats
+        m.images_stored.set(st["images_stored"], **lab)
+        m.images_restored.set(st["images_restored"], **lab)
+        m.images_refused.set(st["images_refused"], **lab)
+        m.replayed_rows.set(sch.stats["replayed_rows"], **lab)
+        m.cached_pages.set(len(self.engine.bm.evictable), **lab)
         npre = getattr(sch, "num_preemptions", 0)
         if npre > self._preemptions:
             m.preemptions.inc(npre - self._preemptions, **lab)

@@ -170,6 +170,13 @@ class ServingMetrics:
                                             "Prompt tokens looked up in the prefix cache.", L))
         self.prefix_hits = r.add(Counter("v41:prefix_cache_hits_total",
                                          "Prompt tokens served from the prefix cache.", L))
+        self.cached_pages = r.add(Gauge("v41:prefix_cache_pages", "Cached pages no request holds (evictable).", L))
+        self.images_stored = r.add(Gauge("v41:checkpoint_images_stored", "Checkpoint images written (copy mode).", L))
+        self.images_restored = r.add(Gauge("v41:checkpoint_images_restored", "Checkpoint images restored into a slot.", L))
+        self.images_refused = r.add(Gauge("v41:checkpoint_images_refused",
+                                          "Images refused (another geometry, position or altered bytes).", L))
+        self.replayed_rows = r.add(Gauge("v41:prefix_replayed_rows",
+                                         "Rows recomputed below prefix hits (replay start or image boundary).", L))
         self.prompt_tokens = r.add(Counter("v41:prompt_tokens_total", "Prefill tokens processed.", L))
         self.generation_tokens = r.add(Counter("v41:generation_tokens_total", "Generated tokens.", L))
         self.preemptions = r.add(Counter("v41:num_preemptions_total", "Requests preempted.", L))
