@@ -120,8 +120,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
         seq = Sequence(prompt_token_ids, params, request_id)
-        seq.num_logprobs = logprobs
-        seq.logprobs = [] if logprobs is not None else None
+        seq.num_logprobs, seq.logprobs = logprobs, [] if logprobs is not None else None
         if seq.request_id in self.seqs:
             raise ValueError(f"request id {seq.request_id!r} is already running")
         self.seqs[seq.request_id] = seq
@@ -145,16 +144,12 @@ class LLMEngine:
         logits = self.runner.run(sb)
         final = [i for i, f in enumerate(sb.is_final_chunk) if f]
         toks = sample(logits[final], [sb.seqs[i] for i in final]) if final else []
-        sampled = {sb.seqs[i].seq_id: t for i, t in zip(final, toks)}
-        want = [j for j, i in enumerate(final) if getattr(sb.seqs[i], "num_logprobs", None) is not None]
-        lps = dict(zip([sb.seqs[final[j]].seq_id for j in want],
-                       token_logprobs(logits[[final[j] for j in want]], [toks[j] for j in want],
-                                      [sb.seqs[final[j]].num_logprobs for j in want]))) if want else {}
-        self.scheduler.postprocess(sb, sampled)
-        out = [s for s in sb.seqs if s.seq_id in sampled]
-        for s in out:
-            if s.seq_id in lps and len(s.logprobs) < len(s.completion_token_ids):
-                s.logprobs.append(lps[s.seq_id])
+        self.scheduler.postprocess(sb, {sb.seqs[i].seq_id: t for i, t in zip(final, toks)})
+        out = [sb.seqs[i] for i in final]
+        for i, tok in zip(final, toks):
+            seq = sb.seqs[i]
+            if seq.logprobs is not None and len(seq.logprobs) < len(seq.completion_token_ids):
+                seq.logprobs.append(token_logprobs(logits[i:i + 1], [tok], [seq.num_logprobs])[0])
         for s in out:
             if s.status is Status.FINISHED:
                 self.seqs.pop(s.request_id, None)

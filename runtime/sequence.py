@@ -53,6 +53,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0       # prompt tokens served from the prefix cache (the hit)
         self.generator = None            # per-request torch.Generator for seeded sampling
+        self.num_logprobs: int | None = None   # top-N logprobs wanted per completion token
+        self.logprobs: list | None = None
         self.page_hashes: list[int] = []  # chained hashes of full prompt PAGEs (memo)
         self.resume = None               # how a prefix hit resumes, until its first forward
         self.write_from = 0              # global rows of groups ending below this are cached
