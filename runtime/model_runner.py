@@ -113,10 +113,12 @@ class ModelRunner:
         for k, a in host.items():
             b = self.buf[k]
             b[:T].copy_(torch.from_numpy(a))
-            b[T:Tr].fill_(pad[k])
+            if Tr > T:
+                b[T:Tr].fill_(pad[k])
             v[k] = b[:Tr]
         self.buf["block_table"][: len(n)].copy_(torch.from_numpy(bt))
-        self.buf["block_table"][len(n):Br].fill_(0)
+        if Br > len(n):
+            self.buf["block_table"][len(n):Br].fill_(0)
         self._committed = (slots, starts + n)
         engram = self.prepare_engram(sb, ids, n, starts, slots, T, Tr)
         batch = Batch(v["input_ids"], v["positions"], v["batch_ids"], self.buf["block_table"][:Br],
