@@ -153,7 +153,7 @@ def warmup(engine) -> None:
     engine.add_request([tok] * 4, SamplingParams(max_tokens=2, ignore_eos=True), "v41-warmup")
     while engine.has_unfinished():
         engine.step()
-    if not getattr(engine.bm, "all_free", True):
+    if not engine.bm.all_free:
         raise RuntimeError("warm-up left pages or slots held")
     log.info("warm-up done in %.1fs", time.perf_counter() - t0)
 
@@ -179,8 +179,8 @@ def main(argv=None) -> int:
     import uvicorn
 
     from runtime.engine import LLMEngine
-    from runtime.http_app import AsyncEngine, create_app
     from runtime.metrics import ServingMetrics
+    from runtime.server import AsyncEngine, create_app
     names_served = a.served_model_name or [a.model]
     try:
         engine = LLMEngine(eargs)

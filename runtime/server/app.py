@@ -1,0 +1,109 @@
+"""The FastAPI app of `python -m v41.serve`: `/v1/models`, `/v1/completions`,
+`/v1/chat/completions` (both with SSE streaming), `/health`, `/metrics` (Prometheus text) and
+`/version`, behind an optional bearer key. Every refusal is an OpenAI-style JSON error."""
+from __future__ import annotations
+
+import hmac
+import importlib.metadata
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.server.async_engine import AsyncEngine
+from runtime.server.chat import Chat
+from runtime.server.completions import Completion
+from runtime.server.protocol import APIError, error_response, read_body
+from runtime.server.serving import Frontend
+
+log = logging.getLogger("v41.serve")
+
+
+class BearerAuth:
+    """Bearer-key check on every route but /health (pure ASGI: it leaves streaming and
+    disconnect detection alone)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                msg = ("Missing API key: send 'Authorization: Bearer <key>'" if not auth
+                       else "Incorrect API key provided")
+                resp = error_response(401, msg, None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(aeng: AsyncEngine, served_model_names: list[str], api_key: str | None = None,
+               max_logprobs: int = 20, model_path: str | None = None) -> FastAPI:
+    fe = Frontend(aeng, served_model_names, max_logprobs)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        aeng.start()
+        yield
+        aeng.stop()
+
+    app = FastAPI(title="v41", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return error_response(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        msg = {404: f"no route {request.method} {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return error_response(e.status_code, msg)
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):
+        log.exception("unhandled error")
+        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+
+    @app.get("/health")
+    async def health():
+        if not aeng.alive:
+            return error_response(503, f"engine not running: {aeng.dead or 'stopped'}")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(aeng.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version():
+        import torch
+        eng = aeng.engine
+        try:
+            v41_version = importlib.metadata.version("v41")
+        except importlib.metadata.PackageNotFoundError:
+            v41_version = None
+        return {"version": v41_version, "torch": torch.__version__, "model": model_path,
+                "device": str(eng.runner.device), "torch_threads": torch.get_num_threads(),
+                "engine_args": {k: v for k, v in vars(eng.args).items() if k != "extra"},
+                "max_model_len": fe.max_model_len}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": n, "object": "model", "created": fe.created, "owned_by": "v41",
+             "root": model_path or n, "parent": None, "max_model_len": fe.max_model_len,
+             "vocab_size": fe.vocab_size} for n in fe.names]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await fe.respond(request, Completion.parse(fe, await read_body(request)))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await fe.respond(request, Chat.parse(fe, await read_body(request)))
+
+    return BearerAuth(app, api_key) if api_key else app  # type: ignore[return-value]
