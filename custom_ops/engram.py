@@ -1,16 +1,19 @@
-"""Engram row gather: FP8 table rows x E8M0 per 32 dims, for the n-gram hash ids of each token.
-Tables can be far larger than device memory (host-mapped in Flash), so only the gathered rows
-are decoded, through 256-entry byte tables (exact in float32: 4 significant bits times a power
-of two)."""
+"""Engram ops (spec §3.2). Row gather: FP8 table rows x E8M0 per 32 dims, for the n-gram hash
+ids of each token. Tables can be far larger than device memory (host-mapped in Flash), so only
+the gathered rows are decoded, through 256-entry byte tables (exact in float32: 4 significant
+bits times a power of two). Gate: the module math after the wkv GEMM (per-stream keys, shared
+value, sqrt-sigmoid gate), whose reference impl is v41.engram.device.Engram.forward itself."""
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from custom_ops.registry import define
 from v41 import quant
+from v41.engram.device import Engram
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,3 +37,16 @@ def engram_gather(table, scale, ids, out) -> None:
         rows = val[table.view(torch.uint8)[flat].long()].unflatten(-1, (-1, 32))
         rows = (rows * exp[scale.view(torch.uint8)[flat].long()][..., None]).reshape(out.shape)
     out.copy_(rows)
+
+
+def _identity(t):
+    return t
+
+
+@define("engram_gate(Tensor X, Tensor kv, Tensor wqk, float eps, Tensor(a!) out) -> ()")
+def engram_gate(X, kv, wqk, eps, out) -> None:
+    """X [T, hc, D] residual streams; kv [T, (hc+1)*D] = engram.wkv(rows) (keys of the hc
+    streams, then the shared value); wqk [hc, D] = q_weight * k_weight; out [T, hc, D] (X's
+    dtype) <- X[c] + gate_c * value."""
+    module = SimpleNamespace(wkv=_identity, wqk=wqk, hc=X.shape[1], eps=eps)
+    out.copy_(Engram.forward(module, X, kv))

@@ -1,6 +1,11 @@
-"""Routed experts (spec §3.4): W4A8 SwiGLU experts with the clamp, routing weight applied before
-the down projection's activation quant, outputs accumulated in ascending expert id."""
+"""Routing and routed experts (spec §3.4). Routing: sqrt-softplus scores, experts chosen on the
+biased scores (ties to the smaller expert id), weighted by the unbiased ones, normalized and
+scaled (the reference impl is v41.moe.MoE.route itself). Experts: W4A8 SwiGLU experts with the
+clamp, routing weight applied before the down projection's activation quant, outputs accumulated
+in ascending expert id."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -24,3 +29,15 @@ def moe_experts(x, ids, weights, w1, w3, w2, limit, out) -> None:
         h = F.silu(g.clamp(max=limit)) * u * weights[t, slot, None].to(acc)
         y = quant.fp8_qat(h.to(x.dtype)) @ w2[e].T
         out.index_add_(0, t, y.to(acc))
+
+
+@define("moe_route(Tensor x, Tensor gate, Tensor bias, int top_k, float route_scale, "
+        "Tensor(a!) ids, Tensor(b!) weights) -> ()")
+def moe_route(x, gate, bias, top_k, route_scale, ids, weights) -> None:
+    """x [T, D]; gate [E, D], bias [E] (accumulation dtype); ids [T, top_k] (int64),
+    weights [T, top_k] (gate's dtype) <- MoE.route(x)."""
+    from v41.moe import MoE
+    router = SimpleNamespace(gate=gate, bias=bias, top_k=top_k, route_scale=route_scale)
+    i, w = MoE.route(router, x)
+    ids.copy_(i)
+    weights.copy_(w)

@@ -138,7 +138,8 @@ def selected() -> dict[str, dict[str, str]]:
 def log_selected(device_type: str | None = None) -> dict[str, dict[str, str]]:
     """Log (INFO, logger "v41.custom_ops") the impl each op runs with; call once at startup."""
     sel = selected()
-    for q, by_dev in sorted(sel.items()):
-        devs = {d: b for d, b in by_dev.items() if device_type is None or d == device_type}
-        log.info("%s -> %s", q, ", ".join(f"{d}: {b}" for d, b in sorted(devs.items())))
+    log.info("custom ops: %s", "; ".join(
+        f"{q.split('::')[-1]} " + ",".join(f"{d}={b}" for d, b in sorted(by_dev.items())
+                                          if device_type is None or d == device_type)
+        for q, by_dev in sorted(sel.items())))
     return sel

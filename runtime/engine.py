@@ -84,6 +84,10 @@ class LLMEngine:
         from v41.tokenizer import load_tokenizer
         self.args, self.cfg, self.geo = args, cfg, geo
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.device(device).type == "cuda":
+            import custom_ops.triton  # noqa: F401  (registers the CUDA kernels)
+        from custom_ops import registry
+        registry.log_selected(torch.device(device).type)
         self.max_model_len = args.max_model_len or min(cfg.max_position_embeddings, 8192)
         self.tokenizer, token_map = load_tokenizer(args.model, cfg)
         t0 = time.perf_counter()

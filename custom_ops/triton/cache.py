@@ -63,6 +63,7 @@ def triton_scatter_rows(dst: torch.Tensor, rows: torch.Tensor, dest: torch.Tenso
     if d8 is None or r8 is None or d8.shape[1] != r8.shape[1] or r8.shape[0] < T:
         return _ref.scatter_rows(dst, rows, dest)
     du, ru = _units(d8, r8)
+    dest = dest if dest.stride(0) == 1 else dest.contiguous()
     n = du.shape[1]
     _scatter_rows_kernel[(T, triton.cdiv(n, BLOCK))](du, ru, dest, n, du.stride(0), ru.stride(0),
                                                      BLOCK=BLOCK, num_warps=4)

@@ -43,19 +43,23 @@ def _compress_pool_kernel(v_ptr, g_ptr, pos_ptr, bid_ptr, src_ptr, tv_ptr, tg_pt
     tmask = m2 & from_tail[:, None]
     bmask = m2 & (src < 0)[:, None]
     s = tl.maximum(src, 0)
+    # the pair's first member: the request's tail row, or the previous token of this batch
     v0 = tl.where(from_tail[:, None],
-                  tl.load(tv_ptr + s[:, None] * stride_tv + cols[None, :], mask=tmask, other=0.0).to(tl.float32),
-                  tl.load(v_ptr + prev[:, None] * stride_v + cols[None, :], mask=bmask, other=0.0).to(tl.float32))
+                  tl.load(tv_ptr + s[:, None] * stride_tv + cols[None, :], mask=tmask, other=0.0),
+                  tl.load(v_ptr + prev[:, None] * stride_v + cols[None, :], mask=bmask, other=0.0))
     g0 = tl.where(from_tail[:, None],
-                  tl.load(tg_ptr + s[:, None] * stride_tg + cols[None, :], mask=tmask, other=0.0).to(tl.float32),
-                  tl.load(g_ptr + prev[:, None] * stride_g + cols[None, :], mask=bmask, other=0.0).to(tl.float32))
+                  tl.load(tg_ptr + s[:, None] * stride_tg + cols[None, :], mask=tmask, other=0.0),
+                  tl.load(g_ptr + prev[:, None] * stride_g + cols[None, :], mask=bmask, other=0.0))
+    v0 = v0.to(tl.float32)
+    g0 = g0.to(tl.float32)
     m = tl.maximum(g0, g1)
     e0 = tl.exp(g0 - m)
     e1 = tl.exp(g1 - m)
     tot = e0 + e1
     pooled = v0 * (e0 / tot) + v1 * (e1 / tot)
     pooled = tl.where(closes[:, None], pooled, 0.0)
-    tl.store(out_ptr + r[:, None] * stride_o + cols[None, :], pooled.to(out_ptr.dtype.element_ty), mask=m2)
+    tl.store(out_ptr + r[:, None] * stride_o + cols[None, :], pooled.to(out_ptr.dtype.element_ty),
+             mask=m2)
 
 
 def _rows(x):
@@ -71,6 +75,7 @@ def triton_compress_pool(v, g, positions, batch_ids, tail_src, tail_dst, tail_v,
         return
     v, g = _rows(v), _rows(g)
     tv, tg = _rows(tail_v), _rows(tail_g)
+    positions, batch_ids, tail_src = _rows(positions), _rows(batch_ids), _rows(tail_src)
     dst = out if out.stride(-1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D))
     _compress_pool_kernel[grid](v, g, positions, batch_ids, tail_src, tv, tg, dst, T, D,

@@ -1,0 +1,24 @@
+"""RMSNorm ops (spec §2.2, §2.4): the norm alone, and the norm followed by the FP8 activation
+quant of the GEMM that reads it (the dequantized QAT value, in x's dtype). The reference impls
+are the eager model's own functions (v41.layers.rms_norm, v41.quant.fp8_qat), so a fused graph
+computes exactly what the eager model does."""
+from __future__ import annotations
+
+from custom_ops.registry import define
+from v41 import quant
+from v41.layers import rms_norm as _rms_norm
+
+FP8_GROUP = 32
+
+
+@define("rms_norm(Tensor x, Tensor w, float eps, Tensor(a!) out) -> ()")
+def rms_norm(x, w, eps, out) -> None:
+    """x [..., D], w [D]; out (x's shape and dtype) <- w * x * rsqrt(mean(x^2) + eps)."""
+    out.copy_(_rms_norm(x, w, eps))
+
+
+@define("rms_norm_fp8(Tensor x, Tensor w, float eps, Tensor(a!) out) -> ()")
+def rms_norm_fp8(x, w, eps, out) -> None:
+    """fp8_qat(rms_norm(x, w, eps), 32): RMSNorm then the FP8 act-quant round trip of the next
+    GEMM's input (per 32 along D, UE8M0 scale), in x's dtype."""
+    out.copy_(quant.fp8_qat(_rms_norm(x, w, eps), FP8_GROUP))

@@ -1,0 +1,295 @@
+"""Triton impls of `v41::moe_route` and `v41::moe_experts` (custom_ops/moe.py is the definition).
+
+moe_route, two launches. Scores: the split-K skinny GEMM of common.py, x[T, D] · gateᵀ in FP32
+with full-precision products (Flash: E = 384 in 64-wide tiles, K split to fill the GPU at
+decode). Selection, BLOCK_T tokens x all experts per program: the splits summed in a fixed
+order, sqrt(softplus) (torch's threshold 20; log1p by the compensated log(1+u)·u/((1+u)-1)),
+then top_k rounds of (max of the biased scores, smallest expert id among the maxima), the
+unbiased score gathered per round, the weights normalized and scaled at the end.
+
+moe_experts: tokens sorted by expert, grouped GEMM tiles, a deterministic reduction.
+  0. x is FP8-QAT'd once ([T, D], common.fp8_qat); the (token, slot) pairs are sorted by expert
+     with torch ops on the device (stable argsort, searchsorted bounds): each expert's pairs
+     are a contiguous run, cut into BLOCK_M-row tiles; a static upper bound of tiles
+     (cdiv(T·k, BLOCK_M) + min(E, T·k)) is launched and the tiles past the real count return
+     at once, so nothing on the host depends on the routing (CUDA-graph safe).
+  1. Up kernel, grid (tiles, I / BLOCK_N): gathers the tile's token rows of x_q, two
+     accumulators (w1 and w3 tiles of the tile's expert), then in registers: both rounded to
+     the activation dtype (the reference's GEMM outputs), clamp, silu, x routing weight, rounded,
+     FP8 QAT per 32 along I (BLOCK_N is a multiple of 32) -> h [pairs in expert order, I].
+  2. Down kernel, grid (tiles, D / BLOCK_N): h tile · w2[e]ᵀ, rounded to the activation dtype,
+     stored at the pair's own row of y [T·k, D].
+  3. Reduce, grid (token tiles, D tiles): out[t] = Σ of the token's valid slots in ascending
+     expert id, in FP32 from 0 — the reference's accumulation order, so the result does not
+     depend on the batch or on atomics.
+FP64 (the oracle) and widths not a multiple of 32 fall back to the reference.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops import moe as _ref
+from custom_ops.registry import register_impl
+from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, fp8_qat_groups, skinny_gemm
+
+ROUTE_BLOCK_T = 4
+BLOCK_N_UP = 64
+BLOCK_N_DOWN = 128
+BLOCK_K = 64
+REDUCE_BLOCK_D = 512
+
+
+# ---- routing ---------------------------------------------------------------------------------
+
+@triton.jit
+def _route_select_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, T, E, S, top_k, route_scale,
+                         stride_ps, stride_pt, stride_it, stride_wt,
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    tmask = t < T
+    emask = e < E
+    t64 = t.to(tl.int64)
+    m2 = tmask[:, None] & emask[None, :]
+    raw = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for s in range(S):
+        raw += tl.load(part_ptr + s * stride_ps + t64[:, None] * stride_pt + e[None, :], mask=m2,
+                       other=0.0)
+    u = tl.exp(raw)
+    v = 1.0 + u
+    log1p = tl.where(v == 1.0, u, tl.log(v) * (u / (v - 1.0)))
+    sc = tl.sqrt(tl.where(raw > 20.0, raw, log1p))
+    b = tl.load(bias_ptr + e, mask=emask, other=0.0)
+    biased = tl.where(m2, sc + b[None, :], float("-inf"))
+    kk = tl.arange(0, BLOCK_K)
+    sel_ids = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
+    sel_w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+    for r in range(top_k):
+        mx = tl.max(biased, axis=1)
+        sel = tl.min(tl.where(biased == mx[:, None], e[None, :], BLOCK_E), axis=1)
+        hit = e[None, :] == sel[:, None]
+        w = tl.sum(tl.where(hit, sc, 0.0), axis=1)
+        sel_ids = tl.where(kk[None, :] == r, sel[:, None], sel_ids)
+        sel_w = tl.where(kk[None, :] == r, w[:, None], sel_w)
+        biased = tl.where(hit, float("-inf"), biased)
+    tot = tl.sum(sel_w, axis=1)
+    wn = sel_w / (tot + 1e-20)[:, None] * route_scale
+    km = tmask[:, None] & (kk < top_k)[None, :]
+    tl.store(ids_ptr + t64[:, None] * stride_it + kk[None, :], sel_ids.to(ids_ptr.dtype.element_ty), mask=km)
+    tl.store(w_ptr + t64[:, None] * stride_wt + kk[None, :], wn.to(w_ptr.dtype.element_ty), mask=km)
+
+
+def triton_moe_route(x, gate, bias, top_k, route_scale, ids, weights, *,
+                     split: int | None = None) -> None:
+    """`v41::moe_route` (same signature); `split`: K splits of the score GEMM."""
+    T, D = x.shape
+    E = gate.shape[0]
+    if x.dtype not in TL_DTYPES or gate.dtype != torch.float32 or bias.dtype != torch.float32 or \
+            weights.dtype != torch.float32 or ids.dtype not in (torch.int64, torch.int32) or top_k > E:
+        return _ref.moe_route(x, gate, bias, top_k, route_scale, ids, weights)
+    if T == 0:
+        return
+    x = x if x.stride(1) == 1 else x.contiguous()
+    part, _ = skinny_gemm(x, gate, False, split=split)
+    dst_i, dst_w = (t if t.stride(1) == 1 or top_k == 1 else
+                    torch.empty_like(t, memory_format=torch.contiguous_format) for t in (ids, weights))
+    BLOCK_E = triton.next_power_of_2(E)
+    bt = max(1, min(ROUTE_BLOCK_T, 4096 // BLOCK_E))
+    _route_select_kernel[(triton.cdiv(T, bt),)](
+        part, bias.contiguous(), dst_i, dst_w, T, E, part.shape[0], top_k, route_scale,
+        part.stride(0), part.stride(1), dst_i.stride(0), dst_w.stride(0),
+        BLOCK_T=bt, BLOCK_E=BLOCK_E, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+    if dst_i is not ids:
+        ids.copy_(dst_i)
+    if dst_w is not weights:
+        weights.copy_(dst_w)
+
+
+# ---- experts ---------------------------------------------------------------------------------
+
+@triton.jit
+def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr,
+                   n_tiles, I, D, k, limit,
+                   stride_x, stride_w1e, stride_w1n, stride_w3e, stride_w3n, stride_h,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    tile = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    r0 = tl.load(meta_ptr + n_tiles + tile)
+    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
+    if r0 >= r1:
+        return
+    e = tl.load(meta_ptr + tile).to(tl.int64)
+    rows = r0 + tl.arange(0, BLOCK_M)
+    rmask = rows < r1
+    pair = tl.load(order_ptr + rows, mask=rmask, other=0)
+    tok = (pair // k).to(tl.int64)
+    wt = tl.load(wts_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < I
+    rk = tl.arange(0, BLOCK_K)
+    a_rows = xq_ptr + tok[:, None] * stride_x
+    b1 = w1_ptr + e * stride_w1e + rn.to(tl.int64)[None, :] * stride_w1n
+    b3 = w3_ptr + e * stride_w3e + rn.to(tl.int64)[None, :] * stride_w3n
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        ks = k0 + rk
+        kmask = ks < D
+        a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        bm = kmask[:, None] & nmask[None, :]
+        wg = tl.load(b1 + ks[:, None], mask=bm, other=0.0)
+        wu = tl.load(b3 + ks[:, None], mask=bm, other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+        acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
+        acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
+    act = h_ptr.dtype.element_ty
+    g = acc_g.to(act).to(tl.float32)
+    u = acc_u.to(act).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    g = tl.minimum(g, limit)
+    h = (g / (1.0 + tl.exp(-g))) * u * wt[:, None]
+    h = h.to(act).to(tl.float32)
+    hq = tl.reshape(fp8_qat_groups(tl.reshape(h, [BLOCK_M, BLOCK_N // 32, 32]), 2), [BLOCK_M, BLOCK_N])
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_h + rn[None, :], hq.to(act),
+             mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(h_ptr, w2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles, D, I,
+                     stride_h, stride_w2e, stride_w2n, stride_y,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    tile = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    r0 = tl.load(meta_ptr + n_tiles + tile)
+    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
+    if r0 >= r1:
+        return
+    e = tl.load(meta_ptr + tile).to(tl.int64)
+    rows = r0 + tl.arange(0, BLOCK_M)
+    rmask = rows < r1
+    pair = tl.load(order_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < D
+    rk = tl.arange(0, BLOCK_K)
+    a_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
+    b = w2_ptr + e * stride_w2e + rn.to(tl.int64)[None, :] * stride_w2n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        ks = k0 + rk
+        kmask = ks < I
+        a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(b + ks[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PREC)
+    tl.store(y_ptr + pair[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _moe_reduce_kernel(y_ptr, ids_ptr, slot_ptr, out_ptr, T, D, stride_y, stride_it, stride_st,
+                       stride_o, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    cmask = c < D
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    for r in tl.static_range(K):                   # the token's slots in ascending expert id
+        slot = tl.load(slot_ptr + t64 * stride_st + r, mask=tmask, other=0).to(tl.int64)
+        eid = tl.load(ids_ptr + t64 * stride_it + slot, mask=tmask, other=-1)
+        ok = tmask & (eid >= 0)
+        y = tl.load(y_ptr + (t64 * K + slot)[:, None] * stride_y + c[None, :],
+                    mask=ok[:, None] & cmask[None, :], other=0.0)
+        acc += y.to(tl.float32)
+    tl.store(out_ptr + t64[:, None] * stride_o + c[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=tmask[:, None] & cmask[None, :])
+
+
+def _block_m(pairs: int, E: int) -> int:
+    per = pairs / max(E, 1)
+    return 16 if per <= 16 else 32 if per <= 32 else 64
+
+
+def expert_tiles(ids: torch.Tensor, E: int, block_m: int):
+    """Device-side grouping of the (token, slot) pairs by expert, static shapes only.
+    Returns (order [P] pair ids sorted by expert (padding last), meta [3, n_tiles] int32 rows
+    (expert, first sorted row, end row) of each BLOCK_M tile, n_tiles = the static bound)."""
+    P = ids.numel()
+    key = ids.reshape(-1).to(torch.int64)
+    key = torch.where(key < 0, E, key)
+    order = torch.sort(key, stable=True).indices
+    skey = key[order]
+    bounds = torch.searchsorted(skey, torch.arange(E + 1, device=ids.device, dtype=torch.int64))
+    counts = bounds[1:] - bounds[:-1]
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    n_tiles = triton.cdiv(P, block_m) + min(E, P)
+    tix = torch.arange(n_tiles, device=ids.device, dtype=torch.int64)
+    te = torch.searchsorted(tile_end, tix, right=True)
+    ec = te.clamp(max=E - 1)
+    row0 = bounds[ec] + (tix - (tile_end[ec] - tiles[ec])) * block_m
+    row1 = bounds[ec + 1]
+    live = te < E
+    meta = torch.stack([ec, torch.where(live, row0, 0), torch.where(live, row1, 0)]).to(torch.int32)
+    return order.to(torch.int32), meta.contiguous(), n_tiles
+
+
+def triton_moe_experts(x, ids, weights, w1, w3, w2, limit, out, *, block_m: int | None = None,
+                       block_n_up: int | None = None, block_n_down: int | None = None,
+                       block_k: int | None = None) -> None:
+    """`v41::moe_experts` (same signature); keyword knobs: tile sizes."""
+    T, D = x.shape
+    E, I, _ = w1.shape
+    k = ids.shape[1]
+    bnu = block_n_up or BLOCK_N_UP
+    if x.dtype not in TL_DTYPES or not (w1.dtype == w3.dtype == w2.dtype == x.dtype) or \
+            out.dtype != torch.float32 or D % 32 or I % 32 or bnu % 32 or \
+            not all(t.stride(-1) == 1 for t in (w1, w3, w2)):
+        return _ref.moe_experts(x, ids, weights, w1, w3, w2, limit, out)
+    if T == 0:
+        return
+    dev = x.device
+    x = x if x.stride(1) == 1 else x.contiguous()
+    xq = torch.empty_like(x)
+    fp8_qat(x, xq)
+    bm = block_m or _block_m(T * k, E)
+    bk = block_k or BLOCK_K
+    bnd = block_n_down or BLOCK_N_DOWN
+    order, meta, n_tiles = expert_tiles(ids, E, bm)
+    wts = weights.reshape(-1).contiguous()
+    h = torch.empty(T * k, I, dtype=x.dtype, device=dev)
+    y = torch.empty(T * k, D, dtype=x.dtype, device=dev)
+    interp = dev.type == "cpu"
+    f32 = interp and x.dtype != torch.float32
+    prec = dot_precision(x)
+    _moe_up_kernel[(n_tiles, triton.cdiv(I, bnu))](
+        xq, w1, w3, order, wts, meta, h, n_tiles, I, D, k, limit,
+        xq.stride(0), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), h.stride(0),
+        BLOCK_M=bm, BLOCK_N=bnu, BLOCK_K=bk, DOT_F32=f32, PREC=prec, num_warps=4)
+    _moe_down_kernel[(n_tiles, triton.cdiv(D, bnd))](
+        h, w2, order, meta, y, n_tiles, D, I, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=bnd, BLOCK_K=bk, DOT_F32=f32, PREC=prec, num_warps=4)
+    key = torch.where(ids < 0, E, ids.to(torch.int64))
+    slots = torch.sort(key, dim=1, stable=True).indices.to(torch.int32).contiguous()
+    ids_c = ids if ids.stride(1) == 1 else ids.contiguous()
+    dst = out if out.stride(1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
+    bd = min(REDUCE_BLOCK_D, triton.next_power_of_2(D))
+    bt = max(1, min(triton.next_power_of_2(T), 2048 // bd))
+    _moe_reduce_kernel[(triton.cdiv(T, bt), triton.cdiv(D, bd))](
+        y, ids_c, slots, dst, T, D, y.stride(0), ids_c.stride(0), slots.stride(0), dst.stride(0),
+        K=k, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
+    if dst is not out:
+        out.copy_(dst)
+
+
+register_impl("moe_route", "triton", triton_moe_route, device_type="cuda")
+register_impl("moe_experts", "triton", triton_moe_experts, device_type="cuda")

@@ -1,0 +1,114 @@
+"""Triton impls of `v41::rms_norm` and `v41::rms_norm_fp8` (custom_ops/norm.py is the definition).
+
+Rows of x ([..., D] viewed [N, D]). One program takes BLOCK_R rows and walks D in chunks twice:
+the first pass sums x² in FP32, the second (re-reading the chunks, now in L1/L2) writes
+`w·(x·rsqrt(Σx²/D + eps))` rounded once to x's dtype. The FP8 variant reads each chunk as a
+[BLOCK_R, BLOCK_G, 32] tile, rounds the norm to x's dtype first (as the eager model does), then
+applies the FP8 QAT per group of 32 (bit-exact with v41.quant.fp8_qat; see common.py).
+Flash: D = 5120 -> chunks of 1024 (5 per pass), one row per program; q_norm (1280), kv_norm
+(512) and the index k_norm (128) pack 1..8 rows per program. FP64 (the oracle) and other dtypes
+fall back to the reference.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops import norm as _ref
+from custom_ops.registry import register_impl
+from custom_ops.triton.common import TL_DTYPES, fp8_qat_groups, rows2d
+
+CHUNK = 1024                  # elements of a row per chunk
+TILE = 2048                   # elements per program per chunk (rows x chunk)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
+                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < N
+    r = rows.to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK_D)
+    ss = tl.zeros([BLOCK_R], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        c = d0 + cols
+        m = rmask[:, None] & (c < D)[None, :]
+        x = tl.load(x_ptr + r * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    inv = tl.rsqrt(ss / D + eps)
+    for d0 in range(0, D, BLOCK_D):
+        c = d0 + cols
+        m = rmask[:, None] & (c < D)[None, :]
+        x = tl.load(x_ptr + r * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
+        y = w[None, :] * (x * inv[:, None])
+        tl.store(out_ptr + r * stride_o + c[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
+                         BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < N
+    r = rows.to(tl.int64)[:, None, None]
+    col = tl.arange(0, BLOCK_G)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    ss = tl.zeros([BLOCK_R], tl.float32)
+    for d0 in range(0, D, BLOCK_G * 32):
+        c = d0 + col
+        m = rmask[:, None, None] & (c < D)
+        x = tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0).to(tl.float32)
+        ss += tl.sum(tl.sum(x * x, axis=2), axis=1)
+    inv = tl.rsqrt(ss / D + eps)[:, None, None]
+    for d0 in range(0, D, BLOCK_G * 32):
+        c = d0 + col
+        m = rmask[:, None, None] & (c < D)
+        x = tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0)
+        w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
+        y = (w * (x.to(tl.float32) * inv)).to(x.dtype).to(tl.float32)   # the norm's one rounding
+        q = fp8_qat_groups(y, 2)
+        tl.store(out_ptr + r * stride_o + c, q.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _launch(kernel, x, w, eps, out, fp8: bool) -> bool:
+    D = x.shape[-1]
+    if x.dtype not in TL_DTYPES or out.dtype != x.dtype or w.dtype == torch.float64 or \
+            (fp8 and D % 32) or D == 0:
+        return False
+    x2 = rows2d(x, D)
+    if x2 is None:
+        x2 = x.reshape(-1, D).contiguous()
+    o2 = rows2d(out, D)
+    dst = o2 if o2 is not None else torch.empty(x2.shape, dtype=out.dtype, device=out.device)
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    N = x2.shape[0]
+    if N:
+        if fp8:
+            bg = min(triton.next_power_of_2(D // 32), CHUNK // 32)
+            br = max(1, min(16, TILE // (bg * 32)))
+            kernel[(triton.cdiv(N, br),)](x2, w, dst, N, D, eps, x2.stride(0), dst.stride(0),
+                                          BLOCK_R=br, BLOCK_G=bg, num_warps=4)
+        else:
+            bd = min(triton.next_power_of_2(D), CHUNK)
+            br = max(1, min(16, TILE // bd))
+            kernel[(triton.cdiv(N, br),)](x2, w, dst, N, D, eps, x2.stride(0), dst.stride(0),
+                                          BLOCK_R=br, BLOCK_D=bd, num_warps=4)
+    if o2 is None:
+        out.copy_(dst.view(out.shape))
+    return True
+
+
+def triton_rms_norm(x, w, eps, out) -> None:
+    """`v41::rms_norm` (same signature)."""
+    if not _launch(_rms_norm_kernel, x, w, eps, out, False):
+        _ref.rms_norm(x, w, eps, out)
+
+
+def triton_rms_norm_fp8(x, w, eps, out) -> None:
+    """`v41::rms_norm_fp8` (same signature)."""
+    if not _launch(_rms_norm_fp8_kernel, x, w, eps, out, True):
+        _ref.rms_norm_fp8(x, w, eps, out)
+
+
+register_impl("rms_norm", "triton", triton_rms_norm, device_type="cuda")
+register_impl("rms_norm_fp8", "triton", triton_rms_norm_fp8, device_type="cuda")
