@@ -23,9 +23,29 @@ def _byte_tables(device: torch.device):
     return e4m3.to(device), quant.e8m0_decode(codes, torch.float32).to(device)
 
 
+_SMALL = 1 << 22          # tables up to this many elements are decoded once and kept
+_decoded: dict = {}
+
+
+def _decoded_table(table, scale):
+    """The whole table decoded to FP32, for small tables (toy, flash-slice), keyed by storage and
+    version so an in-place change of the table is seen."""
+    key = (table.data_ptr(), tuple(table.shape), table._version, scale.data_ptr(), scale._version)
+    if key not in _decoded:
+        val, exp = _byte_tables(table.device)
+        rows = val[table.view(torch.uint8).long()].unflatten(-1, (-1, 32))
+        if len(_decoded) >= 8:  # a few live tables (one per Engram layer); forget the oldest
+            _decoded.pop(next(iter(_decoded)))
+        _decoded[key] = (rows * exp[scale.view(torch.uint8).long()][..., None]).flatten(-2)
+    return _decoded[key]
+
+
 @define("engram_gather(Tensor table, Tensor scale, Tensor ids, Tensor(a!) out) -> ()")
 def engram_gather(table, scale, ids, out) -> None:
     """table [rows, d] FP8; scale [rows, d/32] E8M0; ids [T, n]; out [T, n*d]."""
+    if table.numel() <= _SMALL:
+        out.copy_(_decoded_table(table, scale).index_select(0, ids.reshape(-1).to(table.device)).reshape(out.shape))
+        return
     val, exp = _byte_tables(table.device)
     if table.device.type == "cpu":  # numpy's take is an order of magnitude faster on the host
         flat = ids.reshape(-1).cpu().numpy()
