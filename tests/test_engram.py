@@ -17,7 +17,7 @@ from v41.engram.tokens import compress, normalize_text, synthetic_token_map, tok
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "v41" / "assets" / "make_toy_tokenizer.py"
-CORPUS = Path("/work/shared")
+CORPUS = Path(__file__).resolve().parents[2] / "shared"   # ../shared beside the checkout
 
 
 # ---- layout -------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def test_toy_compressed_vocab():
 
 def test_toy_tokenizer_is_reproducible(tmp_path):
     if not CORPUS.is_dir():
-        pytest.skip("training corpus /work/shared not present")
+        pytest.skip("training corpus ../shared not present beside the checkout")
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import make_toy_tokenizer as mk

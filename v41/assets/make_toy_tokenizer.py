@@ -84,7 +84,7 @@ def tokenizer_config(root: Path) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--corpus", type=Path, default=Path("/work/shared"))
+    ap.add_argument("--corpus", type=Path, default=Path(__file__).resolve().parents[3] / "shared")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "toy")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
