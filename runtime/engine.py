@@ -43,7 +43,12 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     encoder_swa_bounded_replay: bool = True   # prefix hits replay one hash block; False: checkpoint images
     num_images: int | None = None             # checkpoint images (copy mode); default 4 per sequence
-    enforce_eager: bool = True
+    enforce_eager: bool = True                # eager model; False: compile (compilation_level 3)
+    compilation_level: int = 3                # 0: no torch.compile, 3: compiled segments (runtime/compile.py)
+    decoder_swa_bounded_replay: bool = True   # graphs _EarlyLayers/_LateLayers; False: one _Backbone
+    compile_cache_dir: str | None = None      # keyed compile caches (default ~/.cache/v41/compile)
+    capture_sizes: str | None = None          # token counts warmed after compiling, e.g. "1,2,4,8,512"
+    dump_dir: str | None = None               # graphs, passes before/after, output code, depyf
     speculative_method: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -73,6 +78,8 @@ class EngineArgs:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise AdmissionError(f"{name} must be positive")
+        if self.compilation_level not in (0, 3):
+            raise AdmissionError(f"compilation_level: {self.compilation_level} is not 0 (eager) or 3 (compiled)")
         return cfg, geo
 
 
@@ -104,6 +111,9 @@ class LLMEngine:
         log.info("model %s ready on %s in %.1fs: %d pages of %d tokens, %d slots, cache %.1f MiB",
                  cfg.name, device, time.perf_counter() - t0, num_pages, geo.page_tokens,
                  args.max_num_seqs, self.runner.cache.nbytes / 2**20)
+        from runtime.compile import CompileConfig, compile_runner
+        ccfg = CompileConfig.from_engine_args(args, args.max_num_batched_tokens)
+        self.compile_report = compile_runner(self.runner, args, ccfg) if ccfg is not None else None
         self.bm = BlockManager(num_pages, args.max_num_seqs, geo.page_tokens, pages_per_seq,
                                args.enable_prefix_caching, num_images)
         self.scheduler = Scheduler(self.bm, args.max_num_seqs, args.max_num_batched_tokens,

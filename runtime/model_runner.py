@@ -63,6 +63,22 @@ class ModelRunner:
         width = cfg.engram_width
         self.engram_buf = {l: torch.zeros(T, width, dtype=dtype, device=self.device)
                            for l in cfg.engram_layer_ids}
+        # the forward: the eager model, or runtime.compile.CompiledForward (compile_runner), which
+        # sets static_shapes: every step then passes the same Batch structure (block table at full
+        # capacity, image rows whenever images exist), so one graph serves every step
+        self.forward = self.model
+        self.static_shapes = False
+
+    def block_table_rows(self, n: int) -> torch.Tensor:
+        """The block-table rows a forward of `n` requests reads (all of them under static_shapes:
+        rows past the step's requests are zero, and only padding rows, batch id -1, point there)."""
+        return self.buf["block_table"] if self.static_shapes else self.buf["block_table"][:n]
+
+    def image_rows(self, captures, rows: torch.Tensor) -> torch.Tensor | None:
+        """The Batch's image_dest: the rows when the step captures images (or, under
+        static_shapes, whenever the cache has images: all -1 without a capture), else None."""
+        keep = captures or (self.static_shapes and self.cache.image_ring.shape[1] > 0)
+        return rows if keep else None
 
     # ---- metadata ------------------------------------------------------------------------
     def prepare(self, sb: ScheduledBatch, running_tokens: int | None = None,
@@ -117,13 +133,14 @@ class ModelRunner:
                 b[T:Tr].fill_(pad[k])
             v[k] = b[:Tr]
         self.buf["block_table"][: len(n)].copy_(torch.from_numpy(bt))
-        if Br > len(n):
-            self.buf["block_table"][len(n):Br].fill_(0)
+        hi = self.max_seqs if self.static_shapes else Br
+        if hi > len(n):
+            self.buf["block_table"][len(n):hi].fill_(0)
         self._committed = (slots, starts + n)
         engram = self.prepare_engram(sb, ids, n, starts, slots, T, Tr)
-        batch = Batch(v["input_ids"], v["positions"], v["batch_ids"], self.buf["block_table"][:Br],
+        batch = Batch(v["input_ids"], v["positions"], v["batch_ids"], self.block_table_rows(Br),
                       v["win_idx"], v["ring_dest"], {1: v["dest1"], 2: v["dest2"]}, v["tail_src"],
-                      v["tail_dst"], engram, v["image_dest"] if sb.captures else None)
+                      v["tail_dst"], engram, self.image_rows(sb.captures, v["image_dest"]))
         return batch
 
     def resume(self, sb: ScheduledBatch) -> None:
@@ -193,7 +210,7 @@ class ModelRunner:
         """Forward one step. Returns logits of each request's last row (the sampling rows), or of
         every row when `all_rows` (teacher forcing)."""
         batch = self.prepare(sb, **width)
-        h = self.model(batch, self.cache)
+        h = self.forward(batch, self.cache)
         self.commit(sb)
         for _, end, img in sb.captures:
             self.state.seal(img, end)
