@@ -83,8 +83,8 @@ class CompileConfig:
     """How the runner's forward is compiled. `level` 0 = eager, 3 = compiled."""
     level: int = 3
     split: bool = True                     # decoder SWA bounded replay: _EarlyLayers/_LateLayers
-    backend: Any = "inductor"              # "inductor" | "aot_eager" | "eager" | a Dynamo backend
-    passes: bool = True                    # the v41 post-grad passes (inductor only)
+    backend: Any = "inductor"              # inductor | post_grad_eager | aot_eager | eager | a callable
+    passes: bool = True                    # the v41 post-grad passes (inductor, post_grad_eager)
     fused_lowering: str = "auto"           # BackendSelection policy: auto | op | inline
     drop_guards: bool = True               # False: keep Dynamo guards (tests count recompiles)
     dump_dir: str | None = None
@@ -99,7 +99,7 @@ class CompileConfig:
         sizes = parse_sizes(args.capture_sizes, max_tokens)
         return cls(level=args.compilation_level, split=args.decoder_swa_bounded_replay,
                    dump_dir=args.dump_dir, cache_dir=args.compile_cache_dir or default_cache_root(),
-                   capture_sizes=sizes)
+                   capture_sizes=sizes, fused_lowering=os.environ.get("V41_FUSED_LOWERING", "auto"))
 
 
 def parse_sizes(spec, max_tokens: int) -> tuple:
@@ -376,6 +376,8 @@ class PiecewiseBackend:
         if self.ccfg.backend == "aot_eager":
             from torch._dynamo.backends.debugging import aot_eager
             fn = aot_eager(gm, list(args))
+        elif self.ccfg.backend == "post_grad_eager":
+            fn = post_grad_eager(gm, list(args), self.pass_manager)
         else:
             fn = self._inductor(gm, list(args), label)
         if single:
@@ -399,6 +401,32 @@ class PiecewiseBackend:
             (dump.parent / "piece_graph.py").write_text(gm.print_readable(print_output=False))
         with nocache, _dump_context(self.pass_manager, dump.parent if dump else None):
             return compile_fx(gm, args, config_patches=patches)
+
+
+def post_grad_eager(gm: torch.fx.GraphModule, args, pass_manager=None):
+    """Inductor's graph pipeline without its code generation (tests, pass debugging): AOT with
+    Inductor's decompositions, its joint-graph passes, its post-grad passes with `pass_manager`
+    as the custom post pass (so also reinplacing and the decomposition of functionalized
+    mutations), then the resulting ATen graph runs as a plain FX module. No C++/Triton build."""
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+    from torch._inductor import config as inductor_config
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+    from torch._inductor.fx_passes.post_grad import post_grad_passes, view_to_reshape
+    from torch._inductor.virtualized import V
+
+    def fw(g, example_inputs):
+        mode = torch._guards.detect_fake_mode(example_inputs)
+        with V.set_fake_mode(mode):
+            joint_graph_passes(g)
+            view_to_reshape(g)
+            with inductor_config.patch(post_grad_custom_post_pass=pass_manager):
+                post_grad_passes(g, is_inference=True)
+        g.recompile()
+        return make_boxed_func(g.forward)
+
+    return aot_module_simplified(gm, args, fw_compiler=fw, decompositions=select_decomp_table(),
+                                 keep_inference_input_mutations=True)
 
 
 def _make_tuple_output(gm: torch.fx.GraphModule) -> bool:
@@ -574,7 +602,7 @@ class CompiledForward:
         self.points = SplitPoints.of(model.cfg)
         self.warm = False
         self.pass_manager = None
-        if ccfg.backend == "inductor" and ccfg.passes:
+        if ccfg.backend in ("inductor", "post_grad_eager") and ccfg.passes:
             self.pass_manager = PostGradPassManager(model.cfg, model.dtype, lowering=ccfg.fused_lowering)
         if ccfg.split:
             pts = self.points

@@ -80,6 +80,12 @@ class EngineArgs:
                 raise AdmissionError(f"{name} must be positive")
         if self.compilation_level not in (0, 3):
             raise AdmissionError(f"compilation_level: {self.compilation_level} is not 0 (eager) or 3 (compiled)")
+        if self.capture_sizes:
+            from runtime.compile import parse_sizes
+            try:
+                parse_sizes(self.capture_sizes, self.max_num_batched_tokens)
+            except ValueError as e:
+                raise AdmissionError(str(e)) from None
         return cfg, geo
 
 

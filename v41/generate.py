@@ -32,6 +32,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default=None)
     ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the eager model (default: on; --no-enforce-eager compiles)")
+    ap.add_argument("--compilation-level", "--level", type=int, choices=(0, 3), default=3)
+    ap.add_argument("--decoder-swa-bounded-replay", action=argparse.BooleanOptionalAction, default=True,
+                    help="compiled graphs _EarlyLayers/_LateLayers (off: one _Backbone)")
+    ap.add_argument("--compile-cache-dir", default=None)
+    ap.add_argument("--dump-dir", default=None, help="graphs, pass dumps, output code, depyf")
     ap.add_argument("--json", action="store_true", help="one JSON line per request")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -47,7 +54,9 @@ def main(argv=None) -> int:
         from v41.llm import LLM
         llm = LLM(a.model, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                   index_cache_dtype=a.index_cache_dtype, block_size=a.block_size, dtype=a.dtype,
-                  device=a.device, load_format=a.load_format)
+                  device=a.device, load_format=a.load_format, enforce_eager=a.enforce_eager,
+                  compilation_level=a.compilation_level, decoder_swa_bounded_replay=a.decoder_swa_bounded_replay,
+                  compile_cache_dir=a.compile_cache_dir, dump_dir=a.dump_dir)
     except (ConfigError, AdmissionError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -44,6 +44,15 @@ HELP = {
     "max_model_len": "longest prompt + completion (default: min(max_position_embeddings, 8192))",
     "num_pages": "cache pages (default: every running request at max_model_len)",
     "enforce_eager": "run the eager model (no torch.compile / CUDA graphs)",
+    "compilation_level": "0: no torch.compile; 3: compiled segments (needs --no-enforce-eager)",
+    "decoder_swa_bounded_replay": "compile the forward as _EarlyLayers/_LateLayers around the "
+                                  "boundary layer (off: one _Backbone graph)",
+    "compile_cache_dir": "root of the keyed compile caches (default: ~/.cache/v41/compile; "
+                         "python -m v41.prebuild fills it)",
+    "capture_sizes": "token counts warmed up after compiling, e.g. 1,2,4,8,512 (default: 1,2,4,8 "
+                     "and max-num-batched-tokens)",
+    "dump_dir": "write graphs, each pass's graph before/after, match counts, Inductor output code "
+                "and depyf's decompiled bytecode here",
     "speculative_method": "speculative decoding method (dspark)",
 }
 
@@ -52,7 +61,6 @@ NOT_BUILT = {
     "--enable-dp-attention": "DP attention",
     "--enable-tbo": "two-batch overlap",
     "--cudagraph-mode": "CUDA-graph modes",
-    "--level": "compilation levels",
     "--num-speculative-tokens": "speculative decoding",
     "--attn-prefill-chunk-size": "a separate attention prefill chunk",
 }
@@ -76,13 +84,15 @@ def add_engine_flags(ap: argparse.ArgumentParser) -> list[str]:
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
         flag = "--" + f.name.replace("_", "-")
-        flags = [flag] + (["--method"] if f.name == "speculative_method" else [])
+        flags = [flag] + {"speculative_method": ["--method"], "compilation_level": ["--level"]}.get(f.name, [])
+        choices = {"compilation_level": (0, 3)}.get(f.name)
         h = HELP.get(f.name, f.name.replace("_", " "))
         if t is bool:
             g.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                            help=f"{h} (default: {'on' if default else 'off'})")
         else:
-            g.add_argument(*flags, dest=f.name, type=t, default=default, metavar=f.name.upper(),
+            g.add_argument(*flags, dest=f.name, type=t, default=default, choices=choices,
+                           metavar=f.name.upper() if choices is None else None,
                            help=f"{h} (default: {default})" if default is not None else h)
         names.append(f.name)
     have = {a for act in ap._actions for a in act.option_strings}
