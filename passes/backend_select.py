@@ -1,23 +1,29 @@
 """Backend selection for the fused v41 ops: keep the op, or lower it back to its reference.
 
 Every fused op the passes before this one emit has a torch reference impl (the definition) and,
-per device, maybe faster impls (Triton on CUDA, AITER on ROCm) chosen by `custom_ops.registry`
-(priority aiter > triton > reference, or `V41_OP_BACKEND`). A fused op whose device would run
-the reference anyway is better left to Inductor, which fuses the same composition with its
-neighbours (vLLM found Inductor's own RMSNorm+quant kernel faster than a custom one), so this
-pass inlines it. Policy (`lowering`): "auto" keeps an op where a non-reference impl is selected
-for its device and inlines it elsewhere; "op" keeps every op; "inline" inlines every op. The
-choice never depends on the token count (it reads the device and the registry only).
+per device, maybe faster impls (Triton on CUDA, AITER on ROCm) that `custom_ops.registry` picks at
+run time (priority aiter > triton > reference, or `V41_OP_BACKEND`). This pass decides, per op
+node and from the node's device only (never from the token count), whether the compiled graph
+calls the op or Inductor generates its reference composition itself. Policy (`lowering`):
 
-    before (CPU, auto):
+  auto    keep the op where a non-reference impl is selected for its device; where only the
+          reference exists, keep it on the CPU (it is the eager model's own arithmetic, so the
+          compiled model stays bitwise equal to the eager one: tests/test_compiled_invariance.py)
+          and inline it on an accelerator (Inductor's generated kernel beats the reference's
+          eager ops there)
+  op      keep every op
+  inline  inline every op (Inductor fuses the composition with its neighbours; vLLM found its
+          RMSNorm+quant kernel faster than a custom one on NVIDIA; not bitwise equal to eager)
+
+    before (inline):
         af = auto_functionalized(v41.rms_norm, x=x, w=w, eps=1e-20, out=empty([s0, 64]))
         y = af[1]
     after:
         pow = pow(x, 2); mean = mean(pow, [-1], True); ...; mul_1 = mul(w, mul)
         y = mul_1                           # the reference impl, functionalized
 
-    before (CUDA, triton registered for rms_norm): unchanged; Inductor calls the op, whose CUDA
-    dispatch runs the Triton kernel.
+    before / after (auto on CUDA with a Triton impl registered, or on CPU): unchanged; Inductor
+    calls the op and its dispatch runs the selected impl.
 
 The irregular ops (sparse attention, index top-k, scatters, compressor, experts, Engram gather)
 are always kept: their reference impls are not traceable to fixed shapes.
@@ -75,7 +81,7 @@ class BackendSelect(V41Pass):
             return True, backend
         if self.lowering == "inline":
             return False, backend
-        return backend != "reference", backend
+        return backend != "reference" or device is None or device.type == "cpu", backend
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         pm = PatternMatcherPass(pass_name="v41.backend_select")

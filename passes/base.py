@@ -89,8 +89,18 @@ class PatternPass(V41Pass):
         if self._pm is None:
             self._pm = PatternMatcherPass(pass_name=f"v41.{self.name}")
             with torch.no_grad(), _real_mode():
+                _init_inductor_patterns()
                 self.register(self._pm)
         return self._pm.apply(graph)
+
+
+def _init_inductor_patterns() -> None:
+    """`trace` runs Inductor's joint-graph passes on CPU example graphs, and their first run for a
+    device registers Inductor's own patterns through `register_replacement`; from inside our
+    `register_replacement` that re-enters its config patch (torch 2.11 asserts), so register them
+    first, with the argument `trace`'s call passes (`lazy_init` is cached per argument)."""
+    from torch._inductor.fx_passes.joint_graph import lazy_init
+    lazy_init(None)
 
 
 class _real_mode:

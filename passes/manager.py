@@ -15,8 +15,8 @@ Order (each pass's docstring shows its graph before and after):
     4 engram_gate      Engram gate after the wkv GEMM
     5 rms_norm_quant   (after a CSE of the pure ops left) RMSNorm, and RMSNorm + the FP8 act
                        quant of the GEMM reading it
-    6 backend_select   keep each fused op (a kernel backend is registered for its device) or
-                       lower it back to its reference composition for Inductor to generate
+    6 backend_select   keep each fused op (its dispatch runs the selected Triton/AITER/reference
+                       impl) or lower it back to its reference composition for Inductor
 
 The CSE runs late on purpose: a pattern's inner nodes must have no users outside it, and
 merging (say) the three identical cos-table gathers of a layer would give them some.
@@ -59,9 +59,8 @@ def graph_code(graph: torch.fx.Graph) -> str:
 
 class PostGradPassManager(CustomGraphPass):
     def __init__(self, cfg, dtype: torch.dtype, lowering: str = "auto", only: tuple | None = None):
-        """`lowering`: BackendSelection policy ("auto": keep an op only where a kernel backend is
-        registered for its device; "op": always keep the fused ops; "inline": always lower them
-        back). `only`: names of the passes to run (tests); default all."""
+        """`lowering`: the backend_select policy (auto | op | inline, see passes/backend_select.py).
+        `only`: names of the passes to run (tests); default all."""
         from passes import build_passes
         self.cfg, self.dtype, self.lowering = cfg, dtype, lowering
         self.passes = build_passes(cfg, dtype, lowering, only)

@@ -323,6 +323,8 @@ class PiecewiseBackend:
         if p := self.dump_path("computation_graph.py"):
             p.write_text(gm.print_readable(print_output=False, include_stride=True))
         split_gm, pieces = split_by_layer(gm)
+        log.info("%s: Dynamo graph of %d nodes, %d pieces", self.segment, len(gm.graph.nodes),
+                 sum(v != VIEWS for v in pieces.values()))
         if p := self.dump_path("split_graph.py"):
             p.write_text(split_gm.print_readable(print_output=False))
         # each piece's inputs carry Dynamo's example values (split_module copies node meta onto
@@ -387,6 +389,8 @@ class PiecewiseBackend:
                 return inner(*a)[0]
         self.compiled[key] = fn
         self.stats.append(PieceStats(name, key[:12], False, time.perf_counter() - t0))
+        log.info("%s: compiled %s in %.1fs (%d distinct so far)", self.segment, label,
+                 self.stats[-1].seconds, len(self.compiled))     # progress of a long compile
         return fn
 
     def _inductor(self, gm, args, label: str):
@@ -407,7 +411,8 @@ def post_grad_eager(gm: torch.fx.GraphModule, args, pass_manager=None):
     """Inductor's graph pipeline without its code generation (tests, pass debugging): AOT with
     Inductor's decompositions, its joint-graph passes, its post-grad passes with `pass_manager`
     as the custom post pass (so also reinplacing and the decomposition of functionalized
-    mutations), then the resulting ATen graph runs as a plain FX module. No C++/Triton build."""
+    mutations), then the resulting ATen graph runs as a plain FX module (called as a module, so
+    its forward hooks run: tests record a piece's inputs with one). No C++/Triton build."""
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
     from torch._inductor import config as inductor_config
     from torch._inductor.decomposition import select_decomp_table
@@ -423,7 +428,7 @@ def post_grad_eager(gm: torch.fx.GraphModule, args, pass_manager=None):
             with inductor_config.patch(post_grad_custom_post_pass=pass_manager):
                 post_grad_passes(g, is_inference=True)
         g.recompile()
-        return make_boxed_func(g.forward)
+        return make_boxed_func(g)
 
     return aot_module_simplified(gm, args, fw_compiler=fw, decompositions=select_decomp_table(),
                                  keep_inference_input_mutations=True)
@@ -596,13 +601,15 @@ def static_signature(model, cache) -> str:
 class CompiledForward:
     """`runner.forward` when compiled: same call and result as `Transformer.forward`."""
 
-    def __init__(self, model, cache, ccfg: CompileConfig, share_key: str | None = None):
+    def __init__(self, model, cache, ccfg: CompileConfig, share_key: str | None = None, pass_manager=None):
+        """`share_key`: engines with the same key (and weights/cache shapes) share the traced
+        segments. `pass_manager`: a PostGradPassManager to use instead of the default one."""
         from passes.manager import PostGradPassManager
         self.model, self.ccfg = model, ccfg
         self.points = SplitPoints.of(model.cfg)
         self.warm = False
-        self.pass_manager = None
-        if ccfg.backend in ("inductor", "post_grad_eager") and ccfg.passes:
+        self.pass_manager = pass_manager
+        if pass_manager is None and ccfg.backend in ("inductor", "post_grad_eager") and ccfg.passes:
             self.pass_manager = PostGradPassManager(model.cfg, model.dtype, lowering=ccfg.fused_lowering)
         if ccfg.split:
             pts = self.points
@@ -612,6 +619,7 @@ class CompiledForward:
         else:
             self.segments = {"_Backbone": _Backbone(model)}
         self.backends: dict[str, Any] = {}
+        self.raw: dict[str, Callable] = {}       # the segment functions Dynamo caches on
         sig = static_signature(model, cache)
         shared = None
         if share_key is not None:
@@ -621,6 +629,7 @@ class CompiledForward:
                     shared = None
         if shared is not None:
             self.fns, self.backends, self.pass_manager = shared["fns"], shared["backends"], shared["passes"]
+            self.raw = shared["raw"]
             self.warm = shared["warm"]
             self.shared = True
         else:
@@ -629,7 +638,7 @@ class CompiledForward:
             if share_key is not None:
                 with _SHARED_LOCK:
                     _SHARED[share_key] = {"signature": sig, "fns": self.fns, "backends": self.backends,
-                                          "passes": self.pass_manager, "warm": False}
+                                          "passes": self.pass_manager, "raw": self.raw, "warm": False}
         self._share_key = share_key
 
     def _compile(self, name: str, seg: nn.Module):
@@ -642,6 +651,7 @@ class CompiledForward:
             backend = PiecewiseBackend(name, ccfg, self.pass_manager)
         self.backends[name] = backend
         fn = _fresh_function(type(seg).forward, f"{name}_{id(self):x}")
+        self.raw[name] = fn
         options = {"guard_filter_fn": _drop_all_guards} if ccfg.drop_guards else None
         return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=options)
 
