@@ -25,7 +25,6 @@ from runtime.engine import EngineArgs, LLMEngine
 from runtime.sequence import SamplingParams
 
 
-
 def timed(fn) -> float:
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()

@@ -555,11 +555,11 @@ class CacheDir:
         if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != ind:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = ind
             os.environ["TRITON_CACHE_DIR"] = str(self.path / "triton")
-            try:
+            try:      # in-memory caches keyed by the old directory
                 from torch._inductor.utils import clear_caches
                 clear_caches()
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception as e:  # noqa: BLE001  (absent in some torch versions: nothing to clear)
+                log.debug("inductor clear_caches unavailable: %s", e)
 
     def lock(self):
         from filelock import FileLock
