@@ -374,6 +374,7 @@ class PiecewiseBackend:
             self.stats.append(PieceStats(name, key[:12], True, time.perf_counter() - t0))
             return self.compiled[key]
         label = f"{target}.{_slug(name)}"
+        log.info("%s: compiling %s (%d nodes)", self.segment, label, len(gm.graph.nodes))
         single = _make_tuple_output(gm)
         if self.ccfg.backend == "aot_eager":
             from torch._dynamo.backends.debugging import aot_eager
