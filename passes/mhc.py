@@ -43,16 +43,22 @@ class MHCPass(PatternPass):
         hc, iters, hc_eps, norm_eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
         D = 48
 
+        # comb first: the matcher walks its first output down from a candidate node (linear) and
+        # finds the others by searching up from what that matched; that search enumerates every
+        # path through the pattern, and through Sinkhorn's chain (each step reads `c` twice) that
+        # is 2^40 paths whenever a candidate fails. From `m` up to pre/post it is a few steps.
         def mix(X, fn, base, scale):
-            return MHC.forward(ns(fn=fn, base=base, scale=scale, hc=hc, iters=iters, hc_eps=hc_eps,
-                                  norm_eps=norm_eps), X)
+            pre, post, comb = MHC.forward(ns(fn=fn, base=base, scale=scale, hc=hc, iters=iters,
+                                             hc_eps=hc_eps, norm_eps=norm_eps), X)
+            return comb, pre, post
 
         def mix_fused(X, fn, base, scale):
             T = X.shape[0]
             pre = X.new_empty((T, hc), dtype=fn.dtype)
             post = X.new_empty((T, hc), dtype=fn.dtype)
             comb = X.new_empty((T, hc, hc), dtype=fn.dtype)
-            return tuple(call("mhc_mix", X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb))
+            pre, post, comb = call("mhc_mix", X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb)
+            return comb, pre, post
 
         def collapse_fused(X, w):
             return call("hc_collapse", X, w, X.new_empty((X.shape[0], X.shape[2])))[0]

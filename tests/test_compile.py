@@ -452,6 +452,71 @@ def test_all_passes_then_backend_selection(toy3, toy3_compiled, unpassed):
     assert_pieces_equal(got, unpassed, exact=True)
 
 
+def _registered_patterns(p):
+    """A pattern pass's registered patterns (registering them on an empty graph first)."""
+    g = torch.fx.Graph()
+    g.output(g.placeholder("x"))
+    p(torch.fx.GraphModule(torch.nn.Module(), g).graph)
+    seen = {}
+    for entries in p._pm.patterns.values():
+        for e in entries:
+            seen[id(e)] = e.pattern
+    return list(seen.values())
+
+
+def _paths(pattern, memo) -> int:
+    """Nodes of a pattern unfolded into a tree: how many the matcher's search up from an
+    already matched node (`find_anchor_nodes`, which does not remember what it visited) walks."""
+    from torch._inductor.pattern_matcher import PatternExpr
+    if id(pattern) not in memo:
+        args = getattr(pattern, "flat_args_kwargs", ([],))[0]
+        memo[id(pattern)] = 1 + sum(_paths(a, memo) for a in args if isinstance(a, PatternExpr))
+    return memo[id(pattern)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multi_output_patterns_search_few_paths(toy_cfg, dtype):
+    """A multi-output pattern's first output is matched down from a candidate node; the others
+    are searched up from it, along every path of their unfolded pattern. Sinkhorn's chain reads
+    each `c` twice (2^40 paths): it must be the first output, or a graph that almost matches
+    (H200, flash-slice, bf16) keeps the matcher busy until the process dies."""
+    from passes import build_passes
+    from passes.base import PatternPass
+    from torch._inductor.pattern_matcher import MultiOutputPattern
+    multi = 0
+    for p in build_passes(toy_cfg, dtype):
+        if not isinstance(p, PatternPass):
+            continue
+        for pat in _registered_patterns(p):
+            if isinstance(pat, MultiOutputPattern):
+                multi += 1
+                later = [_paths(o, {}) for o in pat.outputs[1:]]
+                assert max(later) < 10_000, (p.name, later)
+    assert multi >= 3              # mHC mix, the router, RMSNorm + quant
+
+
+def test_mhc_near_miss_is_rejected_quickly(toy_cfg):
+    """pre and post of an mHC mix match; its Sinkhorn (one iteration short) does not: the pass
+    leaves the graph alone, at once."""
+    from passes.base import trace
+    from passes.mhc import make
+    from v41.model import MHC
+    hc, n, D = toy_cfg.hc_mult, toy_cfg.hc_mult * (toy_cfg.hc_mult + 2), 48
+
+    def mix(X, fn, base, scale, iters):
+        return MHC(fn, base, scale, hc, iters, toy_cfg.hc_eps, toy_cfg.rms_norm_eps)(X)
+
+    args = [torch.randn(10, hc, D), torch.randn(n, hc * D), torch.randn(n), torch.randn(3)]
+    p = make(toy_cfg, torch.float32)
+    for iters, want in ((toy_cfg.hc_sinkhorn_iters, 1), (toy_cfg.hc_sinkhorn_iters - 1, 0)):
+        g = trace(lambda *a: mix(*a, iters), args).graph
+        got = []
+        worker = threading.Thread(target=lambda: got.append(p(g)), daemon=True)  # a hang fails
+        worker.start()
+        worker.join(30)
+        assert got == [want], "no answer in 30 s" if worker.is_alive() else got
+
+
 def test_backend_choice_depends_on_device_and_registry(toy_cfg, monkeypatch):
     from custom_ops import registry
     from passes.backend_select import BackendSelect
