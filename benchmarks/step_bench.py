@@ -99,9 +99,10 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--profile", default=None, help="directory for per-variant profiler tables")
     ap.add_argument("--out", default="benchmarks/results/step-h200.json")
+    ap.add_argument("--dump-dir", default=None, help="the compile's graphs, passes and output code")
     a = ap.parse_args()
     args = EngineArgs(model=a.model, device="cuda", dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=8192,
-                      max_model_len=4352, enable_prefix_caching=False)
+                      max_model_len=4352, enable_prefix_caching=False, dump_dir=a.dump_dir)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     res = {"benchmark": "engine_step", "model": a.model, "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": __import__("triton").__version__,

@@ -1,4 +1,4 @@
-"""FX passes on Inductor's post-grad graph (see passes/manager.py for the order) and the layer
+"""FX passes on the graph AOT traces (see passes/manager.py for where and in which order) and the layer
 split of a segment's Dynamo graph (passes/split.py)."""
 from __future__ import annotations
 

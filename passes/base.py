@@ -3,14 +3,14 @@ own functions, functional calls of the mutating v41 ops, and a CSE of pure ops.
 
 Patterns are the model's code, not copies of it: a search function calls `v41.layers.rms_norm`,
 `v41.quant.fp8_qat`, `Rope.forward`, `MHC.forward`, `MoE.route`, `Engram.forward`, ... on its
-arguments, and Inductor's pattern matcher traces it to the post-grad ATen ops the model's own
-graph holds. `register_replacement` matches loosely first (ints, floats, shapes ignored), then
+arguments, and Inductor's pattern matcher traces it to the ATen ops the model's own graph
+holds when the passes run (passes/manager.py: AOT's functional graph, before Inductor rewrites
+it). `register_replacement` matches loosely first (ints, floats, shapes ignored), then
 retraces the search function with the matched inputs' (symbolic) shapes and matches exactly, so
 a constant of the model (eps, the rotary width, the FP8 group, Sinkhorn's iteration count) must
 equal the pass's. Passes are built per model config for that reason.
 
-Replacements call the fused op functionally, as Inductor's post-grad graph holds every mutating
-custom op: `auto_functionalized(op, ..., out=empty(...))[1]`; Inductor's reinplacing later writes
+Replacements call the fused op functionally, as AOT's graph holds every mutating custom op: `auto_functionalized(op, ..., out=empty(...))[1]`; Inductor's reinplacing later writes
 the op's output straight into that buffer.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import operator
 from types import SimpleNamespace
 
 import torch
-from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
+from torch._inductor.pattern_matcher import PatternMatcherPass, register_replacement
 
 import custom_ops  # noqa: F401  (defines torch.ops.v41)
 
@@ -54,7 +54,7 @@ def ns(**kw) -> SimpleNamespace:
 
 
 class V41Pass:
-    """One transformation of the post-grad graph; `__call__` returns its match count."""
+    """One transformation of the graph; `__call__` returns its match count."""
     name = "pass"
 
     def __init__(self, cfg, dtype: torch.dtype, lowering: str = "auto"):
@@ -89,18 +89,8 @@ class PatternPass(V41Pass):
         if self._pm is None:
             self._pm = PatternMatcherPass(pass_name=f"v41.{self.name}")
             with torch.no_grad(), _real_mode():
-                _init_inductor_patterns()
                 self.register(self._pm)
         return self._pm.apply(graph)
-
-
-def _init_inductor_patterns() -> None:
-    """`trace` runs Inductor's joint-graph passes on CPU example graphs, and their first run for a
-    device registers Inductor's own patterns through `register_replacement`; from inside our
-    `register_replacement` that re-enters its config patch (torch 2.11 asserts), so register them
-    first, with the argument `trace`'s call passes (`lazy_init` is cached per argument)."""
-    from torch._inductor.fx_passes.joint_graph import lazy_init
-    lazy_init(None)
 
 
 class _real_mode:
@@ -119,10 +109,10 @@ class _real_mode:
 
 
 def trace(fn, args, **kw) -> torch.fx.GraphModule:
-    """`fwd_only` under a fake mode plus the rewrites Inductor applies to the model's graph
-    before the post-grad passes (its joint-graph passes: no-op removal, consecutive permutes and
-    views folded, ...; views become reshapes), so a pattern holds the ops the model's graph does."""
-    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+    """`fwd_only` under a fake mode: the pattern as AOT traces the model (Inductor's
+    decompositions, functional ATen, no-ops removed, which the manager also does to the model's
+    graph first), i.e. as the graph stands when our passes run, before Inductor's own rewrites."""
+    from torch._inductor.pattern_matcher import fwd_only
     from torch._inductor.virtualized import V
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     # the args' own mode (a match's retrace, symbolic shapes), else a fresh static one: never the
@@ -131,12 +121,7 @@ def trace(fn, args, **kw) -> torch.fx.GraphModule:
     args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
             for a in args]
     with V.set_fake_mode(mode), mode:
-        gm = fwd_only(fn, args, **kw)
-        joint_graph_passes(gm)
-    for n in gm.graph.find_nodes(op="call_function", target=aten.view.default):
-        n.target = aten.reshape.default
-    gm.recompile()
-    return gm
+        return fwd_only(fn, args, **kw)
 
 
 def rand(*shape, dtype=torch.float32):

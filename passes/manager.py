@@ -1,5 +1,14 @@
-"""The post-grad pass manager: one `CustomGraphPass` installed as Inductor's
-`post_grad_custom_post_pass`, running the v41 passes in a fixed order on every compiled piece.
+"""The pass manager: one `CustomGraphPass` installed as Inductor's `joint_custom_pre_pass`,
+running the v41 passes in a fixed order on every compiled piece.
+
+Where: first thing on the graph AOT traced (functional ATen after Inductor's decompositions),
+before any of Inductor's own rewrites, because those differ by torch version and device and
+would break patterns traced on the CPU: torch 2.11 folds the bf16 round trip `f32 -> bf16 ->
+f32` where a sublayer's output meets the next norm, and on CUDA its post-grad passes turn
+softmax into an online softmax (both seen on the H200 with the passes after post-grad: most
+mHC and RMSNorm patterns stopped matching). Inductor then runs its joint-graph and post-grad
+passes (reinplacing included) on the fused graph. The manager removes no-ops first, as Inductor
+does right after it and as the traced patterns have them removed.
 
 Its `uuid()` hashes the files the passes are made of (every `passes/*.py` and `custom_ops/**.py`:
 patterns, replacements, op schemas and reference impls), the model config the patterns are
@@ -57,7 +66,7 @@ def graph_code(graph: torch.fx.Graph) -> str:
     return graph.python_code(root_module="self").src
 
 
-class PostGradPassManager(CustomGraphPass):
+class PassManager(CustomGraphPass):
     def __init__(self, cfg, dtype: torch.dtype, lowering: str = "auto", only: tuple | None = None):
         """`lowering`: the backend_select policy (auto | op | inline, see passes/backend_select.py).
         `only`: names of the passes to run (tests); default all."""
@@ -83,7 +92,9 @@ class PostGradPassManager(CustomGraphPass):
 
     # -- CustomGraphPass --
     def __call__(self, graph: torch.fx.Graph) -> None:
+        from torch._inductor.fx_passes.post_grad import remove_noop_ops
         self.calls += 1
+        remove_noop_ops(graph)
         label = self._label if self._dump_dir is not None else f"graph{self.calls}"
         for i, p in enumerate(self.passes):
             self._dump(i, p.name, "before", graph)

@@ -28,7 +28,7 @@ while serving is an error. What this module does:
   with).
 
 * Backend. The segment's Dynamo graph is split per layer (`passes/split.py`); each distinct
-  layer piece goes through Inductor once, with the v41 post-grad passes installed
+  layer piece goes through Inductor once, with the v41 passes installed
   (`passes/manager.py`); identical pieces (same role) reuse that compiled callable. Inductor's
   own caches (FX graph, AOTAutograd, C++/Triton kernels) live under the compile cache
   directory, so a second process finds them.
@@ -84,7 +84,7 @@ class CompileConfig:
     level: int = 3
     split: bool = True                     # decoder SWA bounded replay: _EarlyLayers/_LateLayers
     backend: Any = "inductor"              # inductor | post_grad_eager | aot_eager | eager | a callable
-    passes: bool = True                    # the v41 post-grad passes (inductor, post_grad_eager)
+    passes: bool = True                    # the v41 passes (inductor, post_grad_eager)
     fused_lowering: str = "auto"           # BackendSelection policy: auto | op | inline
     drop_guards: bool = True               # False: keep Dynamo guards (tests count recompiles)
     dump_dir: str | None = None
@@ -398,7 +398,7 @@ class PiecewiseBackend:
         from torch._inductor.compile_fx import compile_fx
         patches: dict = {}
         if self.pass_manager is not None:
-            patches["post_grad_custom_post_pass"] = self.pass_manager
+            patches["joint_custom_pre_pass"] = self.pass_manager
         dump = self.dump_path(label, "x")
         nocache = contextlib.nullcontext()
         if dump is not None:      # a cache hit would skip the passes and the code generation
@@ -410,8 +410,8 @@ class PiecewiseBackend:
 
 def post_grad_eager(gm: torch.fx.GraphModule, args, pass_manager=None):
     """Inductor's graph pipeline without its code generation (tests, pass debugging): AOT with
-    Inductor's decompositions, its joint-graph passes, its post-grad passes with `pass_manager`
-    as the custom post pass (so also reinplacing and the decomposition of functionalized
+    Inductor's decompositions, its joint-graph passes with `pass_manager` as the custom pre pass,
+    its post-grad passes (so also reinplacing and the decomposition of functionalized
     mutations), then the resulting ATen graph runs as a plain FX module (called as a module, so
     its forward hooks run: tests record a piece's inputs with one). No C++/Triton build."""
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
@@ -424,10 +424,10 @@ def post_grad_eager(gm: torch.fx.GraphModule, args, pass_manager=None):
     def fw(g, example_inputs):
         mode = torch._guards.detect_fake_mode(example_inputs)
         with V.set_fake_mode(mode):
-            joint_graph_passes(g)
+            with inductor_config.patch(joint_custom_pre_pass=pass_manager):
+                joint_graph_passes(g)
             view_to_reshape(g)
-            with inductor_config.patch(post_grad_custom_post_pass=pass_manager):
-                post_grad_passes(g, is_inference=True)
+            post_grad_passes(g, is_inference=True)
         g.recompile()
         return make_boxed_func(g)
 
@@ -604,14 +604,14 @@ class CompiledForward:
 
     def __init__(self, model, cache, ccfg: CompileConfig, share_key: str | None = None, pass_manager=None):
         """`share_key`: engines with the same key (and weights/cache shapes) share the traced
-        segments. `pass_manager`: a PostGradPassManager to use instead of the default one."""
-        from passes.manager import PostGradPassManager
+        segments. `pass_manager`: a PassManager to use instead of the default one."""
+        from passes.manager import PassManager
         self.model, self.ccfg = model, ccfg
         self.points = SplitPoints.of(model.cfg)
         self.warm = False
         self.pass_manager = pass_manager
         if pass_manager is None and ccfg.backend in ("inductor", "post_grad_eager") and ccfg.passes:
-            self.pass_manager = PostGradPassManager(model.cfg, model.dtype, lowering=ccfg.fused_lowering)
+            self.pass_manager = PassManager(model.cfg, model.dtype, lowering=ccfg.fused_lowering)
         if ccfg.split:
             pts = self.points
             self.segments = {"_EarlyLayers": _EarlyLayers(model, pts.early)}

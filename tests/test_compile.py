@@ -333,7 +333,7 @@ class Piece:
 
 
 class PieceRecorder:
-    """A custom post-grad pass (the interface of PostGradPassManager) that records each piece,
+    """A custom post-grad pass (the interface of PassManager) that records each piece,
     then runs `pm` on the graph. The compiled piece is its owning GraphModule (post_grad_eager
     returns the module), so a forward pre-hook on it sees the inputs it is called with."""
 
@@ -359,9 +359,9 @@ def toy3_compiled(toy3):
     """The toy graph compiled once (post_grad_eager, all passes, auto lowering) through a
     PieceRecorder: pieces, output, cache after the step, pass manager."""
     from passes import PASS_NAMES
-    from passes.manager import PostGradPassManager
+    from passes.manager import PassManager
     runner = toy3.runner
-    pm = PostGradPassManager(runner.cfg, runner.dtype, lowering="auto", only=PASS_NAMES)
+    pm = PassManager(runner.cfg, runner.dtype, lowering="auto", only=PASS_NAMES)
     rec = PieceRecorder(pm)
     fwd = C.CompiledForward(runner.model, runner.cache, C.CompileConfig(split=False, backend="post_grad_eager",
                                                                        passes=False), pass_manager=rec)
@@ -423,8 +423,8 @@ NOT_BITWISE = {"mhc"}
 
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_pass_matches_and_keeps_outputs(toy3, toy3_compiled, unpassed, name):
-    from passes.manager import PostGradPassManager
-    pm = PostGradPassManager(toy3.runner.cfg, toy3.runner.dtype, lowering="op", only=(name,))
+    from passes.manager import PassManager
+    pm = PassManager(toy3.runner.cfg, toy3.runner.dtype, lowering="op", only=(name,))
     got = [run_piece(p, pm) for p in toy3_compiled.pieces]
     assert pm.totals()[name] == EXPECTED[name]
     assert_pieces_equal(got, unpassed, exact=name not in NOT_BITWISE)
@@ -433,7 +433,7 @@ def test_pass_matches_and_keeps_outputs(toy3, toy3_compiled, unpassed, name):
 def test_all_passes_then_backend_selection(toy3, toy3_compiled, unpassed):
     from passes import PASS_NAMES
     from passes.backend_select import FUSED_OPS
-    from passes.manager import PostGradPassManager
+    from passes.manager import PassManager
     # CPU, auto (the recorded compile ran every pass): every fused op stays an op (its reference
     # impl is the eager arithmetic), so the step is bitwise the eager model's, output and cache
     pm = toy3_compiled.pm
@@ -445,7 +445,7 @@ def test_all_passes_then_backend_selection(toy3, toy3_compiled, unpassed):
     assert {k.split("@")[0] for k in sel.decisions} == set(FUSED_OPS)      # all ten on this graph
     # inline: every op lowered back to its reference composition, for Inductor to generate; that
     # is the unpassed graph's arithmetic again, bit for bit
-    pm = PostGradPassManager(toy3.runner.cfg, toy3.runner.dtype, lowering="inline", only=PASS_NAMES)
+    pm = PassManager(toy3.runner.cfg, toy3.runner.dtype, lowering="inline", only=PASS_NAMES)
     got = [run_piece(p, pm) for p in toy3_compiled.pieces]
     assert {k: v for k, v in pm.totals().items() if k != "backend_select"} == EXPECTED
     assert set(pm.passes[-1].decisions.values()) == {"inlined"}
@@ -535,12 +535,12 @@ def test_backend_choice_depends_on_device_and_registry(toy_cfg, monkeypatch):
 
 
 def test_pass_manager_uuid_hashes_files_config_and_policy(toy_cfg):
-    from passes.manager import PostGradPassManager
-    a = PostGradPassManager(toy_cfg, torch.float32).uuid()
-    assert a == PostGradPassManager(toy_cfg, torch.float32).uuid()
-    assert a != PostGradPassManager(toy_cfg, torch.bfloat16).uuid()
-    assert a != PostGradPassManager(toy_cfg, torch.float32, lowering="inline").uuid()
-    assert a != PostGradPassManager(dataclasses.replace(toy_cfg, hc_sinkhorn_iters=19), torch.float32).uuid()
+    from passes.manager import PassManager
+    a = PassManager(toy_cfg, torch.float32).uuid()
+    assert a == PassManager(toy_cfg, torch.float32).uuid()
+    assert a != PassManager(toy_cfg, torch.bfloat16).uuid()
+    assert a != PassManager(toy_cfg, torch.float32, lowering="inline").uuid()
+    assert a != PassManager(dataclasses.replace(toy_cfg, hc_sinkhorn_iters=19), torch.float32).uuid()
 
 
 # ---- dumps ----------------------------------------------------------------------------------
@@ -549,10 +549,10 @@ def test_dumps_written(toy_weights, tmp_path):
     """--dump-dir: the computation graph, the split, each pass's graph before and after, match
     counts, Inductor's output code (Inductor compiles here, caches off), depyf's dump. On the toy
     cut to layer 0 (Inductor's C++ build of each piece is most of this test)."""
-    from passes.manager import PostGradPassManager
+    from passes.manager import PassManager
     toy1 = toy_prefix(toy_weights, 1)
     runner = toy1.runner
-    pm = PostGradPassManager(runner.cfg, runner.dtype, lowering="auto", only=("mhc", "backend_select"))
+    pm = PassManager(runner.cfg, runner.dtype, lowering="auto", only=("mhc", "backend_select"))
     fwd = C.CompiledForward(runner.model, runner.cache, C.CompileConfig(split=False, backend="inductor", passes=False,
                                                                        dump_dir=str(tmp_path)), pass_manager=pm)
     with torch.inference_mode(), C._depyf(str(tmp_path)):
