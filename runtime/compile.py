@@ -309,6 +309,7 @@ class PiecewiseBackend:
         self.compiled: dict[str, Callable] = {}
         self.stats: list[PieceStats] = []
         self.graphs = 0
+        self.installed: list[tuple] = []     # (split module, target, Dynamo piece): piece_check.py
 
     def dump_path(self, *parts) -> Path | None:
         if not self.ccfg.dump_dir:
@@ -333,8 +334,9 @@ class PiecewiseBackend:
                 for n in split_gm.graph.nodes if n.op == "call_module" and pieces[n.target] != VIEWS]
         if all(args is not None for _, args in todo):
             for target, args in todo:
-                compiled = self.compile_piece(getattr(split_gm, target), args, target, pieces[target])
-                split_gm.__dict__[target] = compiled
+                sub = getattr(split_gm, target)
+                split_gm.__dict__[target] = self.compile_piece(sub, args, target, pieces[target])
+                self.installed.append((split_gm, target, sub))
         else:
             self._compile_by_propagation(gm, split_gm, pieces)
         return split_gm
@@ -362,6 +364,7 @@ class PiecewiseBackend:
                 out = super().call_module(target, args, kwargs)
                 if pieces[target] != VIEWS:
                     self.module.__dict__[target] = backend.compile_piece(sub, args, target, pieces[target])
+                    backend.installed.append((self.module, target, sub))
                 return out
 
         with fake_mode if fake_mode is not None else contextlib.nullcontext():

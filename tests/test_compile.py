@@ -44,11 +44,11 @@ EXPECTED = {"inv_rope_wo_a": 3, "rope_qat": 9, "mhc": 19, "moe_route": 3, "engra
 
 # ---- helpers ---------------------------------------------------------------------------------
 
-def step_logits(eng, reqs, max_tokens=4):
+def step_logits(eng, reqs, max_tokens=4, prefix="q"):
     """Every step's logits of all rows; greedy continuation on the engine's own argmax."""
     p = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i, r in enumerate(reqs):
-        eng.add_request(r, p, f"q{i}")
+        eng.add_request(r, p, f"{prefix}{i}")
     out = []
     while eng.has_unfinished():
         sb = eng.scheduler.schedule()
@@ -159,13 +159,22 @@ def mini_backbone(mini):
     return eng, fwd, cnt, step_logits(eng, MINI_REQS)
 
 
-def test_split_equals_unsplit_compiled(mini, mini_backbone):
-    """Compiled as _EarlyLayers/_LateLayers (the piecewise backend, post_grad_eager, every pass
-    with auto lowering: on the CPU the fused ops run their reference impls, the eager arithmetic)
-    or as one _Backbone: the eager model's logits bit for bit, step after step."""
-    ref = step_logits(mini_engine(mini), MINI_REQS)
+@pytest.fixture(scope="module")
+def mini_split(mini):
+    """The mini model compiled as _EarlyLayers/_LateLayers (the piecewise backend,
+    post_grad_eager, every pass with auto lowering: on the CPU the fused ops run their reference
+    impls, the eager arithmetic), traced at 64 padding rows: (engine, forward)."""
     eng = mini_engine(mini)
     fwd = compiled(eng.runner, split=True)
+    with torch.inference_mode():
+        fwd(C.padding_batch(eng.runner, 64), eng.runner.cache)
+    return eng, fwd
+
+
+def test_split_equals_unsplit_compiled(mini, mini_backbone, mini_split):
+    """Split or as one _Backbone: the eager model's logits bit for bit, step after step."""
+    ref = step_logits(mini_engine(mini), MINI_REQS)
+    eng, fwd = mini_split
     split = step_logits(eng, MINI_REQS)
     assert list(fwd.segments) == ["_EarlyLayers", "_LateLayers"]
     assert fwd.stats()["matches"]["mhc"] > 0              # the passes ran on these layers' roles
@@ -173,6 +182,30 @@ def test_split_equals_unsplit_compiled(mini, mini_backbone):
     assert len(split) == len(unsplit) == len(ref)
     for a, b, r in zip(split, unsplit, ref):
         assert torch.equal(a, r) and torch.equal(b, r)
+
+
+def test_piece_check_finds_the_wrong_piece(mini_split, monkeypatch):
+    """compare_pieces: every compiled layer piece against its Dynamo graph on the same inputs.
+    Reference impls: all equal. RMSNorm ops that forget their weight: the layer pieces (each
+    normalizes) stand out, the embedding piece does not."""
+    from runtime.piece_check import compare_pieces
+    eng, fwd = mini_split
+    with compare_pieces(fwd) as rows:
+        step_logits(eng, MINI_REQS[:1], max_tokens=2, prefix="check")
+    pieces = {r["piece"] for r in rows}
+    assert len(pieces) == 7                   # embedding, layers 0-4, layer 6 (5 and 7 eager)
+    assert all(r["rel_l2"] == 0 and r["inputs_rel_l2"] == 0 for r in rows)
+
+    import custom_ops.norm
+    norm = custom_ops.norm._rms_norm       # what the rms_norm ops' reference impls call
+    monkeypatch.setattr(custom_ops.norm, "_rms_norm", lambda x, w, eps: norm(x, torch.ones_like(w), eps))
+    with compare_pieces(fwd) as rows:
+        step_logits(eng, MINI_REQS[:1], max_tokens=2, prefix="broken")
+    worst = {}
+    for r in rows:
+        worst[r["piece"]] = max(worst.get(r["piece"], 0.0), r["rel_l2"])
+    assert worst.pop("_EarlyLayers.submod_1") == 0
+    assert min(worst.values()) > 1e-3, worst
 
 
 # ---- one trace, no recompiles ---------------------------------------------------------------
