@@ -1,7 +1,6 @@
 """Per-kernel timings on a GPU against the floor of the bytes each call must move (Flash shapes,
-bf16): v41::sparse_attn (decode 1/16/64 tokens, prefill 4096; output-D splits 1, 2, 4, 8 and, in
-decode, key splits from the SM count or 2..16) and v41::index_topk. Each call is captured in a
-CUDA graph and replayed; CUDA events around 50 replays, median of 15 repeats.
+bf16): v41::sparse_attn (decode 1/16/64 tokens, prefill 4096) and v41::index_topk. Each call is
+captured in a CUDA graph and replayed; CUDA events around 50 replays, median of 15 repeats.
 
     python benchmarks/kernel_bench.py --out benchmarks/results/kernels-h200.json
 """
@@ -16,7 +15,6 @@ import torch
 
 import custom_ops  # noqa: F401
 import custom_ops.triton  # noqa: F401  (registers the CUDA impls)
-from custom_ops.triton import triton_sparse_attn
 from tests.kernel_cases import index_plane, make_step, random_topk
 
 H, D, W, K, PAGE, DI, HI = 64, 512, 128, 512, 128, 128, 32
@@ -71,15 +69,12 @@ def main():
     rows = []
     for T, decode in ((1, True), (16, True), (64, True), (4096, False)):
         T, args, nbytes = attn_case(gen, T, decode)
+        us = time_graph(lambda: torch.ops.v41.sparse_attn(*args))
         floor = nbytes / COPY_BW * 1e6
-        splits = (None, 2, 4, 8, 16) if decode else (None,)
-        for dsp, sk in [(d, k) for d in (1, 2, 4, 8) for k in splits]:
-            us = time_graph(lambda: triton_sparse_attn(*args, d_split=dsp, split_k=sk))
-            rows.append({"kernel": "sparse_attn", "tokens": T, "decode": decode, "d_split": dsp,
-                         "split_k": sk or "auto", "us": round(us, 2), "bytes": nbytes,
-                         "floor_us": round(floor, 2), "GBps": round(nbytes / us / 1e3, 1),
-                         "frac_of_copy_bw": round(floor / us, 3)})
-            print(json.dumps(rows[-1]))
+        rows.append({"kernel": "sparse_attn", "tokens": T, "decode": decode, "us": round(us, 2),
+                     "bytes": nbytes, "floor_us": round(floor, 2), "GBps": round(nbytes / us / 1e3, 1),
+                     "frac_of_copy_bw": round(floor / us, 3)})
+        print(json.dumps(rows[-1]))
     for fmt in ("fp8", "fp4"):
         for T, decode in ((64, True), (4096, False)):
             step = make_step(gen, n_req=T if decode else 2, max_new=1, max_start=20000 if decode else 4000, W=W,

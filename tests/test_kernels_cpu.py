@@ -57,10 +57,8 @@ else:
 
     # ---- sparse_attn -----------------------------------------------------------------------
     @pytest.mark.parametrize("ratio", [0, 1, 2])
-    @pytest.mark.parametrize("split_k,qk_split,block_h,d_split", [
-        (1, 1, None, 1), (3, 1, 16, 1), (None, 2, 16, 1),
-        (1, 1, None, 2), (3, 1, 16, 4), (3, 2, 16, 2)])     # d_split 4: the last chunk is past d
-    def test_sparse_attn(g, ratio, split_k, qk_split, block_h, d_split):
+    @pytest.mark.parametrize("split_k,qk_split,block_h", [(1, 1, None), (3, 1, 16), (None, 2, 16)])
+    def test_sparse_attn(g, ratio, split_k, qk_split, block_h):
         W, H, d, K, page = 8, 20, 40, 6, 8
         step = make_step(g, n_req=3, max_new=5, max_start=20, W=W, page=page, n_slots=5,
                          pad_tokens=2, pad_reqs=1)
@@ -81,8 +79,7 @@ else:
         ref = torch.empty(T, H, d)
         ref_attn.sparse_attn(*args, ref)
         out = torch.full((T, H, d), float("nan"))
-        triton_sparse_attn(*args, out, split_k=split_k, block_n=4, qk_split=qk_split, block_h=block_h,
-                           d_split=d_split)
+        triton_sparse_attn(*args, out, split_k=split_k, block_n=4, qk_split=qk_split, block_h=block_h)
         assert not out.isnan().any()
         assert rel(out, ref) < 1e-5
         assert (out[step.batch_ids < 0] == 0).all()       # padding rows: no valid row -> 0

@@ -15,27 +15,17 @@ a partial (max, sum, acc) in FP32; a second small kernel merges the partials, ad
 normalizes. `split_k=None` picks it from the SM count: no split once the tokens x head groups
 fill the GPU, else enough splits to fill it (at least `MIN_BLOCKS_PER_SPLIT` key blocks each).
 
-Output-D split (`d_split`): the [BLOCK_H, BLOCK_D] FP32 accumulator is the register hog, so
-`d_split` programs can share one (token, head group, split), each accumulating P·V for its own
-BLOCK_D // d_split output columns. Each still forms the whole S = Q·Kᵀ (the dot needs all of D),
-so all hold the same max and sum; its V columns are a second, narrower load of the same key rows
-(K = V). Only the chunk-0 program stores the split's partial (max, sum); each stores its own
-columns of the partial acc or of the output, so the combine is unchanged. The cost: key rows
-are read d_split times, from L2 only while the chunk programs are co-resident (blocks launch
-tokens-fastest, so at prefill T the chunks of one token run a wave apart).
-
-Grid: (tokens, head groups, splits x D-chunks), axis 2 = split * d_split + chunk (decoded by
-the constexpr power of two D_SPLIT: a shift and a mask). A split takes a contiguous run of the
-token's key blocks (window blocks first, then top-k blocks). Owner rows: the page of compressed
-row j is block_table[request, j // rows_per_page] (what the reference's (j·ratio) //
-(rows_per_page·ratio) reduces to), so `ratio` needs no further use here.
+Grid: (tokens, head groups, splits); a split takes a contiguous run of the token's key blocks
+(window blocks first, then top-k blocks). Owner rows: the page of compressed row j is
+block_table[request, j // rows_per_page] (what the reference's (j·ratio) // (rows_per_page·ratio)
+reduces to), so `ratio` needs no further use here.
 
 Measured on the H200 (torch 2.11, triton 3.6; bf16, H=64, d=512, W=128, K=512; decode timed
 as CUDA-graph replays): T=1 19 us, T=8 25 us, T=64 100 us, prefill T=4096 3.6 ms (the FLOP
 floor is 0.77 ms there). Without the split, T=1 takes 110 us. BLOCK_H=64 was best of
 16/32/64; QK_SPLIT=4 (re-reading Q by D-chunks to free registers) did not help; BLOCK_N=64 with
 BLOCK_H=64 exceeds shared memory. The T=64 and prefill gaps are register pressure of the
-[64, 512] FP32 accumulator (hence the output-D split above).
+[64, 512] FP32 accumulator: the next step is splitting the output D across warp groups.
 """
 from __future__ import annotations
 
@@ -50,7 +40,6 @@ from custom_ops.registry import register_impl
 BLOCK_H = 64                # query heads per program (the M of both dots)
 BLOCK_N = 32                # key rows per online-softmax block
 QK_SPLIT = 1                # D-chunks of S = Q·Kᵀ (1: Q held whole in registers)
-D_SPLIT = 1                 # programs sharing one head group's output D (1: acc held whole)
 NUM_WARPS = 8
 NUM_STAGES = 2
 MIN_BLOCKS_PER_SPLIT = 1
@@ -59,17 +48,15 @@ _sm_count: dict[int, int] = {}
 
 
 @triton.jit
-def _attn_block(q, qrow, rows, valid, m_i, l_i, acc, scale, hmask, dofs, dmask, vofs, vmask,
+def _attn_block(q, qrow, rows, valid, m_i, l_i, acc, scale, hmask, dofs, dmask,
                 D: tl.constexpr, BLOCK_D: tl.constexpr, QK_SPLIT: tl.constexpr,
-                D_SPLIT: tl.constexpr, P_DTYPE: tl.constexpr, DOT_F32: tl.constexpr,
-                PREC: tl.constexpr):
+                P_DTYPE: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
     """One online-softmax step over a block of key rows (`rows`: a pointer to each row; an
     invalid row is read as 0 and scored -inf). QK_SPLIT > 1 forms S = Q·Kᵀ from D-chunks, with
-    Q re-read per chunk (`qrow`: the program's query rows) instead of held whole. P·V meets
-    only the program's output columns `vofs`."""
+    Q re-read per chunk (`qrow`: the program's query rows) instead of held whole."""
+    kmask = valid[:, None] & dmask[None, :]
     if QK_SPLIT == 1:
-        k = tl.load(rows[:, None] + dofs[None, :], mask=valid[:, None] & dmask[None, :],
-                    other=0.0)
+        k = tl.load(rows[:, None] + dofs[None, :], mask=kmask, other=0.0)
         if DOT_F32:                          # the interpreter's tl.dot takes no bf16: widen (exact)
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
@@ -86,13 +73,9 @@ def _attn_block(q, qrow, rows, valid, m_i, l_i, acc, scale, hmask, dofs, dmask, 
                 qc = qc.to(tl.float32)
                 kc = kc.to(tl.float32)
             s += tl.dot(qc, tl.trans(kc), input_precision=PREC)
-    if QK_SPLIT == 1 and D_SPLIT == 1:
-        v = k                                # K = V: the whole row is already loaded
-    else:
-        v = tl.load(rows[:, None] + vofs[None, :], mask=valid[:, None] & vmask[None, :],
-                    other=0.0)
+        k = tl.load(rows[:, None] + dofs[None, :], mask=kmask, other=0.0)
         if DOT_F32:
-            v = v.to(tl.float32)
+            k = k.to(tl.float32)
     s = s * scale                                                              # [BH, BN] fp32
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -100,7 +83,7 @@ def _attn_block(q, qrow, rows, valid, m_i, l_i, acc, scale, hmask, dofs, dmask, 
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     # the kernel contract: unnormalized probabilities meet V in the activation dtype
-    acc = acc * alpha[:, None] + tl.dot(p.to(P_DTYPE).to(v.dtype), v, input_precision=PREC)
+    acc = acc * alpha[:, None] + tl.dot(p.to(P_DTYPE).to(k.dtype), k, input_precision=PREC)
     return m_new, l_i, acc
 
 
@@ -112,19 +95,15 @@ def _sparse_attn_kernel(
         stride_qt, stride_qh, stride_kv, stride_ring, stride_pool, stride_win, stride_topk,
         stride_bt, stride_ot, stride_oh,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        QK_SPLIT: tl.constexpr, D_SPLIT: tl.constexpr, HAS_POOL: tl.constexpr,
-        SPLIT: tl.constexpr, P_DTYPE: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+        QK_SPLIT: tl.constexpr, HAS_POOL: tl.constexpr, SPLIT: tl.constexpr,
+        P_DTYPE: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hg = tl.program_id(1)
-    sp = tl.program_id(2) // D_SPLIT
-    dc = tl.program_id(2) % D_SPLIT
+    sp = tl.program_id(2)
     heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     dofs = tl.arange(0, BLOCK_D)
     dmask = dofs < D
-    BLOCK_DV: tl.constexpr = BLOCK_D // D_SPLIT
-    vofs = dc * BLOCK_DV + tl.arange(0, BLOCK_DV)          # this program's output columns
-    vmask = vofs < D
     qrow = q_ptr + t * stride_qt + heads * stride_qh
     if QK_SPLIT == 1:
         q = tl.load(qrow[:, None] + dofs[None, :], mask=hmask[:, None] & dmask[None, :],
@@ -143,7 +122,7 @@ def _sparse_attn_kernel(
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     noff = tl.arange(0, BLOCK_N)
 
     # window rows, oldest first: a ring row (< n_ring) or a row of this batch (n_ring + t)
@@ -153,8 +132,7 @@ def _sparse_attn_kernel(
         rows = tl.where(idx < n_ring, ring_ptr + idx * stride_ring,
                         kv_ptr + (idx - n_ring) * stride_kv)
         m_i, l_i, acc = _attn_block(q, qrow, rows, idx >= 0, m_i, l_i, acc, scale, hmask, dofs,
-                                    dmask, vofs, vmask, D, BLOCK_D, QK_SPLIT, D_SPLIT, P_DTYPE,
-                                    DOT_F32, PREC)
+                                    dmask, D, BLOCK_D, QK_SPLIT, P_DTYPE, DOT_F32, PREC)
 
     # selected owner rows: compressed row j of the token's request -> block table -> pool row
     if HAS_POOL:
@@ -168,23 +146,21 @@ def _sparse_attn_kernel(
             page = tl.load(bt_ptr + req * stride_bt + pg, mask=valid, other=0).to(tl.int64)
             rows = pool_ptr + (page * rows_per_page + jj % rows_per_page) * stride_pool
             m_i, l_i, acc = _attn_block(q, qrow, rows, valid, m_i, l_i, acc, scale, hmask, dofs,
-                                        dmask, vofs, vmask, D, BLOCK_D, QK_SPLIT, D_SPLIT,
-                                        P_DTYPE, DOT_F32, PREC)
+                                        dmask, D, BLOCK_D, QK_SPLIT, P_DTYPE, DOT_F32, PREC)
 
     if SPLIT:
         part = (t * H + heads) * n_split + sp                                   # [BH]
-        if dc == 0:                                   # the same (max, sum) in every chunk
-            tl.store(pm_ptr + part, m_i, mask=hmask)
-            tl.store(pl_ptr + part, l_i, mask=hmask)
-        tl.store(pacc_ptr + part[:, None] * BLOCK_D + vofs[None, :], acc,
-                 mask=hmask[:, None] & vmask[None, :])
+        tl.store(pm_ptr + part, m_i, mask=hmask)
+        tl.store(pl_ptr + part, l_i, mask=hmask)
+        tl.store(pacc_ptr + part[:, None] * BLOCK_D + dofs[None, :], acc,
+                 mask=hmask[:, None] & dmask[None, :])
     else:
         sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
         denom = l_i + tl.exp(tl.where(l_i > 0, sink - m_i, 0.0))
         o = acc / denom[:, None]
         o = tl.where((l_i > 0)[:, None], o, 0.0)          # no valid row (padding): 0
-        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + vofs[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
+        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dofs[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
 
 
 @triton.jit
@@ -245,10 +221,9 @@ def _rows(x):
 def triton_sparse_attn(q, kv, ring, win_idx, pool, topk, block_table, batch_ids, ratio, rows_per_page,
                        sink, scale, out, *, split_k: int | None = None, block_h: int | None = None,
                        block_n: int | None = None, qk_split: int | None = None,
-                       d_split: int | None = None, num_warps: int | None = None,
-                       num_stages: int | None = None) -> None:
+                       num_warps: int | None = None, num_stages: int | None = None) -> None:
     """`v41::sparse_attn` (same signature); keyword knobs: `split_k` (None: from the SM count),
-    `d_split` (output-D chunks, a power of two), tile sizes and launch options."""
+    tile sizes and launch options."""
     T, H, d = q.shape
     if T == 0:
         return
@@ -280,10 +255,6 @@ def triton_sparse_attn(q, kv, ring, win_idx, pool, topk, block_table, batch_ids,
     bps = triton.cdiv(n_blocks, n_split) if n_blocks else 1
     n_split = max(1, triton.cdiv(n_blocks, bps)) if n_blocks else 1
     BLOCK_D = triton.next_power_of_2(d)
-    dsp = d_split or D_SPLIT
-    if dsp & (dsp - 1):
-        raise ValueError(f"d_split must be a power of two, got {dsp}")
-    dsp = max(1, min(dsp, BLOCK_D // 16))               # tl.dot needs >= 16 output columns
     prec = "ieee" if q.dtype == torch.float32 or q.device.type == "cpu" else "tf32"
     split = n_split > 1
     if split:
@@ -292,14 +263,14 @@ def triton_sparse_attn(q, kv, ring, win_idx, pool, topk, block_table, batch_ids,
         pacc = torch.empty(T * H * n_split * BLOCK_D, dtype=torch.float32, device=q.device)
     else:
         pm = pl = pacc = sink                           # placeholders
-    _sparse_attn_kernel[(T, n_hg, n_split * dsp)](
+    _sparse_attn_kernel[(T, n_hg, n_split)](
         q, kv, ring, pool, win_idx, topk, block_table, batch_ids, sink,
         dst, pm, pl, pacc,
         H, W, K, ring.shape[0], rows_per_page, block_table.shape[1], bps, n_split, float(scale),
         q.stride(0), q.stride(1), kv.stride(0), ring.stride(0), pool.stride(0), win_idx.stride(0),
         topk.stride(0), block_table.stride(0), dst.stride(0), dst.stride(1),
         D=d, BLOCK_D=BLOCK_D, BLOCK_H=bh, BLOCK_N=bn, QK_SPLIT=qk_split or QK_SPLIT,
-        D_SPLIT=dsp, HAS_POOL=has_pool, SPLIT=split,
+        HAS_POOL=has_pool, SPLIT=split,
         P_DTYPE=_TL_DTYPES[q.dtype], DOT_F32=q.device.type == "cpu" and q.dtype != torch.float32, PREC=prec,
         num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES)
     if split:
