@@ -24,8 +24,12 @@ Measured on the H200 (torch 2.11, triton 3.6; bf16, H=64, d=512, W=128, K=512; d
 as CUDA-graph replays): T=1 19 us, T=8 25 us, T=64 100 us, prefill T=4096 3.6 ms (the FLOP
 floor is 0.77 ms there). Without the split, T=1 takes 110 us. BLOCK_H=64 was best of
 16/32/64; QK_SPLIT=4 (re-reading Q by D-chunks to free registers) did not help; BLOCK_N=64 with
-BLOCK_H=64 exceeds shared memory. The T=64 and prefill gaps are register pressure of the
-[64, 512] FP32 accumulator: the next step is splitting the output D across warp groups.
+BLOCK_H=64 exceeds shared memory. Splitting the output D across programs (each with a
+[64, 512/n] accumulator, all forming the whole S = Q·Kᵀ) was measured and dropped: time grew
+about n-fold at every shape (T=64: 102 us at n=1, 163 at 2, 256 at 4, 467 at 8; prefill 3.5 ->
+7.3 ms at n=2; benchmarks/results/kernels-h200.json), so the accumulator is not what bounds
+it: the full-D score dot and its key loads are. Fixed key splits at T=64: 2 splits 82 us, the
+SM-count choice (3) 102 us, 8 splits 122 us.
 """
 from __future__ import annotations
 
