@@ -20,6 +20,7 @@ for serving.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 import torch.utils._pytree as pytree
@@ -38,13 +39,23 @@ def _tensors(x) -> list:
     return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
+def _worst(outs_a, outs_b) -> float:
+    return max((rel_l2(a, b) for a, b in zip(outs_a, outs_b)), default=0.0)
+
+
 @contextlib.contextmanager
-def compare_pieces(fwd):
+def compare_pieces(fwd, eager_twice: bool = False, save_dir: str | None = None):
     """While active, every call of a compiled piece of `fwd` (a CompiledForward whose segments
     went through the piecewise backend) also runs the piece's Dynamo graph on clones of its
-    inputs and appends a row to the yielded list."""
+    inputs and appends a row to the yielded list.
+
+    `eager_twice`: run the graph on a second set of clones too and report `eager_rel_l2`, the
+    two eager runs apart (nonzero: an op that is not deterministic, so the comparison above has
+    that floor). `save_dir`: at exit, save each piece's worst call there (`<piece>.pt`: inputs
+    under 64 MB each, compiled and eager outputs) for a look offline."""
     from runtime.compile import PiecewiseBackend
     rows: list[dict] = []
+    worst: dict[str, tuple] = {}
     swapped = []
     for seg, backend in fwd.backends.items():
         if not isinstance(backend, PiecewiseBackend):
@@ -53,15 +64,23 @@ def compare_pieces(fwd):
             compiled = split_gm.__dict__[target]
 
             def check(*args, _c=compiled, _e=eager, _name=f"{seg}.{target}"):
-                ins = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+                def clones():
+                    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+                ins = clones()
+                ins2 = clones() if eager_twice else None
+                kept = clones() if save_dir else None
                 out = _c(*args)
-                ref = _e(*ins)
-                got, want = _tensors(out), _tensors(ref)
+                got, want = _tensors(out), _tensors(_e(*ins))
                 assert len(got) == len(want), _name
                 written = [rel_l2(a, b) for a, b in zip(args, ins)
                            if isinstance(a, torch.Tensor) and not torch.equal(a, b)]
-                rows.append({"piece": _name, "rel_l2": max((rel_l2(g, w) for g, w in zip(got, want)), default=0.0),
-                             "inputs_rel_l2": max(written, default=0.0)})
+                row = {"piece": _name, "rel_l2": _worst(got, want), "inputs_rel_l2": max(written, default=0.0)}
+                if eager_twice:
+                    row["eager_rel_l2"] = _worst(_tensors(_e(*ins2)), want)
+                rows.append(row)
+                if save_dir and row["rel_l2"] >= worst.get(_name, (-1.0,))[0]:
+                    small = [a if not isinstance(a, torch.Tensor) or a.nbytes < 2**26 else None for a in kept]
+                    worst[_name] = (row["rel_l2"], {"inputs": small, "compiled": got, "eager": want})
                 return out
 
             split_gm.__dict__[target] = check
@@ -71,3 +90,7 @@ def compare_pieces(fwd):
     finally:
         for split_gm, target, compiled in swapped:
             split_gm.__dict__[target] = compiled
+        if save_dir:
+            Path(save_dir).mkdir(parents=True, exist_ok=True)
+            for name, (_, record) in worst.items():
+                torch.save(record, Path(save_dir, f"{name}.pt"))

@@ -184,17 +184,19 @@ def test_split_equals_unsplit_compiled(mini, mini_backbone, mini_split):
         assert torch.equal(a, r) and torch.equal(b, r)
 
 
-def test_piece_check_finds_the_wrong_piece(mini_split, monkeypatch):
+def test_piece_check_finds_the_wrong_piece(mini_split, monkeypatch, tmp_path):
     """compare_pieces: every compiled layer piece against its Dynamo graph on the same inputs.
     Reference impls: all equal. RMSNorm ops that forget their weight: the layer pieces (each
     normalizes) stand out, the embedding piece does not."""
     from runtime.piece_check import compare_pieces
     eng, fwd = mini_split
-    with compare_pieces(fwd) as rows:
+    with compare_pieces(fwd, eager_twice=True, save_dir=tmp_path) as rows:
         step_logits(eng, MINI_REQS[:1], max_tokens=2, prefix="check")
     pieces = {r["piece"] for r in rows}
     assert len(pieces) == 7                   # embedding, layers 0-4, layer 6 (5 and 7 eager)
-    assert all(r["rel_l2"] == 0 and r["inputs_rel_l2"] == 0 for r in rows)
+    assert all(r["rel_l2"] == r["inputs_rel_l2"] == r["eager_rel_l2"] == 0 for r in rows)
+    saved = torch.load(tmp_path / "_EarlyLayers.submod_2.pt")
+    assert all(torch.equal(a, b) for a, b in zip(saved["compiled"], saved["eager"]))
 
     import custom_ops.norm
     norm = custom_ops.norm._rms_norm       # what the rms_norm ops' reference impls call
