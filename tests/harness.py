@@ -138,3 +138,19 @@ def corrupt_images(kind: str):
 def preset_cfg():
     from v41.config import preset
     return preset("toy")
+
+
+def mini_cfg():
+    """The toy cut to 8 layers with every role of the Flash topology (WINDOW, WINDOW + Engram,
+    FULL ratio 2, REUSE, FULL ratio 1 with candidates, REINDEX): boundary 5, last 7."""
+    from v41.config import preset, validate
+    from v41.engram.hashing import table_rows
+    cfg = preset("toy")
+    cfg.name, cfg.num_hidden_layers = "mini", 8
+    cfg.compress_ratios = [0, 0, 2, 2, 2, 1, 1, 1, 0, 0, 0]
+    cfg.kv_source_layer_ids, cfg.index_source_layer_ids = [2, 5], [2, 5, 6]
+    cfg.candidate_source_layer_id, cfg.dspark_target_layer_ids = 5, [5, 6, 7]
+    cfg.engram_layer_ids = [1]
+    cfg.engram_num_embeddings = table_rows(cfg)
+    validate(cfg)
+    return cfg

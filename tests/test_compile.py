@@ -91,19 +91,9 @@ def compiled(runner, **kw) -> C.CompiledForward:
 
 @pytest.fixture(scope="module")
 def mini(tmp_path_factory):
-    """An 8-layer model with every role of the Flash topology (WINDOW, WINDOW + Engram, FULL
-    ratio 2, REUSE, FULL ratio 1 with candidates, REINDEX): boundary 5, last 7."""
-    from v41.config import preset, validate
-    from v41.engram.hashing import table_rows
+    """H.mini_cfg() written as a checkpoint directory, with dummy weights."""
     from v41.loader import dummy_weights
-    cfg = preset("toy")
-    cfg.name, cfg.num_hidden_layers = "mini", 8
-    cfg.compress_ratios = [0, 0, 2, 2, 2, 1, 1, 1, 0, 0, 0]
-    cfg.kv_source_layer_ids, cfg.index_source_layer_ids = [2, 5], [2, 5, 6]
-    cfg.candidate_source_layer_id, cfg.dspark_target_layer_ids = 5, [5, 6, 7]
-    cfg.engram_layer_ids = [1]
-    cfg.engram_num_embeddings = table_rows(cfg)
-    validate(cfg)
+    cfg = H.mini_cfg()
     d = tmp_path_factory.mktemp("mini")
     (d / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
     return str(d), cfg, dummy_weights(cfg, progress=False)
