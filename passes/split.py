@@ -92,7 +92,7 @@ def hoist_input_views(graph: torch.fx.Graph, roots_of=is_cache_input) -> set[tor
     """Move every view of a cache input (transitively: `cache.ring[l]`, `cache.image_ring[l]`)
     to just after the placeholders; returns the hoisted nodes. Safe: a view depends on nothing
     but its input and reads no data. Views of weights stay with their layer: the patterns of
-    the post-grad passes (passes/manager.py) contain them (`fn.T`, `scale[0]`)."""
+    the v41 passes (passes/manager.py) contain them (`fn.T`, `scale[0]`)."""
     hoisted: set[torch.fx.Node] = set()
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     anchor = placeholders[-1] if placeholders else None

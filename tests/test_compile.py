@@ -307,8 +307,8 @@ def test_recompile_while_serving_is_an_error(mini_guarded):
 # ---- passes ---------------------------------------------------------------------------------
 #
 # Dynamo and AOT cost most of a compile (about 17 of the 22 s of the toy graph below on two CPU
-# cores), so the toy graph is compiled once: a recording custom post pass keeps every piece's
-# post-grad graph exactly as our pass manager receives it, and that piece's real inputs, then
+# cores), so the toy graph is compiled once: a recording custom pass keeps every piece's
+# graph exactly as our pass manager receives it, and that piece's real inputs, then
 # runs all passes (auto lowering). Each test then runs passes on copies of those graphs and
 # compares the pieces with the unpassed ones on clones of the same inputs: outputs, and every
 # input a piece writes (cache planes).
@@ -358,7 +358,7 @@ class Piece:
 
 
 class PieceRecorder:
-    """A custom post-grad pass (the interface of PassManager) that records each piece,
+    """A custom graph pass (the interface of PassManager) that records each piece,
     then runs `pm` on the graph. The compiled piece is its owning GraphModule (post_grad_eager
     returns the module), so a forward pre-hook on it sees the inputs it is called with."""
 
