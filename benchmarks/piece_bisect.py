@@ -24,7 +24,7 @@ import runtime.compile as C
 from custom_ops import registry
 from passes.backend_select import FUSED_OPS
 from runtime.engine import EngineArgs, LLMEngine
-from runtime.piece_check import compare_pieces
+from runtime.piece_check import by_piece, compare_pieces
 from runtime.sequence import SamplingParams
 from tests.harness import mini_cfg
 from v41.loader import dummy_weights
@@ -50,11 +50,8 @@ def check(eng, fwd, tag, vocab) -> dict:
         eng.add_request(ids, SamplingParams(max_tokens=3, ignore_eos=True), tag)
         while eng.has_unfinished():
             eng.step()
-    worst: dict = {}
-    for r in rows:
-        w = worst.setdefault(r["piece"], {"rel_l2": 0.0, "eager_rel_l2": 0.0})
-        w["rel_l2"] = round(max(w["rel_l2"], r["rel_l2"]), 5)
-        w["eager_rel_l2"] = round(max(w["eager_rel_l2"], r["eager_rel_l2"]), 5)
+    worst = {p: {k: round(v, 5) for k, v in w.items() if k in ("rel_l2", "eager_rel_l2")}
+             for p, w in by_piece(rows).items()}
     print(tag, json.dumps(worst), flush=True)
     return worst
 

@@ -22,7 +22,7 @@ import time
 import torch
 
 from runtime.engine import EngineArgs, LLMEngine
-from runtime.piece_check import compare_pieces
+from runtime.piece_check import by_piece, compare_pieces
 from runtime.sequence import SamplingParams
 
 
@@ -137,26 +137,16 @@ def main():
         print(f"compiled: {json.dumps(res['compile'], default=str)}", flush=True)
         save()
         ids = torch.randint(3, 120000, (512,), generator=torch.Generator().manual_seed(1)).tolist()
-        lg = {}
-        for v in ("eager", "compiled"):
-            use(v)
-            if v == "compiled":          # each layer piece against its own graph run eagerly
-                with compare_pieces(runner.forward, eager_twice=True) as rows:
-                    lg[v] = prefill_logits(eng, ids)
-                    decode_ms(eng, 4, 64, 3)
-            else:
-                lg[v] = prefill_logits(eng, ids)
-        e, c = lg["eager"], lg["compiled"]
-        worst: dict = {}
-        for r in rows:
-            w = worst.setdefault(r["piece"], {"rel_l2": 0.0, "inputs_rel_l2": 0.0, "eager_rel_l2": 0.0, "calls": 0})
-            for k in ("rel_l2", "inputs_rel_l2", "eager_rel_l2"):
-                w[k] = max(w[k], r[k])
-            w["calls"] += 1
+        use("eager")
+        e = prefill_logits(eng, ids)
+        use("compiled")
+        with compare_pieces(runner.forward, eager_twice=True) as rows:   # piece vs its eager graph
+            c = prefill_logits(eng, ids)
+            decode_ms(eng, 4, 64, 3)
+        worst = by_piece(rows)
         res["agreement"] = {
-            "pieces": worst, "pieces_max_rel_l2": max(w["rel_l2"] for w in worst.values()),
-            "pieces_max_inputs_rel_l2": max(w["inputs_rel_l2"] for w in worst.values()),
-            "pieces_max_eager_vs_eager_rel_l2": max(w["eager_rel_l2"] for w in worst.values()),
+            "pieces": worst, **{f"pieces_max_{k}": max(w[k] for w in worst.values())
+                                for k in ("rel_l2", "inputs_rel_l2", "eager_rel_l2")},
             "logits_tokens": len(ids), "logits_rel_l2": ((c - e).norm() / e.norm()).item(),
             "logits_argmax_equal": (c.argmax(-1) == e.argmax(-1)).float().mean().item(),
             "note": "pieces: each compiled layer piece vs its Dynamo graph run eagerly on the same "

@@ -1,5 +1,5 @@
-"""FX passes on the graph AOT traces (see passes/manager.py for where and in which order) and the layer
-split of a segment's Dynamo graph (passes/split.py)."""
+"""FX passes on the graph AOT traces (passes/manager.py says where and in which order) and the
+layer split of a segment's Dynamo graph (passes/split.py)."""
 from __future__ import annotations
 
 PASS_NAMES = ("inv_rope_wo_a", "rope_qat", "mhc", "moe_route", "engram_gate", "rms_norm_quant",

@@ -10,8 +10,9 @@ retraces the search function with the matched inputs' (symbolic) shapes and matc
 a constant of the model (eps, the rotary width, the FP8 group, Sinkhorn's iteration count) must
 equal the pass's. Passes are built per model config for that reason.
 
-Replacements call the fused op functionally, as AOT's graph holds every mutating custom op: `auto_functionalized(op, ..., out=empty(...))[1]`; Inductor's reinplacing later writes
-the op's output straight into that buffer.
+Replacements call the fused op functionally, as AOT's graph holds every mutating custom op:
+`auto_functionalized(op, ..., out=empty(...))[1]`; Inductor's reinplacing later writes the op's
+output straight into that buffer.
 """
 from __future__ import annotations
 

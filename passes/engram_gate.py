@@ -6,7 +6,7 @@ sign(d)*sqrt(|d|) and a sigmoid, and adds the gated value to the stream. f32 sho
 
     before:
         kv = mm(q8(rows), permute(wkv))
-        key = reshape(slice(kv, 1, 0, 256), [s0, 4, 64]); value = slice(kv, 1, 256, END)
+        key = view(slice(kv, 1, 0, 256), [s0, 4, 64]); value = slice(kv, 1, 256, END)
         dot = sum(mul(mul(X, wqk), key), [-1])
         dot = div(mul(mul(dot, rsqrt(add(mean(pow(X, 2), [-1]), eps))), rsqrt(...key...)), 8.0)
         mag = sqrt(clamp_min(abs(dot), 1e-6))

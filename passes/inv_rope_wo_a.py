@@ -10,14 +10,14 @@ group goes through its own low-rank matrix (`einsum("tgi,goi->tgo")`). f32 shown
         head = slice(o, 2, 0, -16); tail = slice(o, 2, -16, END)
         a = slice(tail, 2, 0, END, 2); b = slice(tail, 2, 1, END, 2)
         rot = cat([unsqueeze(a*cos - b*sin, -1), unsqueeze(a*sin + b*cos, -1)], -1)
-        o2 = cat([head, reshape(rot, [s0, 4, 16])], -1)
-        z = reshape(permute(bmm(reshape(permute(reshape(o2, [s0, 2, -1])), [2, s0, 128]),
-                                reshape(permute(wo_a), [2, 128, 32])), ...), [s0, 2, 32])
+        o2 = cat([head, view(rot, [s0, 4, 16])], -1)
+        z = view(permute(bmm(view(permute(view(o2, [s0, 2, -1])), [2, s0, 128]),
+                                view(permute(wo_a), [2, 128, 32])), ...), [s0, 2, 32])
         q = clone(z) ... (wo_b's FP8 quant reads z as [s0, 2, 32] groups)
     after:
         af = auto_functionalized(v41.inv_rope_wo_a, o=o, cos=cos_table, sin=sin_table,
                                  positions=pos, wo_a=wo_a, out=empty([s0, 64]))
-        z = reshape(af[1], [s0, 2, 32])
+        z = view(af[1], [s0, 2, 32])
         q = clone(z) ...
 """
 from __future__ import annotations

@@ -8,13 +8,13 @@ the streams into the sublayer's input and the expansion of its output back into 
 f32 shown, hc = 4, 20 Sinkhorn iterations:
 
     before:
-        xf = reshape(X, [s0, 256]); m = mul(mm(xf, permute(fn)), rsqrt(add(mean(pow(xf, 2)), eps)))
+        xf = view(X, [s0, 256]); m = mul(mm(xf, permute(fn)), rsqrt(add(mean(pow(xf, 2)), eps)))
         pre = add(sigmoid(add(mul(slice(m, 1, 0, 4), select(scale, 0, 0)), slice(base, 0, 0, 4))), 1e-6)
         post = mul(sigmoid(...slice(m, 1, 4, 8)...), 2)
-        c = reshape(add(mul(slice(m, 1, 8, END), select(scale, 0, 2)), slice(base, 0, 8, END)), [s0, 4, 4])
+        c = view(add(mul(slice(m, 1, 8, END), select(scale, 0, 2)), slice(base, 0, 8, END)), [s0, 4, 4])
         c = add(div(exp(sub(c, amax(c))), sum(...)), 1e-6); c = div(c, add(sum(c, [-2]), 1e-6))
         ... 19 x { div(c, add(sum(c, [-1]), 1e-6)); div(c, add(sum(c, [-2]), 1e-6)) } ...
-        x = reshape(bmm(reshape(mix, [s0, 1, 4]), X), [s0, 64])                      # collapse
+        x = view(bmm(view(mix, [s0, 1, 4]), X), [s0, 64])                      # collapse
         Y = add(mul(unsqueeze(post, -1), unsqueeze(out, 1)),
                 permute(bmm(permute(comb), X)))                                       # expand
     after:

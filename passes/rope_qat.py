@@ -7,13 +7,13 @@ token's position; the window KV row is then fake-quantized to FP8 (`quant.fp8_qa
 main row and index key use the rotation alone. f32 shown:
 
     before:
-        cos = reshape(index(cos_table, [pos]), [s0, 8]); sin = reshape(index(sin_table, [pos]), ...)
+        cos = view(index(cos_table, [pos]), [s0, 8]); sin = view(index(sin_table, [pos]), ...)
         head = slice(x, 1, 0, -16); tail = slice(x, 1, -16, END)
         a = slice(tail, 1, 0, END, 2); b = slice(tail, 1, 1, END, 2)
-        r = cat([head, reshape(cat([unsqueeze(a*cos - b*sin, -1), unsqueeze(a*sin + b*cos, -1)],
+        r = cat([head, view(cat([unsqueeze(a*cos - b*sin, -1), unsqueeze(a*sin + b*cos, -1)],
                                    -1), [s0, 16])], -1)
-        v = reshape(r, [s0, 2, 32]); amax(abs(v)) ... frexp ... round ... copysign
-        kv = reshape(mul_s, [s0, 64])
+        v = view(r, [s0, 2, 32]); amax(abs(v)) ... frexp ... round ... copysign
+        kv = view(mul_s, [s0, 64])
     after:
         af = auto_functionalized(v41.rope_fp8_qat, x=x, cos=cos_table, sin=sin_table,
                                  positions=pos, inverse=False, out=empty([s0, 64]))

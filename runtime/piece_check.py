@@ -43,6 +43,18 @@ def _worst(outs_a, outs_b) -> float:
     return max((rel_l2(a, b) for a, b in zip(outs_a, outs_b)), default=0.0)
 
 
+def by_piece(rows: list[dict]) -> dict:
+    """Each piece's worst value of every metric over its calls, and its call count."""
+    out: dict = {}
+    for r in rows:
+        w = out.setdefault(r["piece"], {"calls": 0})
+        w["calls"] += 1
+        for k, v in r.items():
+            if k != "piece":
+                w[k] = max(w.get(k, 0.0), v)
+    return out
+
+
 @contextlib.contextmanager
 def compare_pieces(fwd, eager_twice: bool = False, save_dir: str | None = None):
     """While active, every call of a compiled piece of `fwd` (a CompiledForward whose segments
