@@ -2,17 +2,24 @@
 role) in bf16, compiled once, each compiled layer piece checked against its own graph run
 eagerly on the same inputs (runtime/piece_check.py) with every fused op on its selected impl,
 then with each op switched to its reference at run time (no recompile), then all reference;
-with --passes-off also a second compile without the v41 passes.
+with --passes-off also a compile without the v41 passes, with --backends more compiles through
+other backends (post_grad_eager: the passes without Inductor's code generation; aot_eager: AOT's
+graph run eagerly).
 
-    PYTHONPATH=. python benchmarks/piece_bisect.py --device cuda --passes-off --out piece-bisect.json
+    PYTHONPATH=. python benchmarks/piece_bisect.py --device cuda --passes-off \
+        --backends post_grad_eager,aot_eager --out piece-bisect.json
 
-Each result is the worst relative L2 per piece over one 200-token request and 2 decode steps
-(a fresh request each time, on the same engine, so other cache slots).
+Each result is the worst per piece over one 200-token request and 2 decode steps (a fresh
+request each time, on the same engine, so other cache slots): `rel_l2` compiled vs eager,
+`eager_rel_l2` eager vs eager (the nondeterminism floor), `vs_reference` / `eager_vs_reference`
+compiled / eager vs the graph run with every op on its reference impl. `outputs` breaks each
+piece's worst call down per output (which output, how many rows differ).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import tempfile
 import time
@@ -24,7 +31,7 @@ import runtime.compile as C
 from custom_ops import registry
 from passes.backend_select import FUSED_OPS
 from runtime.engine import EngineArgs, LLMEngine
-from runtime.piece_check import by_piece, compare_pieces
+from runtime.piece_check import by_piece, compare_pieces, rel_l2
 from runtime.sequence import SamplingParams
 from tests.harness import mini_cfg
 from v41.loader import dummy_weights
@@ -44,14 +51,36 @@ def build(path, weights, device, backend, passes):
     return eng, fwd
 
 
-def check(eng, fwd, tag, vocab) -> dict:
+METRICS = ("rel_l2", "inputs_rel_l2", "eager_rel_l2", "vs_reference", "eager_vs_reference")
+
+
+def outputs(record: dict) -> list[dict]:
+    """Per output of a saved call: dtype, shape, relative L2 (share of differing elements for
+    integer outputs), share of rows (dim 0) with any difference above 1% of the output's range."""
+    out = []
+    for i, (c, e) in enumerate(zip(record["compiled"], record["eager"])):
+        row = {"output": i, "dtype": str(c.dtype).replace("torch.", ""), "shape": list(c.shape),
+               "rel_l2": round(rel_l2(c, e), 5)}
+        if c.dim() and c.numel():
+            d = (c.double() - e.double()).abs() if c.is_floating_point() else (c != e).double()
+            tol = 0.01 * e.double().abs().max().item() if c.is_floating_point() else 0.0
+            row["rows_differing"] = round((d.flatten(1).amax(1) > tol).double().mean().item(), 4) \
+                if c.dim() > 1 else round((d > tol).double().mean().item(), 4)
+        out.append(row)
+    return out
+
+
+def check(eng, fwd, tag, vocab, save_dir=None) -> dict:
     ids = torch.randint(3, vocab, (200,), generator=torch.Generator().manual_seed(1)).tolist()
-    with compare_pieces(fwd, eager_twice=True) as rows:
+    sub = Path(save_dir, tag) if save_dir else None
+    with compare_pieces(fwd, eager_twice=True, reference=True, save_dir=sub) as rows:
         eng.add_request(ids, SamplingParams(max_tokens=3, ignore_eos=True), tag)
         while eng.has_unfinished():
             eng.step()
-    worst = {p: {k: round(v, 5) for k, v in w.items() if k in ("rel_l2", "eager_rel_l2")}
-             for p, w in by_piece(rows).items()}
+    worst = {p: {k: round(v, 5) for k, v in w.items() if k in METRICS} for p, w in by_piece(rows).items()}
+    if sub:
+        for p in worst:
+            worst[p]["outputs"] = outputs(torch.load(sub / f"{p}.pt", weights_only=False))
     print(tag, json.dumps(worst), flush=True)
     return worst
 
@@ -61,6 +90,8 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--passes-off", action="store_true", help="also compile without the v41 passes")
+    ap.add_argument("--backends", default="", help="also compile through these backends, comma-separated")
+    ap.add_argument("--save-dir", default=None, help="keep each piece's worst call here (per setting)")
     ap.add_argument("--out", default="piece-bisect.json")
     a = ap.parse_args()
     cfg = mini_cfg()
@@ -69,6 +100,7 @@ def main():
     weights = dummy_weights(cfg, progress=False)
     res = {"benchmark": "piece_bisect", "model": "mini (tests/harness.py mini_cfg)", "device":
            torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__,
+           "triton": getattr(importlib.import_module("triton"), "__version__", None) if a.device == "cuda" else None,
            "date": datetime.date.today().isoformat(), "backend": a.backend, "results": {}}
 
     def save():
@@ -77,20 +109,23 @@ def main():
     eng, fwd = build(path, weights, a.device, a.backend, True)
     selected = {op: registry.selected()[f"v41::{op}"].get(a.device, "reference") for op in FUSED_OPS}
     res["selected"] = selected
-    res["results"]["all_selected"] = check(eng, fwd, "all_selected", cfg.vocab_size)
+    out = res["results"]
+    out["all_selected"] = check(eng, fwd, "all_selected", cfg.vocab_size, a.save_dir)
     save()
     for op in FUSED_OPS:
-        registry.select(op, "reference", a.device)
-        res["results"][f"ref_{op}"] = check(eng, fwd, f"ref_{op}", cfg.vocab_size)
-        registry.select(op, selected[op], a.device)
+        with registry.using("reference", a.device, names=(op,)):
+            out[f"ref_{op}"] = check(eng, fwd, f"ref_{op}", cfg.vocab_size)
         save()
-    for op in FUSED_OPS:
-        registry.select(op, "reference", a.device)
-    res["results"]["all_reference"] = check(eng, fwd, "all_reference", cfg.vocab_size)
+    with registry.using("reference", a.device, names=FUSED_OPS):
+        out["all_reference"] = check(eng, fwd, "all_reference", cfg.vocab_size, a.save_dir)
     save()
     if a.passes_off:
         eng, fwd = build(path, weights, a.device, a.backend, False)
-        res["results"]["no_passes"] = check(eng, fwd, "no_passes", cfg.vocab_size)
+        out["no_passes"] = check(eng, fwd, "no_passes", cfg.vocab_size, a.save_dir)
+        save()
+    for backend in filter(None, a.backends.split(",")):
+        eng, fwd = build(path, weights, a.device, backend, True)
+        out[f"backend_{backend}"] = check(eng, fwd, f"backend_{backend}", cfg.vocab_size, a.save_dir)
         save()
 
 

@@ -6,6 +6,7 @@ compiler sees fixed shapes and the fake impl has nothing to compute.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Callable
@@ -124,6 +125,21 @@ def select(name: str, backend: str, device_type: str = "cuda") -> None:
     if backend not in impls:
         raise KeyError(f"{qual}: no {backend!r} impl for {device_type} (have {sorted(impls)})")
     _table[(qual, device_type)] = (backend, impls[backend])
+
+
+@contextlib.contextmanager
+def using(backend: str, device_type: str = "cuda", names=None):
+    """Inside the block, the ops in `names` (default: all) that have `backend` for `device_type`
+    run it ("reference": every op runs its definition); the previous choice returns after."""
+    saved = dict(_table)
+    try:
+        for (q, dev), impls in _impls.items():
+            if dev == device_type and backend in impls and (names is None or q.split("::")[1] in names):
+                _table[(q, dev)] = (backend, impls[backend])
+        yield
+    finally:
+        _table.clear()
+        _table.update(saved)
 
 
 def selected() -> dict[str, dict[str, str]]:

@@ -56,15 +56,19 @@ def by_piece(rows: list[dict]) -> dict:
 
 
 @contextlib.contextmanager
-def compare_pieces(fwd, eager_twice: bool = False, save_dir: str | None = None):
+def compare_pieces(fwd, eager_twice: bool = False, reference: bool = False,
+                   save_dir: str | None = None):
     """While active, every call of a compiled piece of `fwd` (a CompiledForward whose segments
     went through the piecewise backend) also runs the piece's Dynamo graph on clones of its
     inputs and appends a row to the yielded list.
 
     `eager_twice`: run the graph on a second set of clones too and report `eager_rel_l2`, the
     two eager runs apart (nonzero: an op that is not deterministic, so the comparison above has
-    that floor). `save_dir`: at exit, save each piece's worst call there (`<piece>.pt`: inputs
+    that floor). `reference`: run the graph once more with every v41 op on its reference impl
+    (the definition) and report `vs_reference` (compiled against it) and `eager_vs_reference`
+    (the eager run against it): which of the two strays when they disagree. `save_dir`: at exit, save each piece's worst call there (`<piece>.pt`: inputs
     under 64 MB each, compiled and eager outputs) for a look offline."""
+    from custom_ops import registry
     from runtime.compile import PiecewiseBackend
     rows: list[dict] = []
     worst: dict[str, tuple] = {}
@@ -80,6 +84,7 @@ def compare_pieces(fwd, eager_twice: bool = False, save_dir: str | None = None):
                     return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
                 ins = clones()
                 ins2 = clones() if eager_twice else None
+                ins3 = clones() if reference else None
                 kept = clones() if save_dir else None
                 out = _c(*args)
                 got, want = _tensors(out), _tensors(_e(*ins))
@@ -89,6 +94,12 @@ def compare_pieces(fwd, eager_twice: bool = False, save_dir: str | None = None):
                 row = {"piece": _name, "rel_l2": _worst(got, want), "inputs_rel_l2": max(written, default=0.0)}
                 if eager_twice:
                     row["eager_rel_l2"] = _worst(_tensors(_e(*ins2)), want)
+                if reference:
+                    dev = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+                    with registry.using("reference", dev):
+                        truth = _tensors(_e(*ins3))
+                    row["vs_reference"] = _worst(got, truth)
+                    row["eager_vs_reference"] = _worst(want, truth)
                 rows.append(row)
                 if save_dir and row["rel_l2"] >= worst.get(_name, (-1.0,))[0]:
                     small = [a if not isinstance(a, torch.Tensor) or a.nbytes < 2**26 else None for a in kept]

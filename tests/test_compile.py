@@ -200,6 +200,31 @@ def test_piece_check_finds_the_wrong_piece(mini_split, monkeypatch, tmp_path):
     assert min(worst.values()) > 1e-3, worst
 
 
+def test_piece_check_reference_catches_an_impl_wrong_in_both_paths(mini_split):
+    """An impl of an op of the model's own graph (here the experts) that is wrong the same way in
+    the compiled and the eager run agrees with itself (rel_l2 0); `reference=True` runs the
+    graph once more on the definitions and shows both runs apart from it."""
+    from custom_ops import registry
+    from runtime.piece_check import by_piece, compare_pieces
+    eng, fwd = mini_split
+    ref = registry._reference_fns["v41::moe_experts"]
+
+    def loud(*args):
+        ref(*args)
+        args[-1].mul_(1.5)
+    registry.register_impl("moe_experts", "loud", loud, device_type="cpu")
+    try:
+        with compare_pieces(fwd, reference=True) as rows:
+            step_logits(eng, MINI_REQS[:1], max_tokens=2, prefix="both-wrong")
+    finally:
+        registry.select("moe_experts", "reference", "cpu")
+    worst = by_piece(rows)
+    assert all(w["rel_l2"] == 0 for w in worst.values()), worst
+    emb = worst.pop("_EarlyLayers.submod_1")
+    assert emb["vs_reference"] == emb["eager_vs_reference"] == 0
+    assert all(w["vs_reference"] > 1e-3 and w["eager_vs_reference"] > 1e-3 for w in worst.values()), worst
+
+
 # ---- one trace, no recompiles ---------------------------------------------------------------
 
 def _late_inputs(fwd, runner, T):

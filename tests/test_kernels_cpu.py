@@ -60,7 +60,7 @@ else:
         """On 132 SMs: one wave of token x split programs (H200: T=64 2 splits 82 us, 3 splits
         102 us), never more splits than key blocks, none once the tokens fill the SMs."""
         from custom_ops.triton import attention
-        monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
+        monkeypatch.setattr(attention, "num_sms", lambda device: 132)
         cpu = torch.device("cpu")
         assert [attention.split_for(t, 1, 20, cpu) for t in (1, 16, 64, 132, 4096)] == [20, 8, 2, 1, 1]
         assert attention.split_for(64, 1, 20, cpu, split_k=5) == 5
@@ -233,3 +233,11 @@ else:
         assert registry.selected()["v41::scatter_rows"]["cuda"] == "reference"
         registry.select("scatter_rows", "triton")
         assert registry.log_selected()["v41::scatter_rows"]["cuda"] == "triton"
+        # a block runs the chosen ops on the reference; the previous choice comes back after
+        with registry.using("reference", "cuda", names=("sparse_attn",)):
+            sel = registry.selected()
+            assert sel["v41::sparse_attn"]["cuda"] == "reference"
+            assert sel["v41::index_topk"]["cuda"] == "triton"
+        with registry.using("reference", "cuda"):
+            assert {s["cuda"] for s in registry.selected().values()} == {"reference"}
+        assert registry.selected()["v41::sparse_attn"]["cuda"] == "triton"

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from custom_ops import attention as _ref
 from custom_ops.registry import register_impl
+from custom_ops.triton.common import TL_DTYPES, num_sms
 
 # defaults measured best on the H200 at Flash shapes (H=64, d=512; see the module notes)
 BLOCK_H = 64                # query heads per program (the M of both dots)
@@ -48,8 +49,6 @@ QK_SPLIT = 1                # D-chunks of S = Q·Kᵀ (1: Q held whole in regist
 NUM_WARPS = 8
 NUM_STAGES = 2
 MIN_BLOCKS_PER_SPLIT = 1
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-_sm_count: dict[int, int] = {}
 
 
 @triton.jit
@@ -195,15 +194,6 @@ def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, H, n_split, str
              mask=dmask)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _sm_count:
-        _sm_count[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _sm_count[i]
-
-
 def split_for(n_tokens: int, n_head_groups: int, n_blocks: int, device: torch.device,
               split_k: int | None = None) -> int:
     """Key-list splits per token: `split_k` if given; else as many as fit the SMs without a
@@ -213,7 +203,7 @@ def split_for(n_tokens: int, n_head_groups: int, n_blocks: int, device: torch.de
         return 1
     if split_k is None:
         base = n_tokens * n_head_groups
-        sms = _num_sms(device)
+        sms = num_sms(device)
         if base >= sms:
             return 1
         split_k = min(sms // base, n_blocks // max(1, MIN_BLOCKS_PER_SPLIT))
@@ -236,7 +226,7 @@ def triton_sparse_attn(q, kv, ring, win_idx, pool, topk, block_table, batch_ids,
     dtypes = {q.dtype, kv.dtype, ring.dtype}
     if pool is not None and topk is not None:
         dtypes.add(pool.dtype)
-    if q.dtype not in _TL_DTYPES or len(dtypes) > 1:
+    if q.dtype not in TL_DTYPES or len(dtypes) > 1:
         # the oracle's float64, or mixed row dtypes: no tensor-core path, use the definition
         return _ref.sparse_attn(q, kv, ring, win_idx, pool, topk, block_table, batch_ids, ratio,
                                 rows_per_page, sink, scale, out)
@@ -277,7 +267,7 @@ def triton_sparse_attn(q, kv, ring, win_idx, pool, topk, block_table, batch_ids,
         topk.stride(0), block_table.stride(0), dst.stride(0), dst.stride(1),
         D=d, BLOCK_D=BLOCK_D, BLOCK_H=bh, BLOCK_N=bn, QK_SPLIT=qk_split or QK_SPLIT,
         HAS_POOL=has_pool, SPLIT=split,
-        P_DTYPE=_TL_DTYPES[q.dtype], DOT_F32=q.device.type == "cpu" and q.dtype != torch.float32, PREC=prec,
+        P_DTYPE=TL_DTYPES[q.dtype], DOT_F32=q.device.type == "cpu" and q.dtype != torch.float32, PREC=prec,
         num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES)
     if split:
         _combine_kernel[(T, H)](pm, pl, pacc, sink, dst, H, n_split, dst.stride(0), dst.stride(1),
