@@ -140,18 +140,20 @@ def main():
         use("eager")
         e = prefill_logits(eng, ids)
         use("compiled")
-        with compare_pieces(runner.forward, eager_twice=True) as rows:   # piece vs its eager graph
+        with compare_pieces(runner.forward, eager_twice=True, reference=True) as rows:
             c = prefill_logits(eng, ids)
             decode_ms(eng, 4, 64, 3)
         worst = by_piece(rows)
         res["agreement"] = {
             "pieces": worst, **{f"pieces_max_{k}": max(w[k] for w in worst.values())
-                                for k in ("rel_l2", "inputs_rel_l2", "eager_rel_l2")},
+                                for k in ("rel_l2", "inputs_rel_l2", "eager_rel_l2", "vs_reference",
+                                          "eager_vs_reference")},
             "logits_tokens": len(ids), "logits_rel_l2": ((c - e).norm() / e.norm()).item(),
             "logits_argmax_equal": (c.argmax(-1) == e.argmax(-1)).float().mean().item(),
             "note": "pieces: each compiled layer piece vs its Dynamo graph run eagerly on the same "
                     "inputs (a 512-token prefill, 3 decode steps of 4 requests), and the graph run "
-                    "twice (the floor set by ops that are not deterministic); logits: whole "
+                    "twice (the floor set by ops that are not deterministic) and on the ops' "
+                    "reference impls (vs_reference, eager_vs_reference); logits: whole "
                     "model, which random weights make chaotic (runtime/piece_check.py)"}
         print(f"compiled vs eager: pieces max rel_l2 {res['agreement']['pieces_max_rel_l2']:.3g}, "
               f"logits rel_l2 {res['agreement']['logits_rel_l2']:.3g}", flush=True)
