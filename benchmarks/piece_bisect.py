@@ -9,8 +9,13 @@ graph run eagerly).
     PYTHONPATH=. python benchmarks/piece_bisect.py --device cuda --passes-off \
         --backends post_grad_eager,aot_eager --out piece-bisect.json
 
+On the CPU the ops run their reference impls; `--triton-on-cpu` runs the Triton impls there
+instead, under the interpreter (start with TRITON_INTERPRET=1), with the key splits the GPU
+would choose (`--sms`): what the kernels' own BF16 rounding does to the check, no GPU needed.
+
 Each result is the worst per piece over one 200-token request and 2 decode steps (a fresh
-request each time, on the same engine, so other cache slots): `rel_l2` compiled vs eager,
+request each time, on the same engine, so other cache slots): `rel_l2` compiled vs eager
+(float outputs; `ids_differing`: integer outputs),
 `eager_rel_l2` eager vs eager (the nondeterminism floor), `vs_reference` / `eager_vs_reference`
 compiled / eager vs the graph run with every op on its reference impl. `outputs` breaks each
 piece's worst call down per output (which output, how many rows differ).
@@ -21,6 +26,7 @@ import argparse
 import datetime
 import importlib
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -51,7 +57,7 @@ def build(path, weights, device, backend, passes):
     return eng, fwd
 
 
-METRICS = ("rel_l2", "inputs_rel_l2", "eager_rel_l2", "vs_reference", "eager_vs_reference")
+METRICS = ("rel_l2", "ids_differing", "inputs_rel_l2", "eager_rel_l2", "vs_reference", "eager_vs_reference")
 
 
 def outputs(record: dict) -> list[dict]:
@@ -85,6 +91,20 @@ def check(eng, fwd, tag, vocab, save_dir=None) -> dict:
     return worst
 
 
+def triton_on_cpu(sms: int) -> None:
+    """Register every Triton impl for CPU tensors too (the interpreter runs them)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--triton-on-cpu: start with TRITON_INTERPRET=1 (set before triton is imported)")
+    import custom_ops.triton as impls
+    import custom_ops.triton.attention as attention
+    import custom_ops.triton.common as common
+    common.num_sms = attention.num_sms = lambda device: sms
+    for qual in registry.defined():
+        name = qual.split("::")[1]
+        if fn := getattr(impls, f"triton_{name}", None):
+            registry.register_impl(name, "triton", fn, device_type="cpu")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -92,8 +112,12 @@ def main():
     ap.add_argument("--passes-off", action="store_true", help="also compile without the v41 passes")
     ap.add_argument("--backends", default="", help="also compile through these backends, comma-separated")
     ap.add_argument("--save-dir", default=None, help="keep each piece's worst call here (per setting)")
+    ap.add_argument("--triton-on-cpu", action="store_true", help="CPU: the Triton impls, interpreted")
+    ap.add_argument("--sms", type=int, default=132, help="with --triton-on-cpu: SM count for key splits")
     ap.add_argument("--out", default="piece-bisect.json")
     a = ap.parse_args()
+    if a.triton_on_cpu:
+        triton_on_cpu(a.sms)
     cfg = mini_cfg()
     path = tempfile.mkdtemp()
     Path(path, "config.json").write_text(json.dumps(cfg.to_hf_dict()))

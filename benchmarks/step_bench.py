@@ -146,7 +146,7 @@ def main():
         worst = by_piece(rows)
         res["agreement"] = {
             "pieces": worst, **{f"pieces_max_{k}": max(w[k] for w in worst.values())
-                                for k in ("rel_l2", "inputs_rel_l2", "eager_rel_l2", "vs_reference",
+                                for k in ("rel_l2", "ids_differing", "inputs_rel_l2", "eager_rel_l2", "vs_reference",
                                           "eager_vs_reference")},
             "logits_tokens": len(ids), "logits_rel_l2": ((c - e).norm() / e.norm()).item(),
             "logits_argmax_equal": (c.argmax(-1) == e.argmax(-1)).float().mean().item(),

@@ -13,8 +13,9 @@ compound: what it reports is that layer's own error.
         engine.step()
     worst = max(r["rel_l2"] for r in rows)
 
-Each row: the piece, its outputs' and its written inputs' (cache planes) largest relative L2
-difference. Every input is cloned for the eager run (weights included): a debugging aid, not
+Each row: the piece, its float outputs' and its written inputs' (cache planes) largest
+relative L2 difference, and the share of differing elements of its integer outputs (top-k rows:
+a near-tie resolved the other way shifts the rest of a sorted row). Every input is cloned for the eager run (weights included): a debugging aid, not
 for serving.
 """
 from __future__ import annotations
@@ -39,8 +40,10 @@ def _tensors(x) -> list:
     return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
-def _worst(outs_a, outs_b) -> float:
-    return max((rel_l2(a, b) for a, b in zip(outs_a, outs_b)), default=0.0)
+def _worst(outs_a, outs_b, floats: bool = True) -> float:
+    """Largest rel_l2 over the float outputs (floats) or the integer ones (ids, top-k)."""
+    return max((rel_l2(a, b) for a, b in zip(outs_a, outs_b) if a.is_floating_point() == floats),
+               default=0.0)
 
 
 def by_piece(rows: list[dict]) -> dict:
@@ -91,7 +94,8 @@ def compare_pieces(fwd, eager_twice: bool = False, reference: bool = False,
                 assert len(got) == len(want), _name
                 written = [rel_l2(a, b) for a, b in zip(args, ins)
                            if isinstance(a, torch.Tensor) and not torch.equal(a, b)]
-                row = {"piece": _name, "rel_l2": _worst(got, want), "inputs_rel_l2": max(written, default=0.0)}
+                row = {"piece": _name, "rel_l2": _worst(got, want), "ids_differing": _worst(got, want, False),
+                       "inputs_rel_l2": max(written, default=0.0)}
                 if eager_twice:
                     row["eager_rel_l2"] = _worst(_tensors(_e(*ins2)), want)
                 if reference:

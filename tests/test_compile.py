@@ -184,7 +184,7 @@ def test_piece_check_finds_the_wrong_piece(mini_split, monkeypatch, tmp_path):
         step_logits(eng, MINI_REQS[:1], max_tokens=2, prefix="check")
     pieces = {r["piece"] for r in rows}
     assert len(pieces) == 7                   # embedding, layers 0-4, layer 6 (5 and 7 eager)
-    assert all(r["rel_l2"] == r["inputs_rel_l2"] == r["eager_rel_l2"] == 0 for r in rows)
+    assert all(r["rel_l2"] == r["ids_differing"] == r["inputs_rel_l2"] == r["eager_rel_l2"] == 0 for r in rows)
     saved = torch.load(tmp_path / "_EarlyLayers.submod_2.pt")
     assert all(torch.equal(a, b) for a, b in zip(saved["compiled"], saved["eager"]))
 
