@@ -20,6 +20,7 @@ TRITON_INTERPRET must be set before triton is imported, so (b) runs in a subproc
 """
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -367,6 +368,58 @@ else:
         ref_mhc.hc_expand(f, X, post, comb, ref)
         triton_hc_expand(f, X, post, comb, out, block_d=32)
         assert rel(out, ref) < 1e-5
+
+    def strided(t, kind):
+        """t's values in another layout: "rev" stores the dims in reverse order (last stride
+        != 1), "pad" pads every outer stride by 3 elements; both at storage offset 5."""
+        if kind == "rev":
+            strides = [math.prod(t.shape[:d]) for d in range(t.dim())]
+        else:
+            strides = [math.prod(n + 3 for n in t.shape[d + 1:]) if d < t.dim() - 1 else 1
+                       for d in range(t.dim())]
+        span = 1 + sum((n - 1) * st for n, st in zip(t.shape, strides))
+        v = torch.zeros(span + 8, dtype=t.dtype).as_strided(t.shape, strides, 5)
+        return v.copy_(t)
+
+    def _layout_cases(g):
+        """(name, impl, reference, args, index of the output) for the fused ops without a QAT
+        rounding (so any layout gives the same values to FP32 rounding)."""
+        T, hc, D = 5, 4, 64
+        X, mix, f = rnd(g, T, hc, D), torch.rand(T, hc, generator=g), rnd(g, T, D)
+        post, comb = torch.rand(T, hc, generator=g), torch.rand(T, hc, hc, generator=g)
+        rope, pos = rope_table(), torch.randint(0, 512, (T,), generator=g)
+        fn, base, scale = rnd(g, 24, hc * D, scale=0.05), rnd(g, 24), rnd(g, 3).abs()
+        return [
+            ("hc_collapse", triton_hc_collapse, ref_mhc.hc_collapse, [X, mix, torch.empty(T, D)], 2),
+            ("hc_expand", triton_hc_expand, ref_mhc.hc_expand, [f, X, post, comb, torch.empty_like(X)], 4),
+            ("engram_gate", triton_engram_gate, ref_engram.engram_gate,
+             [X, rnd(g, T, (hc + 1) * D), rnd(g, hc, D), 1e-6, torch.empty_like(X)], 4),
+            ("rms_norm", triton_rms_norm, ref_norm.rms_norm, [f, rnd(g, D), 1e-6, torch.empty_like(f)], 3),
+            ("rope", triton_rope, ref_rope.rope,
+             [rnd(g, T, 3, D), rope.cos, rope.sin, pos, False, torch.empty(T, 3, D)], 5),
+            ("mhc_mix", triton_mhc_mix, ref_mhc.mhc_mix,
+             [X, fn, base, scale, 20, 1e-6, 1e-20, torch.empty(T, hc), torch.empty(T, hc),
+              torch.empty(T, hc, hc)], 7),
+        ]
+
+    @pytest.mark.parametrize("kind", ["rev", "pad"])
+    def test_fused_ops_take_any_layout(g, kind):
+        """Inductor may hand an op any strides: every tensor argument in turn (outputs too) in
+        another layout gives the reference's values."""
+        for name, impl, ref_fn, args, o in _layout_cases(g):
+            want = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            ref_fn(*want)
+            for i, a in enumerate(args):
+                if not isinstance(a, torch.Tensor) or a.dim() < 2 or a.dtype != torch.float32:
+                    continue
+                trial = [b.clone() if isinstance(b, torch.Tensor) else b for b in args]
+                trial[i] = strided(a, kind)
+                if i == o:
+                    trial[i].fill_(float("nan"))
+                impl(*trial)
+                outs = [o] if name != "mhc_mix" else [7, 8, 9]
+                for j in outs:
+                    assert rel(trial[j], want[j]) < 1e-5, (name, kind, i, j)
 
     def _route_inputs(g, T, E, D, dup):
         if dup:

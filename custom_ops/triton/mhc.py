@@ -77,8 +77,8 @@ def _mhc_coef_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, c
 
 
 @triton.jit
-def _hc_collapse_kernel(x_ptr, mix_ptr, out_ptr, T, D, stride_xt, stride_xk, stride_mt, stride_ot,
-                        HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _hc_collapse_kernel(x_ptr, mix_ptr, out_ptr, T, D, stride_xt, stride_xk, stride_mt, stride_mk,
+                        stride_ot, HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tmask = t < T
@@ -86,7 +86,7 @@ def _hc_collapse_kernel(x_ptr, mix_ptr, out_ptr, T, D, stride_xt, stride_xk, str
     m = tmask[:, None] & (c < D)[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     for k in tl.static_range(HC):
-        w = tl.load(mix_ptr + t64 * stride_mt + k, mask=tmask, other=0.0).to(tl.float32)
+        w = tl.load(mix_ptr + t64 * stride_mt + k * stride_mk, mask=tmask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + t64[:, None] * stride_xt + k * stride_xk + c[None, :], mask=m, other=0.0)
         acc += w[:, None] * x.to(tl.float32)
     tl.store(out_ptr + t64[:, None] * stride_ot + c[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
@@ -168,7 +168,7 @@ def triton_hc_collapse(X, mix, out, *, block_d: int | None = None) -> None:
         return
     bt, bd, grid = _stream_tiles(T, D, 1, block_d)
     _hc_collapse_kernel[grid](X, mix, out, T, D, X.stride(0), X.stride(1), mix.stride(0),
-                              out.stride(0), HC=hc, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
+                              mix.stride(1), out.stride(0), HC=hc, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
 
 
 def triton_hc_expand(out_, X, post, comb, Y, *, block_d: int | None = None) -> None:
