@@ -397,6 +397,8 @@ else:
             ("rms_norm", triton_rms_norm, ref_norm.rms_norm, [f, rnd(g, D), 1e-6, torch.empty_like(f)], 3),
             ("rope", triton_rope, ref_rope.rope,
              [rnd(g, T, 3, D), rope.cos, rope.sin, pos, False, torch.empty(T, 3, D)], 5),
+            ("inv_rope_wo_a", triton_inv_rope_wo_a, ref_attn_out.inv_rope_wo_a,
+             [rnd(g, T, 4, 48), rope.cos, rope.sin, pos, rnd(g, 2, 24, 96, scale=0.1), torch.empty(T, 48)], 5),
             ("mhc_mix", triton_mhc_mix, ref_mhc.mhc_mix,
              [X, fn, base, scale, 20, 1e-6, 1e-20, torch.empty(T, hc), torch.empty(T, hc),
               torch.empty(T, hc, hc)], 7),
