@@ -3,11 +3,15 @@ bf16): v41::sparse_attn (decode 1/16/64 tokens, prefill 4096) and v41::index_top
 captured in a CUDA graph and replayed; CUDA events around 50 replays, median of 15 repeats.
 
     python benchmarks/kernel_bench.py --out benchmarks/results/kernels-h200.json
+
+`--sweep` also times the decode cases of sparse_attn over a grid of tile sizes and launch
+options (the wrapper's keyword knobs), to pick defaults from measurements.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import statistics
 
@@ -15,10 +19,12 @@ import torch
 
 import custom_ops  # noqa: F401
 import custom_ops.triton  # noqa: F401  (registers the CUDA impls)
+from custom_ops.triton import triton_sparse_attn
 from tests.kernel_cases import index_plane, make_step, random_topk
 
 H, D, W, K, PAGE, DI, HI = 64, 512, 128, 512, 128, 128, 32
 COPY_BW = 4.24e12   # measured device-to-device copy on this H200 (DESIGN.md §9)
+SWEEP = {"block_h": (16, 32, 64), "block_n": (16, 32, 64), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
 
 
 def time_graph(fn, reps=50, repeats=15) -> float:
@@ -61,12 +67,32 @@ def attn_case(gen, T, decode):
     return T, args, nbytes
 
 
+def sweep_attn(gen, rows: list) -> None:
+    """Decode sparse_attn over the SWEEP grid (key splits from the SM count each time)."""
+    for T in (1, 16, 64):
+        T, args, nbytes = attn_case(gen, T, True)
+        floor = nbytes / COPY_BW * 1e6
+        for combo in itertools.product(*SWEEP.values()):
+            knobs = dict(zip(SWEEP, combo))
+            row = {"kernel": "sparse_attn", "tokens": T, "decode": True, **knobs}
+            try:
+                us = time_graph(lambda: triton_sparse_attn(*args, **knobs))
+                row.update(us=round(us, 2), frac_of_copy_bw=round(floor / us, 3))
+            except Exception as e:   # a tile that does not fit (shared memory, registers)
+                row["error"] = repr(e)[:200]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/kernels-h200.json")
+    ap.add_argument("--sweep", action="store_true", help="also sweep sparse_attn decode launch options")
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
+    if a.sweep:
+        sweep_attn(gen, rows)
     for T, decode in ((1, True), (16, True), (64, True), (4096, False)):
         T, args, nbytes = attn_case(gen, T, decode)
         us = time_graph(lambda: torch.ops.v41.sparse_attn(*args))
