@@ -16,7 +16,8 @@ mhc.py, moe.py, engram.py), on the CPU.
     impls here: moe_experts, engram_gather).
 
 TRITON_INTERPRET must be set before triton is imported, so (b) runs in a subprocess with it set
-(as tests/test_kernels_cpu.py does); in that subprocess this module defines only the (b) tests.
+(as tests/test_kernels_cpu.py does), once with the grid's programs in order and once reversed
+(tests/program_order.py); in that subprocess this module defines only the (b) tests.
 """
 from __future__ import annotations
 
@@ -263,10 +264,11 @@ if not INTERPRETED:
             assert f"v41::{name}" in defined
 
     # ---- (b) in a subprocess under the interpreter ----------------------------------------------
-    def test_fused_kernels_under_triton_interpreter():
+    @pytest.mark.parametrize("order", ["forward", "reversed"])
+    def test_fused_kernels_under_triton_interpreter(order):
         pytest.importorskip("triton")
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, TRITON_INTERPRET="1", V41_TEST_SEED=str(SEED))
+        env = dict(os.environ, TRITON_INTERPRET="1", V41_PROGRAM_ORDER=order, V41_TEST_SEED=str(SEED))
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                             os.path.abspath(__file__)], cwd=root, env=env, capture_output=True,
                            text=True, timeout=600)
@@ -275,6 +277,9 @@ if not INTERPRETED:
 
 else:
     pytest.importorskip("triton")
+    from tests import program_order
+    if program_order.REVERSED:
+        program_order.reverse_program_order()
     from custom_ops import registry
     from custom_ops.triton import (triton_engram_gate, triton_engram_gather, triton_hc_collapse,
                                    triton_hc_expand, triton_inv_rope_wo_a, triton_mhc_mix,

@@ -5,7 +5,8 @@ failure; V41_TEST_SEED pins one), outputs poisoned first so every element must b
 TRITON_INTERPRET must be set before triton is first imported in a process (triton's own
 library functions are decorated at import), and setting it would change triton for every other
 test of the session. So unless this process was started with TRITON_INTERPRET=1, the module
-only defines one test, which reruns this file in a subprocess with it set.
+only defines one test, which reruns this file in a subprocess with it set, once with the
+grid's programs in order and once reversed (tests/program_order.py).
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ pytest.importorskip("triton")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 if not INTERPRETED:
-    def test_kernels_under_triton_interpreter():
+    @pytest.mark.parametrize("order", ["forward", "reversed"])
+    def test_kernels_under_triton_interpreter(order):
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, TRITON_INTERPRET="1")
+        env = dict(os.environ, TRITON_INTERPRET="1", V41_PROGRAM_ORDER=order)
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                             os.path.abspath(__file__)], cwd=root, env=env, capture_output=True,
                            text=True, timeout=600)
@@ -31,6 +33,10 @@ if not INTERPRETED:
 
 else:
     import torch
+
+    from tests import program_order
+    if program_order.REVERSED:
+        program_order.reverse_program_order()
 
     import custom_ops  # noqa: F401
     from custom_ops import attention as ref_attn

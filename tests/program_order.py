@@ -1,0 +1,43 @@
+"""Run the Triton interpreter's programs in reverse order (V41_PROGRAM_ORDER=reversed).
+
+The interpreter runs a grid's programs one after another, in order, so a kernel whose programs
+depend on each other (one reads what another writes, two write one element) can pass the CPU
+tests by luck of that order and fail on a GPU, where they run at once. The interpreter tests run
+a second time with the order reversed: such a kernel then gives another result.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import textwrap
+
+REVERSED = os.environ.get("V41_PROGRAM_ORDER") == "reversed"
+
+
+def reverse_program_order() -> None:
+    """Patch the interpreter's grid loop (triton.runtime.interpreter.GridExecutor.__call__) to
+    visit every grid axis backwards, and check on a kernel whose programs all write one
+    element that the last writer is now program 0."""
+    import torch
+    import triton
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    src = textwrap.dedent(inspect.getsource(interp.GridExecutor.__call__))
+    for ax in range(3):
+        loop = f"range(grid[{ax}])"
+        if loop not in src:
+            raise RuntimeError(f"triton's interpreter has no `{loop}` loop to reverse: update "
+                               "tests/program_order.py for this triton version")
+        src = src.replace(loop, f"reversed({loop})")
+    scope = dict(vars(interp))
+    exec(compile(src, interp.__file__, "exec"), scope)
+    interp.GridExecutor.__call__ = scope["__call__"]
+
+    @triton.jit
+    def last_writer(out_ptr):
+        tl.store(out_ptr, tl.program_id(0))
+
+    out = torch.full((1,), -1, dtype=torch.int32)
+    last_writer[(4,)](out)
+    assert out.item() == 0, f"program order not reversed (last writer {out.item()})"
