@@ -4,7 +4,8 @@ eagerly on the same inputs (runtime/piece_check.py) with every fused op on its s
 then with each op switched to its reference at run time (no recompile), then all reference;
 with --passes-off also a compile without the v41 passes, with --backends more compiles through
 other backends (post_grad_eager: the passes without Inductor's code generation; aot_eager: AOT's
-graph run eagerly).
+graph run eagerly), with --inductor more compiles under other Inductor configs (buffer reuse
+off, padding off, ...).
 
     PYTHONPATH=. python benchmarks/piece_bisect.py --device cuda --passes-off \
         --backends post_grad_eager,aot_eager --out piece-bisect.json
@@ -23,6 +24,7 @@ piece's worst call down per output (which output, how many rows differ).
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import importlib
 import json
@@ -32,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 
 import runtime.compile as C
 from custom_ops import registry
@@ -111,6 +114,8 @@ def main():
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--passes-off", action="store_true", help="also compile without the v41 passes")
     ap.add_argument("--backends", default="", help="also compile through these backends, comma-separated")
+    ap.add_argument("--inductor", default="", help="also compile with these Inductor configs, e.g. "
+                    "'allow_buffer_reuse=False,inplace_buffers=False;comprehensive_padding=False'")
     ap.add_argument("--save-dir", default=None, help="keep each piece's worst call here (per setting)")
     ap.add_argument("--triton-on-cpu", action="store_true", help="CPU: the Triton impls, interpreted")
     ap.add_argument("--sms", type=int, default=132, help="with --triton-on-cpu: SM count for key splits")
@@ -150,6 +155,14 @@ def main():
     for backend in filter(None, a.backends.split(",")):
         eng, fwd = build(path, weights, a.device, backend, True)
         out[f"backend_{backend}"] = check(eng, fwd, f"backend_{backend}", cfg.vocab_size, a.save_dir)
+        save()
+    for variant in filter(None, a.inductor.split(";")):
+        patch = {k.strip(): ast.literal_eval(v.strip()) for k, v in
+                 (item.split("=", 1) for item in variant.split(","))}
+        with torch._inductor.config.patch(patch):
+            eng, fwd = build(path, weights, a.device, a.backend, True)
+            tag = "inductor_" + "_".join(f"{k}={v}" for k, v in patch.items())
+            out[tag] = check(eng, fwd, tag, cfg.vocab_size, a.save_dir)
         save()
 
 
