@@ -141,30 +141,25 @@ def main():
     out = res["results"]
     out["all_selected"] = check(eng, fwd, "all_selected", cfg.vocab_size, a.save_dir)
     save()
+    with registry.using("reference", a.device, names=FUSED_OPS):
+        out["all_reference"] = check(eng, fwd, "all_reference", cfg.vocab_size, a.save_dir)
+    save()
+    # the other compiles before the op-by-op switches: they tell more if the run is cut short
+    variants = [(f"backend_{b}", b, True, {}) for b in filter(None, a.backends.split(","))]
+    for v in filter(None, a.inductor.split(";")):
+        patch = {k.strip(): ast.literal_eval(x.strip()) for k, x in (i.split("=", 1) for i in v.split(","))}
+        variants.append(("inductor_" + "_".join(f"{k}={x}" for k, x in patch.items()), a.backend, True, patch))
+    if a.passes_off:
+        variants.insert(0, ("no_passes", a.backend, False, {}))
+    for tag, backend, passes, patch in variants:
+        with torch._inductor.config.patch(patch):
+            eng_v, fwd_v = build(path, weights, a.device, backend, passes)
+            out[tag] = check(eng_v, fwd_v, tag, cfg.vocab_size, a.save_dir)
+        save()
     for op in FUSED_OPS:
         with registry.using("reference", a.device, names=(op,)):
             out[f"ref_{op}"] = check(eng, fwd, f"ref_{op}", cfg.vocab_size)
         save()
-    with registry.using("reference", a.device, names=FUSED_OPS):
-        out["all_reference"] = check(eng, fwd, "all_reference", cfg.vocab_size, a.save_dir)
-    save()
-    if a.passes_off:
-        eng, fwd = build(path, weights, a.device, a.backend, False)
-        out["no_passes"] = check(eng, fwd, "no_passes", cfg.vocab_size, a.save_dir)
-        save()
-    for backend in filter(None, a.backends.split(",")):
-        eng, fwd = build(path, weights, a.device, backend, True)
-        out[f"backend_{backend}"] = check(eng, fwd, f"backend_{backend}", cfg.vocab_size, a.save_dir)
-        save()
-    for variant in filter(None, a.inductor.split(";")):
-        patch = {k.strip(): ast.literal_eval(v.strip()) for k, v in
-                 (item.split("=", 1) for item in variant.split(","))}
-        with torch._inductor.config.patch(patch):
-            eng, fwd = build(path, weights, a.device, a.backend, True)
-            tag = "inductor_" + "_".join(f"{k}={v}" for k, v in patch.items())
-            out[tag] = check(eng, fwd, tag, cfg.vocab_size, a.save_dir)
-        save()
-
 
 if __name__ == "__main__":
     main()
