@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import ast
 import datetime
-import importlib
 import json
 import os
 import tempfile
@@ -40,7 +39,7 @@ import runtime.compile as C
 from custom_ops import registry
 from passes.backend_select import FUSED_OPS
 from runtime.engine import EngineArgs, LLMEngine
-from runtime.piece_check import by_piece, compare_pieces, rel_l2
+from runtime.piece_check import METRICS, by_piece, compare_pieces, rel_l2
 from runtime.sequence import SamplingParams
 from tests.harness import mini_cfg
 from v41.loader import dummy_weights
@@ -60,9 +59,6 @@ def build(path, weights, device, backend, passes):
     return eng, fwd
 
 
-METRICS = ("rel_l2", "ids_differing", "inputs_rel_l2", "eager_rel_l2", "vs_reference", "eager_vs_reference")
-
-
 def outputs(record: dict) -> list[dict]:
     """Per output of a saved call: dtype, shape, relative L2 (share of differing elements for
     integer outputs), share of rows (dim 0) with any difference above 1% of the output's range."""
@@ -73,8 +69,7 @@ def outputs(record: dict) -> list[dict]:
         if c.dim() and c.numel():
             d = (c.double() - e.double()).abs() if c.is_floating_point() else (c != e).double()
             tol = 0.01 * e.double().abs().max().item() if c.is_floating_point() else 0.0
-            row["rows_differing"] = round((d.flatten(1).amax(1) > tol).double().mean().item(), 4) \
-                if c.dim() > 1 else round((d > tol).double().mean().item(), 4)
+            row["rows_differing"] = round((d.reshape(len(d), -1).amax(1) > tol).double().mean().item(), 4)
         out.append(row)
     return out
 
@@ -99,9 +94,8 @@ def triton_on_cpu(sms: int) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--triton-on-cpu: start with TRITON_INTERPRET=1 (set before triton is imported)")
     import custom_ops.triton as impls
-    import custom_ops.triton.attention as attention
     import custom_ops.triton.common as common
-    common.num_sms = attention.num_sms = lambda device: sms
+    common.num_sms = lambda device: sms
     for qual in registry.defined():
         name = qual.split("::")[1]
         if fn := getattr(impls, f"triton_{name}", None):
@@ -129,7 +123,7 @@ def main():
     weights = dummy_weights(cfg, progress=False)
     res = {"benchmark": "piece_bisect", "model": "mini (tests/harness.py mini_cfg)", "device":
            torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__,
-           "triton": getattr(importlib.import_module("triton"), "__version__", None) if a.device == "cuda" else None,
+           "triton": __import__("triton").__version__ if a.device == "cuda" else None,
            "date": datetime.date.today().isoformat(), "backend": a.backend, "results": {}}
 
     def save():

@@ -22,7 +22,7 @@ import time
 import torch
 
 from runtime.engine import EngineArgs, LLMEngine
-from runtime.piece_check import by_piece, compare_pieces
+from runtime.piece_check import METRICS, by_piece, compare_pieces
 from runtime.sequence import SamplingParams
 
 
@@ -145,9 +145,7 @@ def main():
             decode_ms(eng, 4, 64, 3)
         worst = by_piece(rows)
         res["agreement"] = {
-            "pieces": worst, **{f"pieces_max_{k}": max(w[k] for w in worst.values())
-                                for k in ("rel_l2", "ids_differing", "inputs_rel_l2", "eager_rel_l2", "vs_reference",
-                                          "eager_vs_reference")},
+            "pieces": worst, **{f"pieces_max_{k}": max(w[k] for w in worst.values()) for k in METRICS},
             "logits_tokens": len(ids), "logits_rel_l2": ((c - e).norm() / e.norm()).item(),
             "logits_argmax_equal": (c.argmax(-1) == e.argmax(-1)).float().mean().item(),
             "note": "pieces: each compiled layer piece vs its Dynamo graph run eagerly on the same "

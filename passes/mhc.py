@@ -14,9 +14,9 @@ f32 shown, hc = 4, 20 Sinkhorn iterations:
         c = view(add(mul(slice(m, 1, 8, END), select(scale, 0, 2)), slice(base, 0, 8, END)), [s0, 4, 4])
         c = add(div(exp(sub(c, amax(c))), sum(...)), 1e-6); c = div(c, add(sum(c, [-2]), 1e-6))
         ... 19 x { div(c, add(sum(c, [-1]), 1e-6)); div(c, add(sum(c, [-2]), 1e-6)) } ...
-        x = view(bmm(view(mix, [s0, 1, 4]), X), [s0, 64])                      # collapse
+        x = view(bmm(view(mix, [s0, 1, 4]), X), [s0, 64])  # collapse
         Y = add(mul(unsqueeze(post, -1), unsqueeze(out, 1)),
-                permute(bmm(permute(comb), X)))                                       # expand
+                permute(bmm(permute(comb), X)))            # expand
     after:
         af = auto_functionalized(v41.mhc_mix, X=X, fn=fn, base=base, scale=scale, iters=20,
                                  hc_eps=1e-6, norm_eps=1e-20, pre=empty([s0, 4]),

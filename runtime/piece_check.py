@@ -15,8 +15,8 @@ compound: what it reports is that layer's own error.
 
 Each row: the piece, its float outputs' and its written inputs' (cache planes) largest
 relative L2 difference, and the share of differing elements of its integer outputs (top-k rows:
-a near-tie resolved the other way shifts the rest of a sorted row). Every input is cloned for the eager run (weights included): a debugging aid, not
-for serving.
+a near-tie resolved the other way shifts the rest of a sorted row). Every input is cloned for
+the eager run (weights included): a debugging aid, not for serving.
 """
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ from pathlib import Path
 
 import torch
 import torch.utils._pytree as pytree
+
+
+# a row's metrics in report order (the last three come with eager_twice / reference)
+METRICS = ("rel_l2", "ids_differing", "inputs_rel_l2", "eager_rel_l2", "vs_reference", "eager_vs_reference")
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -69,8 +73,9 @@ def compare_pieces(fwd, eager_twice: bool = False, reference: bool = False,
     two eager runs apart (nonzero: an op that is not deterministic, so the comparison above has
     that floor). `reference`: run the graph once more with every v41 op on its reference impl
     (the definition) and report `vs_reference` (compiled against it) and `eager_vs_reference`
-    (the eager run against it): which of the two strays when they disagree. `save_dir`: at exit, save each piece's worst call there (`<piece>.pt`: inputs
-    under 64 MB each, compiled and eager outputs) for a look offline."""
+    (the eager run against it): which of the two strays when they disagree. `save_dir`: at exit,
+    save each piece's worst call there (`<piece>.pt`: inputs under 64 MB each, compiled and
+    eager outputs) for a look offline."""
     from custom_ops import registry
     from runtime.compile import PiecewiseBackend
     rows: list[dict] = []

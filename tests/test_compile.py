@@ -178,7 +178,7 @@ def test_piece_check_finds_the_wrong_piece(mini_split, monkeypatch, tmp_path):
     """compare_pieces: every compiled layer piece against its Dynamo graph on the same inputs.
     Reference impls: all equal. RMSNorm ops that forget their weight: the layer pieces (each
     normalizes) stand out, the embedding piece does not."""
-    from runtime.piece_check import compare_pieces
+    from runtime.piece_check import by_piece, compare_pieces
     eng, fwd = mini_split
     with compare_pieces(fwd, eager_twice=True, save_dir=tmp_path) as rows:
         step_logits(eng, MINI_REQS[:1], max_tokens=2, prefix="check")
@@ -193,9 +193,7 @@ def test_piece_check_finds_the_wrong_piece(mini_split, monkeypatch, tmp_path):
     monkeypatch.setattr(custom_ops.norm, "_rms_norm", lambda x, w, eps: norm(x, torch.ones_like(w), eps))
     with compare_pieces(fwd) as rows:
         step_logits(eng, MINI_REQS[:1], max_tokens=2, prefix="broken")
-    worst = {}
-    for r in rows:
-        worst[r["piece"]] = max(worst.get(r["piece"], 0.0), r["rel_l2"])
+    worst = {p: w["rel_l2"] for p, w in by_piece(rows).items()}
     assert worst.pop("_EarlyLayers.submod_1") == 0
     assert min(worst.values()) > 1e-3, worst
 

@@ -65,8 +65,8 @@ else:
     def test_sparse_attn_split_choice(monkeypatch):
         """On 132 SMs: one wave of token x split programs (H200: T=64 2 splits 82 us, 3 splits
         102 us), never more splits than key blocks, none once the tokens fill the SMs."""
-        from custom_ops.triton import attention
-        monkeypatch.setattr(attention, "num_sms", lambda device: 132)
+        from custom_ops.triton import attention, common
+        monkeypatch.setattr(common, "num_sms", lambda device: 132)
         cpu = torch.device("cpu")
         assert [attention.split_for(t, 1, 20, cpu) for t in (1, 16, 64, 132, 4096)] == [20, 8, 2, 1, 1]
         assert attention.split_for(64, 1, 20, cpu, split_k=5) == 5

@@ -40,7 +40,8 @@ import triton.language as tl
 
 from custom_ops import attention as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, num_sms
+from custom_ops.triton import common
+from custom_ops.triton.common import TL_DTYPES
 
 # defaults measured best on the H200 at Flash shapes (H=64, d=512; see the module notes)
 BLOCK_H = 64                # query heads per program (the M of both dots)
@@ -203,7 +204,7 @@ def split_for(n_tokens: int, n_head_groups: int, n_blocks: int, device: torch.de
         return 1
     if split_k is None:
         base = n_tokens * n_head_groups
-        sms = num_sms(device)
+        sms = common.num_sms(device)
         if base >= sms:
             return 1
         split_k = min(sms // base, n_blocks // max(1, MIN_BLOCKS_PER_SPLIT))
