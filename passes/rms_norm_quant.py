@@ -10,7 +10,7 @@ rewrites, f32 shown (bf16 adds the converts to and from float32):
         pow = pow(x, 2); mean = mean(pow, [-1], True); add = add(mean, 1e-20)
         rsqrt = rsqrt(add); mul = mul(x, rsqrt); y = mul(w, mul)   # rms_norm
         v = view(y, [s0, 2, 32]); amax = amax(abs(v), [-1], True)  # fp8_qat(y)
-        ... frexp, lshift, view.dtype (power-of-two scale), round, copysign ...
+        ... view.dtype, rshift, and, lshift (power-of-two scale), round, copysign ...
         q = view(mul_s, [s0, 64]); mm(q, w_a)                      # the GEMM
         mm(y, w_c)                                                 # a second reader
     after:

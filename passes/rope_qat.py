@@ -12,7 +12,7 @@ main row and index key use the rotation alone. f32 shown:
         a = slice(tail, 1, 0, END, 2); b = slice(tail, 1, 1, END, 2)
         r = cat([head, view(cat([unsqueeze(a*cos - b*sin, -1), unsqueeze(a*sin + b*cos, -1)],
                                    -1), [s0, 16])], -1)
-        v = view(r, [s0, 2, 32]); amax(abs(v)) ... frexp ... round ... copysign
+        v = view(r, [s0, 2, 32]); amax(abs(v)) ... view.dtype, rshift ... round ... copysign
         kv = view(mul_s, [s0, 64])
     after:
         af = auto_functionalized(v41.rope_fp8_qat, x=x, cos=cos_table, sin=sin_table,

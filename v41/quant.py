@@ -17,12 +17,16 @@ Block formats (s = scale, q = element values, dequantized value = q * s)
   FP4 routed-expert weights  packed E2M1 [n, k/2] + E8M0 scale per 1x32 along k [n, k/32]
 
 Exactness. Every rounding is done arithmetically in the input's own dtype (float32 for
-bfloat16 / float16 inputs, cast back at the end): the binade comes from torch.frexp, the value
-is divided by a power-of-two quantum (exact), rounded by torch.round (half to even) and
+bfloat16 / float16 inputs, cast back at the end): the binade comes from the exponent bits, the
+value is divided by a power-of-two quantum (exact), rounded by torch.round (half to even) and
 multiplied back. Nothing goes through `.to(torch.float8_e4m3fn)`, which converts via float32: a
 float64 value just above a rounding tie would first collapse onto the tie and then round the
 wrong way. So a float64 oracle sees exactly the grid the spec defines. Powers of two are built
-from their bit pattern rather than pow/exp2, whose vectorized versions need not be exact.
+from their bit pattern rather than pow/exp2, whose vectorized versions need not be exact, and
+binades are read from the bits rather than torch.frexp. Both in the working dtype's own integer
+width: this code is traced and compiled, and on an H200 (torch 2.11, Triton 3.6) Inductor's
+kernels for the frexp / int64-shift / float64-bitcast form gave results that depended on the
+autotuned block size (benchmarks/results/compile-quant-configs-h200.json).
 
 Function results come back in the input dtype: float64, float32 or bfloat16 hold every q, s and
 q * s exactly. (float16 cannot hold the 2^-126 FP4 scale floor.)
@@ -50,18 +54,34 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _exp2(n: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """2**n for an integer tensor n in [-1022, 1023], exactly, in `dtype`.
+# float dtype -> (integer dtype of its width, mantissa bits, exponent bias)
+_BITS = {torch.float32: (torch.int32, 23, 127), torch.float64: (torch.int64, 52, 1023)}
 
-    Built as float64 bits; the cast to `dtype` is exact wherever 2**n is representable there
-    (including float32 subnormals such as 2^-127)."""
-    return ((n.to(torch.int64) + 1023) << 52).view(torch.float64).to(dtype)
+
+def _exp2(n: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2**n for an integer tensor n, exactly, in `dtype`, built from the bits of `dtype` (float32:
+    n in [-126, 127], float64: [-1022, 1023]); other dtypes build in float64 and cast, which is
+    exact wherever 2**n is representable there."""
+    if dtype not in _BITS:
+        return _exp2(n, torch.float64).to(dtype)
+    it, mant, bias = _BITS[dtype]
+    return ((n.to(it) + bias) << mant).view(dtype)
+
+
+def _binade(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e with |v| in [2^(e-1), 2^e) (torch.frexp's exponent) for the normal float32 / float64 v
+    whose bits these are; zero and subnormals give the smallest normal binade's e - 1."""
+    _, mant, bias = _BITS[dtype]
+    return ((bits >> mant) & (2 * bias + 1)) - (bias - 1)
 
 
 def _ceil_log2(v: torch.Tensor) -> torch.Tensor:
-    """ceil(log2 v) of positive v as an integer tensor, exactly."""
-    m, e = torch.frexp(v.to(_work_dtype(v.dtype)))  # v = m * 2^e with m in [0.5, 1)
-    return e - (m == 0.5).to(e.dtype)                 # m == 0.5: v is 2^(e-1) itself
+    """ceil(log2 v) of positive normal v as an integer tensor, exactly."""
+    v = v.to(_work_dtype(v.dtype))
+    it, mant, _ = _BITS[v.dtype]
+    bits = v.view(it)   # once: rms_norm_quant CSEs the graph it matches, not its pattern
+    exact = (bits & ((1 << mant) - 1)) == 0   # v is 2^(e-1) itself
+    return _binade(bits, v.dtype) - exact.to(it)
 
 
 def pow2ceil(v: torch.Tensor) -> torch.Tensor:
@@ -74,7 +94,7 @@ def _round_to_grid(x: torch.Tensor, mant_bits: int, min_exp: int, max_val: float
     smallest normal exponent `min_exp` (evenly spaced subnormals below), saturating at ±max_val."""
     w = x.to(_work_dtype(x.dtype))
     a = w.abs().clamp(max=max_val)  # saturate first: max_val is itself on the grid
-    _, e = torch.frexp(a)           # a lies in the binade [2^(e-1), 2^e)
+    e = _binade(a.view(_BITS[a.dtype][0]), a.dtype)   # a in [2^(e-1), 2^e); 0: min_exp's quantum
     quantum = (e - 1).clamp(min=min_exp) - mant_bits
     # Scaling by a power of two is exact, so torch.round (half to even) sees the true ratio; an
     # even integer multiple of the quantum is an even mantissa, so this is RNE on the grid.
@@ -207,13 +227,15 @@ def e8m0_decode(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """2^(code - 127) in `dtype` for uint8 or float8_e8m0fnu codes; code 255 is NaN.
     Code 0 (2^-127) is a subnormal in float32 / bfloat16 and still exact."""
     c = codes.view(torch.uint8)
-    return _exp2(c.to(torch.int64) - 127, dtype).masked_fill(c == E8M0_NAN, float("nan"))
+    s = _exp2(c.to(torch.int64) - 127, torch.float64).to(dtype)   # float64: 2^-127 is a normal
+    return s.masked_fill(c == E8M0_NAN, float("nan"))
 
 
 def e8m0_encode(scales: torch.Tensor) -> torch.Tensor:
     """float8_e8m0fnu codes of positive power-of-two scales (exact); any other value rounds
-    up to the next power of two, the safe direction for a scale."""
-    return (_ceil_log2(scales) + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    up to the next power of two, the safe direction for a scale. In float64, where code 0's
+    2^-127 is a normal number."""
+    return (_ceil_log2(scales.double()) + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def _expand_blocks(scale: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
