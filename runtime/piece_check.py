@@ -126,3 +126,34 @@ def compare_pieces(fwd, eager_twice: bool = False, reference: bool = False,
             Path(save_dir).mkdir(parents=True, exist_ok=True)
             for name, (_, record) in worst.items():
                 torch.save(record, Path(save_dir, f"{name}.pt"))
+
+
+@contextlib.contextmanager
+def launch_configs():
+    """While active, each Inductor Triton kernel that autotunes (several candidate launch
+    configs) first runs every candidate on clones of its arguments; the yielded list gets one
+    row per kernel: its name and each candidate's largest rel_l2 (float outputs) or share of
+    differing elements (integer outputs) against the first candidate. A kernel whose result
+    depends on its block size is miscompiled (the configs only change how the work is tiled)."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    from torch._inductor.utils import clone_preserve_strides
+    rows: list[dict] = []
+    autotune = CachingAutotuner.autotune_to_one_config
+
+    def checked(self, *args, **kwargs):
+        stream = torch.cuda.current_stream().cuda_stream
+        results = []
+        for launcher in self.launchers:
+            clones = [clone_preserve_strides(a) if isinstance(a, torch.Tensor) else a for a in args]
+            launcher(*clones, **kwargs, stream=stream)
+            results.append((str(launcher.config), _tensors(clones)))
+        first = results[0][1]
+        rows.append({"kernel": self.fn.__name__, "configs": {
+            cfg: max((rel_l2(a, b) for a, b in zip(outs, first)), default=0.0) for cfg, outs in results}})
+        return autotune(self, *args, **kwargs)
+
+    CachingAutotuner.autotune_to_one_config = checked
+    try:
+        yield rows
+    finally:
+        CachingAutotuner.autotune_to_one_config = autotune
