@@ -132,6 +132,10 @@ def main():
     eng, fwd = build(path, weights, a.device, a.backend, True)
     selected = {op: registry.selected()[f"v41::{op}"].get(a.device, "reference") for op in FUSED_OPS}
     res["selected"] = selected
+    # the per-op switches below act only on ops the passes put in the graph and kept
+    res["matches"] = fwd.stats().get("matches")
+    if fwd.pass_manager is not None:
+        res["backend_select"] = dict(fwd.pass_manager.passes[-1].decisions)
     out = res["results"]
     out["all_selected"] = check(eng, fwd, "all_selected", cfg.vocab_size, a.save_dir)
     save()
