@@ -46,7 +46,7 @@ CASES = {
 
 
 def inputs(tokens: int, width: int, gen) -> torch.Tensor:
-    """Rows over many binades, a zero row and a row at the amax floor."""
+    """Rows over many binades, a zero row and a row below the amax floor."""
     x = torch.randn(tokens, width, generator=gen) * torch.exp2(torch.randint(-20, 12, (tokens, 1), generator=gen))
     x[0] = 0
     x[1] = 1e-5

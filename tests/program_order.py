@@ -14,10 +14,13 @@ import textwrap
 REVERSED = os.environ.get("V41_PROGRAM_ORDER") == "reversed"
 
 
-def reverse_program_order() -> None:
-    """Patch the interpreter's grid loop (triton.runtime.interpreter.GridExecutor.__call__) to
-    visit every grid axis backwards, and check on a kernel whose programs all write one
-    element that the last writer is now program 0."""
+def apply() -> None:
+    """With V41_PROGRAM_ORDER=reversed, patch the interpreter's grid loop
+    (triton.runtime.interpreter.GridExecutor.__call__) to visit every grid axis backwards, and
+    check on a kernel whose programs all write one element that the last writer is now
+    program 0."""
+    if not REVERSED:
+        return
     import torch
     import triton
     import triton.language as tl

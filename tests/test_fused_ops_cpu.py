@@ -278,8 +278,7 @@ if not INTERPRETED:
 else:
     pytest.importorskip("triton")
     from tests import program_order
-    if program_order.REVERSED:
-        program_order.reverse_program_order()
+    program_order.apply()
     from custom_ops import registry
     from custom_ops.triton import (triton_engram_gate, triton_engram_gather, triton_hc_collapse,
                                    triton_hc_expand, triton_inv_rope_wo_a, triton_mhc_mix,

@@ -35,8 +35,7 @@ else:
     import torch
 
     from tests import program_order
-    if program_order.REVERSED:
-        program_order.reverse_program_order()
+    program_order.apply()
 
     import custom_ops  # noqa: F401
     from custom_ops import attention as ref_attn
