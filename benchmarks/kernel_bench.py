@@ -5,7 +5,10 @@ captured in a CUDA graph and replayed; CUDA events around 50 replays, median of 
     python benchmarks/kernel_bench.py --out benchmarks/results/kernels-h200.json
 
 `--sweep` also times the decode cases of sparse_attn over a grid of tile sizes and launch
-options (the wrapper's keyword knobs), to pick defaults from measurements.
+options (the wrapper's keyword knobs), to pick defaults from measurements. `--breakdown` splits
+the decode sparse_attn time into its parts: the compiled kernel's registers and spills, the
+same row gather alone (a sum of the rows, no dots: the access pattern's bandwidth), and the
+same two dots on cuBLAS with each token's keys dense (the FLOPs without the gather).
 """
 from __future__ import annotations
 
@@ -16,10 +19,13 @@ import json
 import statistics
 
 import torch
+import triton
+import triton.language as tl
 
 import custom_ops  # noqa: F401
 import custom_ops.triton  # noqa: F401  (registers the CUDA impls)
 from custom_ops.triton import triton_sparse_attn
+from custom_ops.triton.attention import _sparse_attn_kernel, split_for
 from tests.kernel_cases import index_plane, make_step, random_topk
 
 H, D, W, K, PAGE, DI, HI = 64, 512, 128, 512, 128, 128, 32
@@ -84,13 +90,98 @@ def sweep_attn(gen, rows: list) -> None:
             print(json.dumps(row), flush=True)
 
 
+@triton.jit
+def _gather_sum_kernel(ring_ptr, kv_ptr, pool_ptr, win_ptr, topk_ptr, bt_ptr, bid_ptr, out_ptr, n_ring, W, K,
+                       rows_per_page,
+                       blocks_per_split, stride_win, stride_topk, stride_bt,
+                       D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Sum of the rows sparse_attn reads for one token (ring window, then top-k owner rows) over
+    one split of its key blocks: the same gather with no dots."""
+    t = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    dofs = tl.arange(0, D)
+    noff = tl.arange(0, BLOCK_N)
+    n_win = tl.cdiv(W, BLOCK_N)
+    b0 = sp * blocks_per_split
+    b1 = tl.minimum(b0 + blocks_per_split, n_win + tl.cdiv(K, BLOCK_N))
+    acc = tl.zeros([D], tl.float32)
+    for blk in range(b0, tl.minimum(b1, n_win)):
+        n = blk * BLOCK_N + noff
+        idx = tl.load(win_ptr + t * stride_win + n, mask=n < W, other=-1).to(tl.int64)
+        rows = tl.where(idx < n_ring, ring_ptr + idx * D, kv_ptr + (idx - n_ring) * D)
+        k = tl.load(rows[:, None] + dofs[None, :], mask=(idx >= 0)[:, None], other=0.0)
+        acc += tl.sum(k.to(tl.float32), 0)
+    req = tl.maximum(tl.load(bid_ptr + t), 0).to(tl.int64)
+    for blk in range(tl.maximum(b0, n_win), b1):
+        n = (blk - n_win) * BLOCK_N + noff
+        j = tl.load(topk_ptr + t * stride_topk + n, mask=n < K, other=-1).to(tl.int64)
+        jj = tl.maximum(j, 0)
+        page = tl.load(bt_ptr + req * stride_bt + jj // rows_per_page, mask=j >= 0, other=0).to(tl.int64)
+        k = tl.load(pool_ptr + (page * rows_per_page + jj % rows_per_page)[:, None] * D + dofs[None, :],
+                    mask=(j >= 0)[:, None], other=0.0)
+        acc += tl.sum(k.to(tl.float32), 0)
+    tl.store(out_ptr + (t * tl.num_programs(1) + sp) * D + dofs, acc)
+
+
+def compiled_meta(fn) -> list[dict]:
+    """Registers, spills, warps and shared memory of each compiled specialization of `fn`."""
+    out = []
+    for caches in fn.device_caches.values():
+        for ker in caches[0].values():
+            ker._init_handles()
+            out.append({"n_regs": ker.n_regs, "n_spills": ker.n_spills, "num_warps": ker.metadata.num_warps,
+                        "shared_bytes": ker.metadata.shared})
+    return out
+
+
+def breakdown_attn(gen, rows: list, T: int = 64) -> None:
+    """Where the decode sparse_attn time goes at T tokens (see the module docstring)."""
+    T, args, nbytes = attn_case(gen, T, True)
+    q, kv, ring, win, pool, topk, bt, bid, _, page, sink, scale, out = args
+    floor = nbytes / COPY_BW * 1e6
+    us = time_graph(lambda: triton_sparse_attn(*args))
+    key_bytes = int((win >= 0).sum() + (topk >= 0).sum()) * D * 2
+    rows.append({"kernel": "sparse_attn", "part": "whole kernel", "tokens": T, "us": round(us, 2),
+                 "bytes": nbytes, "frac_of_copy_bw": round(floor / us, 3),
+                 "TFLOPs": round(4 * key_bytes / (D * 2) * H * D / us / 1e6, 1),
+                 "compiled": compiled_meta(_sparse_attn_kernel)})
+    bn = 32
+    n_blocks = triton.cdiv(W, bn) + triton.cdiv(K, bn)
+    for n_split in (1, split_for(T, 1, n_blocks, q.device), 4, 8):
+        bps = triton.cdiv(n_blocks, n_split)
+        acc = torch.empty(T, n_split, D, device="cuda")
+        g = lambda: _gather_sum_kernel[(T, n_split)](ring, kv, pool, win, topk, bt, bid, acc, ring.shape[0],  # noqa: E731
+                                                      W, K, page, bps,
+                                                      win.stride(0), topk.stride(0), bt.stride(0), D=D, BLOCK_N=bn)
+        gus = time_graph(g)
+        rows.append({"kernel": "sparse_attn", "part": "row gather alone (sum of the rows)", "tokens": T,
+                     "splits": n_split, "us": round(gus, 2), "key_bytes": key_bytes,
+                     "frac_of_copy_bw": round(key_bytes / COPY_BW * 1e6 / gus, 3)})
+    n_keys = W + K
+    kd = torch.randn(T, n_keys, D, device="cuda").to(torch.bfloat16)
+    s = torch.empty(T, H, n_keys, device="cuda", dtype=torch.bfloat16)
+    o = torch.empty(T, H, D, device="cuda", dtype=torch.bfloat16)
+    dots = lambda: (torch.bmm(q, kd.transpose(1, 2), out=s), torch.bmm(s, kd, out=o))  # noqa: E731
+    dus = time_graph(dots)
+    rows.append({"kernel": "sparse_attn", "part": "the two dots on cuBLAS, keys dense per token (bmm)",
+                 "tokens": T, "keys_per_token": n_keys, "us": round(dus, 2),
+                 "TFLOPs": round(4 * T * H * n_keys * D / dus / 1e6, 1)})
+    for r in rows[-6:]:
+        print(json.dumps(r), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/kernels-h200.json")
     ap.add_argument("--sweep", action="store_true", help="also sweep sparse_attn decode launch options")
+    ap.add_argument("--breakdown", action="store_true", help="only the decode sparse_attn breakdown")
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
+    if a.breakdown:
+        for T in (16, 64):
+            breakdown_attn(gen, rows, T)
+        return save(a.out, rows)
     if a.sweep:
         sweep_attn(gen, rows)
     for T, decode in ((1, True), (16, True), (64, True), (4096, False)):
@@ -120,11 +211,15 @@ def main():
                          "us": round(us, 2), "visible_rows_scored": vis, "plane_bytes_read": nbytes,
                          "floor_us": round(nbytes / COPY_BW * 1e6, 2), "frac_of_copy_bw": round(nbytes / COPY_BW * 1e6 / us, 3)})
             print(json.dumps(rows[-1]))
+    save(a.out, rows)
+
+
+def save(path: str, rows: list) -> None:
     res = {"benchmark": "kernels", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": __import__("triton").__version__, "date": datetime.date.today().isoformat(),
+           "triton": triton.__version__, "date": datetime.date.today().isoformat(),
            "method": "CUDA graph of one call, 50 replays between CUDA events, median of 15",
            "copy_bandwidth_Bps": COPY_BW, "results": rows}
-    with open(a.out, "w") as f:
+    with open(path, "w") as f:
         json.dump(res, f, indent=1)
 
 
