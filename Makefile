@@ -26,8 +26,9 @@ run: setup
 serve: setup
 	$(BIN)/python -m v41.serve
 
+# one worker per core, whole files per worker (a file's tests share their compiles)
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu

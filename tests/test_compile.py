@@ -1,15 +1,15 @@
 """The compile pipeline (runtime/compile.py, passes/): split points and split == unsplit, one
 graph per segment and no recompiles over token counts 1..512, each pass's match count on the
-toy graph with outputs equal to the unpassed graph's, backend selection, prebuild keys and the
+toy graph with outputs equal to the unpassed graph's, backend selection, compile keys and the
 keyed cache directory, dumps, flags. The acceptance (the compiled toy against the eager one
-over the schedule-invariance harness) is tests/test_compiled_invariance.py.
+over the schedule-invariance harness) and the prebuild are tests/test_compiled_invariance.py.
 
 Compiled runs use the "post_grad_eager" backend (Inductor's whole graph pipeline: AOT,
 decompositions, joint-graph and post-grad passes, ours included, without its C++ code
 generation) or, where only Dynamo's graph matters, a counting backend; models are small (the
 mini model has every layer role in 8 layers, the pass tests cut the toy to 3 layers); the pass
 tests share one compile (see "passes" below). Dynamo and AOT are most of a compile's cost on the
-CPU. Inductor itself runs in the dump test, the prebuild test and the acceptance.
+CPU. Inductor itself runs in the dump test and in the acceptance module.
 """
 import copy
 import dataclasses
@@ -624,7 +624,7 @@ def test_dumps_written(toy_weights, tmp_path):
     assert any("transformed_code" in n or n.startswith("full_code") for n in names), names
 
 
-# ---- keys, cache directory, prebuild ---------------------------------------------------------
+# ---- keys, cache directory ------------------------------------------------------------------
 
 def test_compile_key_changes_with_each_factor(toy_cfg, monkeypatch):
     args = EngineArgs(model="toy", dtype="float32", device="cpu")
@@ -694,24 +694,6 @@ def _try_lock(d):
             return True
     except Timeout:
         return False
-
-
-def test_prebuild_then_serving_starts_warm(capsys):
-    """python -m v41.prebuild with the acceptance test's settings: a READY keyed directory, and
-    an engine with the same settings reports a warm start (the trace is shared in-process; a
-    new process finds Inductor's caches there)."""
-    from v41 import prebuild
-    cache = os.environ.get("V41_TEST_COMPILE_CACHE", str(REPO / ".cache" / "compile"))
-    argv = ["--model", "toy", "--dtype", "float32", "--device", "cpu", "--max-num-seqs", "8", "--no-enable-prefix-caching",
-            "--max-num-batched-tokens", "512", "--compile-cache-dir", cache, "--json"]
-    assert prebuild.main(argv) == 0
-    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert Path(first["cache_dir"], "READY").exists() and Path(first["cache_dir"], "factors.json").exists()
-    assert first["segments"] == ["_EarlyLayers", "_LateLayers"] and first["capture_sizes"] == [1, 2, 4, 8, 512]
-    assert prebuild.main(argv) == 0
-    second = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert second["start"] == "warm" and second["cache_dir"] == first["cache_dir"]
-    assert prebuild.main(argv + ["--enforce-eager"]) == 2
 
 
 # ---- flags and the eager path ---------------------------------------------------------------

@@ -8,8 +8,10 @@ eager model's arithmetic), so the compiled forward is in fact bitwise equal to t
 the NLL bound is the issue's. The compile itself (both segments, every capture size) is the
 shared one of every engine with these settings in this process; its Inductor caches live under
 .cache/compile/<key>/ and are reused by later runs (a cold build takes about 4 minutes on the 2
-cores of the CPU machine, a warm one about 1).
+cores of the CPU machine, a warm one about 1). `python -m v41.prebuild` with the same settings is
+tested here too, so that under `pytest -n` (one worker per file) it shares that compile.
 """
+import json
 import os
 import time
 from pathlib import Path
@@ -112,3 +114,21 @@ def test_padding_decode_width_one(compiled_engine):
     while eng.has_unfinished():
         eng.step()
     assert len(seq.completion_token_ids) == 3
+
+
+def test_prebuild_then_serving_starts_warm(capsys):
+    """python -m v41.prebuild with the acceptance test's settings: a READY keyed directory, and
+    an engine with the same settings reports a warm start (the trace is shared in-process; a
+    new process finds Inductor's caches there)."""
+    from v41 import prebuild
+    cache = COMPILED["compile_cache_dir"]
+    argv = ["--model", "toy", "--dtype", "float32", "--device", "cpu", "--max-num-seqs", "8", "--no-enable-prefix-caching",
+            "--max-num-batched-tokens", "512", "--compile-cache-dir", cache, "--json"]
+    assert prebuild.main(argv) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert Path(first["cache_dir"], "READY").exists() and Path(first["cache_dir"], "factors.json").exists()
+    assert first["segments"] == ["_EarlyLayers", "_LateLayers"] and first["capture_sizes"] == [1, 2, 4, 8, 512]
+    assert prebuild.main(argv) == 0
+    second = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert second["start"] == "warm" and second["cache_dir"] == first["cache_dir"]
+    assert prebuild.main(argv + ["--enforce-eager"]) == 2
