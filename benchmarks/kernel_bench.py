@@ -30,6 +30,16 @@ from tests.kernel_cases import index_plane, make_step, random_topk
 
 H, D, W, K, PAGE, DI, HI = 64, 512, 128, 512, 128, 128, 32
 COPY_BW = 4.24e12   # measured device-to-device copy on this H200 (DESIGN.md §9)
+
+
+def floor_us(nbytes: int) -> float:
+    """Microseconds to move `nbytes` at the measured copy bandwidth."""
+    return nbytes / COPY_BW * 1e6
+
+
+def attn_tflops(n_keys: int, us: float) -> float:
+    """TFLOP/s of sparse_attn's two dots (S = Q·Kᵀ, then P·V) over `n_keys` (token, key) pairs."""
+    return round(4 * n_keys * H * D / us / 1e6, 1)
 SWEEP = {"block_h": (16, 32, 64), "block_n": (16, 32, 64), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
 
 
@@ -77,7 +87,7 @@ def sweep_attn(gen, rows: list) -> None:
     """Decode sparse_attn over the SWEEP grid (key splits from the SM count each time)."""
     for T in (1, 16, 64):
         T, args, nbytes = attn_case(gen, T, True)
-        floor = nbytes / COPY_BW * 1e6
+        floor = floor_us(nbytes)
         for combo in itertools.product(*SWEEP.values()):
             knobs = dict(zip(SWEEP, combo))
             row = {"kernel": "sparse_attn", "tokens": T, "decode": True, **knobs}
@@ -137,37 +147,37 @@ def compiled_meta(fn) -> list[dict]:
 def breakdown_attn(gen, rows: list, T: int = 64) -> None:
     """Where the decode sparse_attn time goes at T tokens (see the module docstring)."""
     T, args, nbytes = attn_case(gen, T, True)
-    q, kv, ring, win, pool, topk, bt, bid, _, page, sink, scale, out = args
-    floor = nbytes / COPY_BW * 1e6
+    q, kv, ring, win, pool, topk, bt, bid, _, page = args[:10]
+
+    def add(row):
+        rows.append({"kernel": "sparse_attn", "tokens": T, **row})
+        print(json.dumps(rows[-1]), flush=True)
+
     us = time_graph(lambda: triton_sparse_attn(*args))
-    key_bytes = int((win >= 0).sum() + (topk >= 0).sum()) * D * 2
-    rows.append({"kernel": "sparse_attn", "part": "whole kernel", "tokens": T, "us": round(us, 2),
-                 "bytes": nbytes, "frac_of_copy_bw": round(floor / us, 3),
-                 "TFLOPs": round(4 * key_bytes / (D * 2) * H * D / us / 1e6, 1),
-                 "compiled": compiled_meta(_sparse_attn_kernel)})
+    n_keys = int((win >= 0).sum() + (topk >= 0).sum())
+    key_bytes = n_keys * D * 2
+    add({"part": "whole kernel", "us": round(us, 2), "bytes": nbytes,
+         "frac_of_copy_bw": round(floor_us(nbytes) / us, 3), "TFLOPs": attn_tflops(n_keys, us),
+         "compiled": compiled_meta(_sparse_attn_kernel)})
     bn = 32
     n_blocks = triton.cdiv(W, bn) + triton.cdiv(K, bn)
-    for n_split in (1, split_for(T, 1, n_blocks, q.device), 4, 8):
+    for n_split in dict.fromkeys((1, split_for(T, 1, n_blocks, q.device), 4, 8)):
         bps = triton.cdiv(n_blocks, n_split)
         acc = torch.empty(T, n_split, D, device="cuda")
         g = lambda: _gather_sum_kernel[(T, n_split)](ring, kv, pool, win, topk, bt, bid, acc, ring.shape[0],  # noqa: E731
                                                       W, K, page, bps,
                                                       win.stride(0), topk.stride(0), bt.stride(0), D=D, BLOCK_N=bn)
         gus = time_graph(g)
-        rows.append({"kernel": "sparse_attn", "part": "row gather alone (sum of the rows)", "tokens": T,
-                     "splits": n_split, "us": round(gus, 2), "key_bytes": key_bytes,
-                     "frac_of_copy_bw": round(key_bytes / COPY_BW * 1e6 / gus, 3)})
-    n_keys = W + K
-    kd = torch.randn(T, n_keys, D, device="cuda").to(torch.bfloat16)
-    s = torch.empty(T, H, n_keys, device="cuda", dtype=torch.bfloat16)
+        add({"part": "row gather alone (sum of the rows)", "splits": n_split, "us": round(gus, 2),
+             "key_bytes": key_bytes, "frac_of_copy_bw": round(floor_us(key_bytes) / gus, 3)})
+    per_token = W + K
+    kd = torch.randn(T, per_token, D, device="cuda").to(torch.bfloat16)
+    s = torch.empty(T, H, per_token, device="cuda", dtype=torch.bfloat16)
     o = torch.empty(T, H, D, device="cuda", dtype=torch.bfloat16)
     dots = lambda: (torch.bmm(q, kd.transpose(1, 2), out=s), torch.bmm(s, kd, out=o))  # noqa: E731
     dus = time_graph(dots)
-    rows.append({"kernel": "sparse_attn", "part": "the two dots on cuBLAS, keys dense per token (bmm)",
-                 "tokens": T, "keys_per_token": n_keys, "us": round(dus, 2),
-                 "TFLOPs": round(4 * T * H * n_keys * D / dus / 1e6, 1)})
-    for r in rows[-6:]:
-        print(json.dumps(r), flush=True)
+    add({"part": "the two dots on cuBLAS, keys dense per token (bmm)", "keys_per_token": per_token,
+         "us": round(dus, 2), "TFLOPs": attn_tflops(T * per_token, dus)})
 
 
 def main():
@@ -187,7 +197,7 @@ def main():
     for T, decode in ((1, True), (16, True), (64, True), (4096, False)):
         T, args, nbytes = attn_case(gen, T, decode)
         us = time_graph(lambda: torch.ops.v41.sparse_attn(*args))
-        floor = nbytes / COPY_BW * 1e6
+        floor = floor_us(nbytes)
         rows.append({"kernel": "sparse_attn", "tokens": T, "decode": decode, "us": round(us, 2),
                      "bytes": nbytes, "floor_us": round(floor, 2), "GBps": round(nbytes / us / 1e3, 1),
                      "frac_of_copy_bw": round(floor / us, 3)})
@@ -209,7 +219,7 @@ def main():
             nbytes = vis * per_row
             rows.append({"kernel": "index_topk", "index_cache_dtype": fmt, "tokens": step.T, "decode": decode,
                          "us": round(us, 2), "visible_rows_scored": vis, "plane_bytes_read": nbytes,
-                         "floor_us": round(nbytes / COPY_BW * 1e6, 2), "frac_of_copy_bw": round(nbytes / COPY_BW * 1e6 / us, 3)})
+                         "floor_us": round(floor_us(nbytes), 2), "frac_of_copy_bw": round(floor_us(nbytes) / us, 3)})
             print(json.dumps(rows[-1]))
     save(a.out, rows)
 

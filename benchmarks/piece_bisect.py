@@ -135,7 +135,8 @@ def main():
     # the per-op switches below act only on ops the passes put in the graph and kept
     res["matches"] = fwd.stats().get("matches")
     if fwd.pass_manager is not None:
-        res["backend_select"] = dict(fwd.pass_manager.passes[-1].decisions)
+        select = next(p for p in fwd.pass_manager.passes if p.name == "backend_select")
+        res["backend_select"] = dict(select.decisions)
     out = res["results"]
     out["all_selected"] = check(eng, fwd, "all_selected", cfg.vocab_size, a.save_dir)
     save()
