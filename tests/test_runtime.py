@@ -133,3 +133,49 @@ def test_cursor_tracks_committed_position(toy_weights):
         eng.step()
         if seq.slot is not None:
             assert int(eng.runner.cache.cursor[seq.slot, 0]) == seq.num_computed
+
+
+def test_padding_rows_read_and_write_nothing(toy_weights):
+    """Every field a padding row carries is the sentinel (-1 wherever it could read or write a
+    request's rows), and in the forward its index selections are all -1 and its attention output
+    0: a padding row tagged with a real batch id would select and read that request's rows,
+    which no compared output shows (CUDA-graph replay relies on this contract)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    eng = H.make_engine(toy_weights, max_num_seqs=4, max_num_batched_tokens=128,
+                        enable_prefix_caching=True, encoder_swa_bounded_replay=False)
+    for p in H.prompts((70, 40), seed=6):      # past a PAGE, so compressed rows exist to select
+        eng.add_request(p, SamplingParams(max_tokens=2, ignore_eos=True))
+    eng.step()
+    sb = eng.scheduler.schedule()
+    T, Tr, Br = sb.scheduled_tokens, sb.scheduled_tokens + 24, 4
+    batch = eng.runner.prepare(sb, running_tokens=Tr, running_bs=Br)
+    pad = slice(T, Tr)
+    assert (batch.batch_ids[pad] == -1).all() and (batch.batch_ids[:T] >= 0).all()
+    for name in ("win_idx", "ring_dest", "tail_src", "tail_dst"):
+        assert (getattr(batch, name)[pad] == -1).all(), name
+    for r, dest in batch.owner_dest.items():
+        assert (dest[pad] == -1).all(), f"owner_dest[{r}]"
+    if batch.image_dest is not None:
+        assert (batch.image_dest[pad] == -1).all()
+    assert batch.block_table.shape[0] >= Br and (batch.block_table[sb.scheduled_bs:Br] == 0).all()
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.topk, self.attn = [], []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func._schema.name
+            if name == "v41::index_topk":
+                self.topk.append(args[12][pad].clone())
+            elif name == "v41::sparse_attn":
+                self.attn.append(args[12][pad].clone())
+            return out
+
+    with torch.inference_mode(), Record() as rec:
+        eng.runner.forward(batch, eng.runner.cache)
+    assert rec.topk and rec.attn
+    assert all((t == -1).all() for t in rec.topk), "a padding row selected compressed rows"
+    assert all((o == 0).all() for o in rec.attn), "a padding row attended to something"
