@@ -316,6 +316,47 @@ def test_echo(client, ref):
     assert s == r.choices[0].text
 
 
+# ---- prefix cache --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def copy_server():
+    """A second server in StateTransfer copy mode (checkpoint images, no bounded replay)."""
+    s = start_server(["--no-encoder-swa-bounded-replay"])
+    yield s
+    s.http.close()
+    s.proc.terminate()
+    try:
+        s.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        s.proc.kill()
+        s.proc.wait()
+    os.unlink(s.log_path)
+
+
+@pytest.mark.parametrize("mode", ["server", "copy_server"], ids=["replay", "copy"])
+@pytest.mark.parametrize("pages", [1, 2])
+def test_page_aligned_prompt_twice(request, ref, mode, pages):
+    """A prompt of exactly k PAGEs (toy PAGE = 32 tokens) sent twice: the second is a prefix hit
+    that must stop one PAGE short (a hit covering the last prompt token left nothing to compute:
+    copy mode crashed on a 0-token chunk, replay mode answered other tokens). Both answers equal
+    the isolated greedy output; the hit is (k - 1) PAGEs."""
+    srv = request.getfixturevalue(mode)
+    rng = random.Random(1000 * pages + len(mode))
+    ids = [rng.randrange(5, 1000) for _ in range(32 * pages)]
+    want = ref.greedy(ids, 6)
+    body = {"model": "toy", "prompt": ids, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    for k in range(2):
+        srv.wait_idle()
+        hits0 = srv.m("v41:prefix_cache_hits_total")
+        r = srv.http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        assert c["token_ids"] == want and c["text"] == ref.tok.decode(want), k
+        assert r.json()["usage"]["prompt_tokens"] == 32 * pages
+        srv.wait_idle()
+        assert srv.m("v41:prefix_cache_hits_total") - hits0 == (0 if k == 0 else 32 * (pages - 1)), k
+
+
 # ---- auth and errors -----------------------------------------------------------------------
 
 def test_api_key(server):
