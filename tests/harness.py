@@ -97,13 +97,42 @@ PAGE = 32
 
 def forks(root_len: int = 150, seed: int = 7, suffix: int = 9) -> list[list[int]]:
     """A root prompt, then forks sharing its first 1-4 PAGEs, diverging on a PAGE boundary and
-    off it (5 tokens in), each with its own suffix. The root runs first, alone."""
+    off it (5 tokens in), each with its own suffix; then two page-aligned prompts (the root's
+    first 2 PAGEs exactly, and a fork 3 PAGEs + 5 tokens in, completed to 4 PAGEs), whose hit
+    must stop one PAGE short of their end. The root runs first, alone."""
     g = torch.Generator().manual_seed(seed)
-    root = torch.randint(3, 1000, (root_len,), generator=g).tolist()
+    rand = lambda n: torch.randint(3, 1000, (n,), generator=g).tolist()  # noqa: E731
+    root = rand(root_len)
     out = [root]
     for k in (1, 2, 3, 4):
         for off in (0, 5):
-            out.append(root[: k * PAGE + off] + torch.randint(3, 1000, (suffix,), generator=g).tolist())
+            out.append(root[: k * PAGE + off] + rand(suffix))
+    out += [root[: 2 * PAGE], root[: 3 * PAGE + 5] + rand(PAGE - 5)]
+    return out
+
+
+def cross_prefixes(seed: int = 11, suffix: int = 9) -> list[list[int]]:
+    """A = X+Y, B = Z+Y, C = Z+Y (one PAGE each, own suffixes): B and C share the PAGE Y with A
+    but not the PAGE before it, so only a hash chained through the earlier PAGEs keeps C from
+    taking A's copy of Y (computed after X)."""
+    g = torch.Generator().manual_seed(seed)
+    x, y, z = (torch.randint(3, 1000, (PAGE,), generator=g).tolist() for _ in range(3))
+    return [p + torch.randint(3, 1000, (suffix,), generator=g).tolist() for p in (x + y, z + y, z + y)]
+
+
+def run_in_order(weights, reqs: list[list[int]], max_tokens: int = 8, **engine) -> list[list[int]]:
+    """Greedy tokens of each request run alone to completion, one after the other, in one
+    engine (so each finds the cache the earlier ones left)."""
+    eng = make_engine(weights, **engine)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    out = []
+    for p in reqs:
+        seq = eng.add_request(p, params)
+        while eng.has_unfinished():
+            eng.step()
+        out.append(seq.completion_token_ids)
+    eng.bm.check([])
+    assert eng.bm.all_free, "pages or slots leaked"
     return out
 
 

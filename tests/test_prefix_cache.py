@@ -65,6 +65,20 @@ def test_copy_hits_restore_images(toy_weights, reqs, baseline):
     assert [s.completion_token_ids for s in seqs] == [baseline[i] for i in range(len(reqs))]
 
 
+@pytest.mark.parametrize("mode", ["copy", "replay"])
+def test_a_shared_page_after_another_prefix_is_not_reused(toy_weights, mode):
+    """A = X+Y, then B = Z+Y, then C = Z+Y: C hits B's PAGEs, never A's copy of Y. Copy mode is
+    exact, so every request's tokens equal the uncached run's; under replay C's tokens equal
+    those of the same engine that never saw A."""
+    reqs = H.cross_prefixes()
+    engine = COPY if mode == "copy" else REPLAY
+    cached = H.run_in_order(toy_weights, reqs, MAX_TOKENS, **engine)
+    if mode == "copy":
+        assert cached == H.run_in_order(toy_weights, reqs, MAX_TOKENS)
+    else:
+        assert cached[1:] == H.run_in_order(toy_weights, reqs[1:], MAX_TOKENS, **engine)
+
+
 def test_copy_replays_from_a_missing_image(toy_weights, reqs, baseline):
     assert run_forks(toy_weights, reqs, COPY, hook=H.evict_images(keep_first=1)) == baseline
     eng, seqs = engine_after(toy_weights, reqs, COPY, hook=H.evict_images(keep_first=1))
@@ -119,7 +133,7 @@ def test_replay_ttft_work_is_bounded(toy_weights, reqs):
 def test_replay_forks_match_oracle_with_truncation(toy_weights, toy_token_map, reqs):
     out = run_forks(toy_weights, reqs, REPLAY)
     oracle = Oracle(H.preset_cfg(), toy_weights, dtype=torch.float64, index_plane="fp8", token_map=toy_token_map)
-    for i in (0, 1, 4, 8):                      # the root (cold) and forks sharing 1, 2 and 4 PAGEs
+    for i in (0, 1, 4, 8, 10):      # the root (cold), forks sharing 1, 2 and 4 PAGEs, a page-aligned one
         p = reqs[i]
         hit = 0 if i == 0 else (len(p) - 1) // H.PAGE * H.PAGE
         ids = list(p)
