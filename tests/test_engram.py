@@ -135,6 +135,31 @@ def test_hash_ids_chunked():
         hash_ids(c, EngramLayout(preset("toy")), 0)  # no pad_id
 
 
+def test_hash_ids_match_oracle():
+    """The runtime's hashing equals the oracle's own (tests/reference/engram_hashing.py, written
+    from the spec): layout, multipliers and hash ids of every toy Engram layer, exactly, on random
+    streams of DEAD and real ids (shorter than the n-gram too), resumed mid-stream from a
+    history holding DEAD and pad ids. The oracle used to import this code, so the parity tests
+    could not see a hashing bug."""
+    from tests.reference import engram_hashing as ref
+    cfg, rng = preset("toy"), random.Random(3)
+    pad = 2
+    lay, ora = EngramLayout(cfg, pad_id=pad), ref.EngramLayout(cfg, pad_id=pad)
+    assert (lay.primes, lay.offsets, lay.rows, lay.multipliers) == \
+        (ora.primes, ora.offsets, ora.rows, ora.multipliers)
+    assert len(cfg.engram_layer_ids) == 2
+    for i in range(len(cfg.engram_layer_ids)):
+        for n in (1, 2, 3, 4, 5, 17, 64):
+            c = _random_seq(rng, n, config.TOY_COMPRESSED_VOCAB)
+            assert torch.equal(hash_ids(torch.tensor(c), lay, i), ref.hash_ids(c, ora, i)), (i, n)
+            start = rng.randrange(1, 40)
+            hist = [rng.choice([DEAD, pad, rng.randrange(config.TOY_COMPRESSED_VOCAB)])
+                    for _ in range(min(start, 3) + rng.randrange(2))]
+            got = hash_ids(torch.tensor(c), lay, i, start=start, history=torch.tensor(hist))
+            assert torch.equal(got, ref.hash_ids(c, ora, i, start=start, history=hist)), (i, n, start, hist)
+        dead_hist = ref.hash_ids([5, 6], ora, i, start=3, history=[DEAD] * 3)
+        assert torch.equal(hash_ids(torch.tensor([5, 6]), lay, i, start=3, history=[DEAD] * 3), dead_hist)
+
 def test_compress_marks_dead():
     tm = synthetic_token_map(10, 4)
     assert tm.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]

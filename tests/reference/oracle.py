@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from v41.config import Role, V41Config
-from v41.engram.hashing import DEAD, EngramLayout, hash_ids
 
 from . import quant as Q
+from .engram_hashing import DEAD, EngramLayout, hash_ids
 
 NEG_INF = float("-inf")
 
