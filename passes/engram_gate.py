@@ -42,8 +42,9 @@ class EngramGate(PatternPass):
         def gate_fused(X, kv, wqk):
             return call("engram_gate", X, kv, wqk, eps, torch.empty_like(X))[0]
 
+        # wqk is kept in the accumulation dtype (the spec forms q_weight * k_weight in FP32)
         self.add(pm, gate, gate_fused, [rand(10, hc, D, dtype=dt), rand(10, (hc + 1) * D, dtype=dt),
-                                        rand(hc, D, dtype=dt)])
+                                        rand(hc, D, dtype=self.acc)])
 
 
 def make(cfg, dtype, lowering="auto"):

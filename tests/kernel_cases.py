@@ -124,3 +124,27 @@ def index_plane(g, rows: int, d: int, fmt: str, device="cpu", ties: bool = True)
         b = torch.randperm(rows, generator=g)[: rows // 8]
         k[a] = k[b]
     return encode_index(k, fmt)
+
+
+def flash_width_case(g, dtype, T: int = 6, H: int = 8, d: int = 512, W: int = 128, K: int = 512,
+                     holes: bool = True):
+    """Inputs of `v41::sparse_attn` at Flash list widths (window W from a ring, K selected rows
+    of one page), plus the same lists as the oracle takes them: valid indices packed in order
+    into cat(ring, pool), -1 after."""
+    n_pool = 2 * K
+    ring, pool = torch.randn(2 * W, d, generator=g), torch.randn(n_pool, d, generator=g)
+    win = torch.arange(W).repeat(T, 1) + torch.randint(0, W, (T, 1), generator=g)
+    topk = torch.sort(torch.stack([torch.randperm(n_pool, generator=g)[:K] for _ in range(T)]), 1).values
+    if holes:  # a short window (its -1s first) and a short selection (its -1s last)
+        nw, nk = torch.randint(1, W + 1, (T,), generator=g), torch.randint(0, K + 1, (T,), generator=g)
+        nw[0], nk[0] = W, K
+        win = torch.where(torch.arange(W) >= W - nw[:, None], win, -1)
+        topk = torch.where(torch.arange(K) < nk[:, None], topk, -1)
+    q, sink = torch.randn(T, H, d, generator=g), torch.randn(H, generator=g)
+    q, ring, pool = q.to(dtype), ring.to(dtype), pool.to(dtype)
+    args = (q, torch.zeros(T, d, dtype=dtype), ring, win, pool, topk, torch.zeros(1, 1, dtype=torch.long),
+            torch.zeros(T, dtype=torch.long), 1, n_pool, sink, d ** -0.5)
+    lists = [torch.cat([w[w >= 0], k[k >= 0] + ring.shape[0]]) for w, k in zip(win, topk)]
+    L = max(len(x) for x in lists)
+    idx = torch.stack([torch.cat([x, x.new_full((L - len(x),), -1)]) for x in lists])
+    return args, (q, torch.cat([ring, pool]), idx, sink, d ** -0.5)

@@ -115,8 +115,8 @@ def prepare_weights(cfg: V41Config, weights: dict, dtype, device) -> dict:
     """Native checkpoint tensors (after post-load processing) -> compute tensors: global ones by
     name, layer ones grouped under `layers.L` with the prefix and the `.weight` suffix stripped.
     FP8/FP4 weights are dequantized once here; activation quantization stays in the forward.
-    Tensors the spec keeps in FP32 (mHC, sink, router, ratio-2 compressor) take the
-    accumulation dtype."""
+    Tensors the spec keeps in FP32 (mHC, sink, router, ratio-2 compressor, Engram's q/k
+    weights, whose product is formed in FP32) take the accumulation dtype."""
     acc = acc_dtype(dtype)
     out: dict = {}
     for name, t in weights.items():
@@ -132,8 +132,8 @@ def prepare_weights(cfg: V41Config, weights: dict, dtype, device) -> dict:
             continue
         _, idx, rest = name.split(".", 2)
         rest = rest.removesuffix(".weight")
-        f32 = rest.startswith(("hc_", "attn.attn_sink", "ffn.gate")) or (
-            rest.startswith("attn.compressor.w") and cfg.compress_ratios[int(idx)] == 2)
+        f32 = rest.startswith(("hc_", "attn.attn_sink", "ffn.gate", "engram.q_weight", "engram.k_weight")) \
+            or (rest.startswith("attn.compressor.w") and cfg.compress_ratios[int(idx)] == 2)
         out.setdefault(f"layers.{idx}", {})[rest] = t.to(device=device, dtype=acc if f32 else dtype)
     for layer in out.values():
         if isinstance(layer, dict):

@@ -8,7 +8,11 @@ The token's key list is its window (win_idx: a ring row, or a row of this batch'
 its selected owner rows (topk -> block table -> pool row); -1 entries are skipped. The softmax is
 online over blocks, running max seeded at -1e30, unnormalized probabilities cast to the
 activation dtype before P·V, the running sum kept in FP32 from the unrounded values, the sink
-added after the last block and the division at the end (the kernel contract of §3.3 i).
+added after the last block and the division at the end (the kernel contract of §3.3 i), with
+one deviation: a block is BLOCK_N entries of the padded list (window W, then K selected, -1s
+included) and key splits are merged at the end, where the contract and the reference count 64
+valid entries in one pass. The bf16 probabilities therefore round against other running maxima;
+README (Correctness) gives the size and tests/test_kernels_cpu.py bounds it.
 
 Decode (few tokens): the key list of each token is split across `split_k` programs, each writing
 a partial (max, sum, acc) in FP32; a second small kernel merges the partials, adds the sink and
