@@ -241,7 +241,7 @@ def test_attention_indices_layout():
 
 
 def test_engram_hash_ids_formula(cfg):
-    """The oracle takes hash ids from v41.engram.hashing; recheck one position from the spec."""
+    """The runtime's hash ids at two positions, recomputed by hand from the spec."""
     from v41.engram.hashing import EngramLayout, hash_ids
     lay = EngramLayout(cfg, pad_id=7)
     c = torch.tensor([11, 12, 13, 14, 15])
