@@ -1,0 +1,158 @@
+"""The model runner's step metadata against a per-token rebuild written from the `Batch`
+contract (one Python loop per row, no numpy tricks): every field of every step of runs that
+chunk, decode, pad, preempt and resume from the prefix cache in both StateTransfer modes.
+
+The forward cannot show a wrong destination that only matters later, or a padding row that
+reads a request's rows; this test sees both at once, without a forward of its own, so mutation
+testing (docs/mutation.md) runs it for every mutant of the runner."""
+import numpy as np
+import pytest
+import torch
+
+from runtime.sequence import SamplingParams
+from tests import harness as H
+from tests.reference import quant as Q
+from tests.reference.engram_hashing import hash_ids
+
+PAD_ROWS, PAD_SEQS = 5, 1   # up to the buffers' capacity
+
+
+def widths(runner, sb) -> tuple[int, int]:
+    return (min(sb.scheduled_tokens + PAD_ROWS, runner.max_tokens),
+            min(sb.scheduled_bs + PAD_SEQS, runner.max_seqs))
+
+
+def expected_rows(runner, sb) -> dict:
+    """What each row of the step must carry (scheduled rows only; padding is checked apart)."""
+    W, P, S = runner.W, runner.page, runner.cache.num_slots
+    rows = {k: [] for k in ("input_ids", "positions", "batch_ids", "win_idx", "ring_dest", "tail_src",
+                            "tail_dst", "dest1", "dest2")}
+    first = 0
+    for i, (seq, n) in enumerate(zip(sb.seqs, sb.num_new)):
+        a, slot, bt = seq.num_computed, int(sb.slots[i]), sb.block_tables[i]
+        end = a + n
+        for p in range(a, end):
+            rows["input_ids"].append(seq.token_ids[p])
+            rows["positions"].append(p)
+            rows["batch_ids"].append(i)
+            win = []
+            for q in range(p - W + 1, p + 1):
+                if q < max(0, seq.swa_floor):
+                    win.append(-1)
+                elif q >= a:                     # computed in this step: a row of the batch
+                    win.append(S * W + first + (q - a))
+                else:
+                    win.append(slot * W + q % W)
+            rows["win_idx"].append(win)
+            rows["ring_dest"].append(slot * W + p % W if p >= end - W else -1)
+            rows["tail_src"].append(slot if p % 2 == 1 and p == a else -1)
+            rows["tail_dst"].append(slot if p % 2 == 0 and p == end - 1 else -1)
+            for r in (1, 2):
+                if p % r == r - 1 and p >= seq.write_from:
+                    group = p // r
+                    page = int(bt[group * r // P])
+                    rows[f"dest{r}"].append(page * (P // r) + group % (P // r))
+                else:
+                    rows[f"dest{r}"].append(-1)
+        first += n
+    rows["image_dest"] = [-1] * first
+    starts = np.cumsum([0] + list(sb.num_new))
+    for i, boundary, img in sb.captures:
+        a = sb.seqs[i].num_computed
+        for p in range(max(0, boundary - W), boundary):
+            if p >= a:
+                rows["image_dest"][starts[i] + p - a] = img * W + p % W
+    return rows
+
+
+def expected_engram(runner, sb, layer_index: int, layer: int) -> torch.Tensor:
+    """Table rows of the step's tokens, hashed over each request's whole token sequence."""
+    table, scale = runner.engram_tables[layer]
+    out = []
+    for seq, n in zip(sb.seqs, sb.num_new):
+        comp = runner.token_map[np.asarray(seq.token_ids[: seq.num_computed + n])]
+        hids = hash_ids(comp, runner.layout, layer_index)[seq.num_computed:]
+        out.append(Q.dequant_fp8_rows(table[hids], scale[hids], torch.float64).reshape(n, -1))
+    return torch.cat(out).to(runner.dtype)
+
+
+def check_step(runner, sb, batch) -> None:
+    T, B = sb.scheduled_tokens, sb.scheduled_bs
+    Tr, Br = widths(runner, sb)
+    want = expected_rows(runner, sb)
+    got = {"input_ids": batch.input_ids, "positions": batch.positions, "batch_ids": batch.batch_ids,
+           "win_idx": batch.win_idx, "ring_dest": batch.ring_dest, "tail_src": batch.tail_src,
+           "tail_dst": batch.tail_dst, "dest1": batch.owner_dest[1], "dest2": batch.owner_dest[2]}
+    if batch.image_dest is not None:
+        got["image_dest"] = batch.image_dest
+    else:
+        assert not sb.captures and all(d == -1 for d in want["image_dest"])
+    for k, v in got.items():
+        assert v.shape[0] == Tr, k
+        assert v[:T].tolist() == want[k], f"{k} of the scheduled rows"
+        sentinel = 0 if k in ("input_ids", "positions") else -1
+        assert (v[T:] == sentinel).all(), f"{k} of the padding rows"
+    assert batch.block_table.shape[0] == Br
+    assert batch.block_table[:B].tolist() == sb.block_tables.tolist()
+    assert (batch.block_table[B:] == 0).all()
+    for i, l in enumerate(runner.cfg.engram_layer_ids):
+        assert batch.engram_rows[l].shape[0] == Tr
+        assert torch.equal(batch.engram_rows[l][:T], expected_engram(runner, sb, i, l)), f"Engram layer {l}"
+
+
+def run_checked(weights, reqs, engine: dict, arrivals=None, hook=None, max_tokens=3):
+    """Run the requests; every step's metadata is checked against the rebuild. Returns the
+    number of steps checked and the engine."""
+    eng = H.make_engine(weights, **engine)
+    runner, steps = eng.runner, []
+    prepare = runner.prepare
+
+    def checked(sb, **width):
+        Tr, Br = widths(runner, sb)
+        batch = prepare(sb, running_tokens=Tr, running_bs=Br)
+        check_step(runner, sb, batch)
+        steps.append((len(sb.resumes), len(sb.captures)))
+        return batch
+
+    runner.prepare = checked
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    arrive = arrivals or [0] * len(reqs)
+    step, pending = 0, list(range(len(reqs)))
+    while pending or eng.has_unfinished():
+        for i in [i for i in pending if arrive[i] <= step]:
+            eng.add_request(reqs[i], params, request_id=f"r{i}")
+            pending.remove(i)
+        if hook:
+            hook(eng, step)
+        if eng.has_unfinished():
+            eng.step()
+        step += 1
+    eng.bm.check([])
+    return steps, eng
+
+
+def test_chunked_prefill_and_decode(toy_weights):
+    reqs = H.prompts((3, 16, 21, 40, 1), seed=3)
+    steps, _ = run_checked(toy_weights, reqs, {"max_prefill_chunk": 7, "max_num_batched_tokens": 24})
+    assert len(steps) >= 8
+
+
+def test_preemption_restarts_from_zero(toy_weights):
+    def preempt(eng, step):
+        if step in (3, 6) and eng.scheduler.running:
+            eng.scheduler.preempt(eng.scheduler.running[0])
+    reqs = H.prompts((30, 19, 8), seed=8)
+    _, eng = run_checked(toy_weights, reqs, {"max_prefill_chunk": 9}, hook=preempt)
+    assert eng.scheduler.num_preemptions == 2
+
+
+@pytest.mark.parametrize("mode", ["copy", "replay"])
+def test_prefix_hits(toy_weights, mode):
+    """Forks of a root resume from the cache: images restored and captured (copy) or a replay
+    floor and cursor (replay); rows below the hit are never written again."""
+    reqs = H.forks(root_len=80, suffix=5)[:1] + H.forks(root_len=80, suffix=5)[3:8:2]
+    engine = {"enable_prefix_caching": True, "encoder_swa_bounded_replay": mode == "replay",
+              "max_prefill_chunk": 20}
+    steps, eng = run_checked(toy_weights, reqs, engine, arrivals=[0] + [6] * (len(reqs) - 1))
+    assert sum(r for r, _ in steps) == len(reqs) - 1
+    assert (sum(c for _, c in steps) > 0) == (mode == "copy")

@@ -1,0 +1,194 @@
+"""The scheduler on its own (no model; sampled tokens are given): budgets, chunking, preemption,
+prefix-cache resumes in both StateTransfer modes, image captures, cancellation and the commit
+of a step, each asserted exactly. Fast, so mutation testing (docs/mutation.md) runs it for
+every mutant."""
+import pytest
+
+from runtime.block_manager import BlockManager
+from runtime.scheduler import Scheduler
+from runtime.sequence import SamplingParams, Sequence, Status
+
+P, EOS = 4, 2
+
+
+class Images:
+    """StateTransfer's bookkeeping as the scheduler sees it: which images are valid."""
+
+    def __init__(self, mode, invalid=()):
+        self.mode, self.invalid, self.forgotten = mode, set(invalid), []
+
+    def valid(self, img, position):
+        return img not in self.invalid
+
+    def forget(self, img):
+        self.forgotten.append(img)
+
+
+def make(pages=32, slots=4, seqs=4, budget=16, chunk=None, mode=None, images=0, invalid=()):
+    bm = BlockManager(pages, slots, P, max_pages_per_seq=8, prefix_caching=mode is not None,
+                      num_images=images)
+    state = Images(mode, invalid) if mode else None
+    return Scheduler(bm, seqs, budget, EOS, max_prefill_chunk=chunk, state=state)
+
+
+def add(sch, tokens, rid=None, **params) -> Sequence:
+    s = Sequence(list(tokens), SamplingParams(**{"max_tokens": 4, **params}), rid)
+    sch.add(s)
+    return s
+
+
+def step(sch, token=7):
+    """Schedule and commit one step, sampling `token` for every final chunk; `sb.began` keeps
+    the positions the step started from."""
+    sb = sch.schedule()
+    sb.began, sb.final = sb.starts, sb.is_final_chunk
+    done = sch.postprocess(sb, {s.seq_id: token for s, f in zip(sb.seqs, sb.is_final_chunk) if f})
+    return sb, done
+
+
+def test_running_first_then_waiting_under_the_token_budget_and_chunk():
+    sch = make(budget=10, chunk=6)
+    a, b, c = add(sch, range(3, 12)), add(sch, range(3, 8)), add(sch, range(3, 5))
+    sb, _ = step(sch)
+    assert sb.seqs == [a, b] and sb.num_new == [6, 4] and sb.began == [0, 0]
+    assert sb.final == [False, False] and sb.scheduled_tokens == 10 and sb.scheduled_bs == 2
+    assert sb.slots.tolist() == [a.slot, b.slot] and sb.block_tables.shape == (2, 8)
+    assert [s.status for s in (a, b, c)] == [Status.RUNNING, Status.RUNNING, Status.WAITING]
+    sb, _ = step(sch)
+    assert sb.seqs == [a, b, c] and sb.num_new == [3, 1, 2] and sb.final == [True, True, True]
+    sb, _ = step(sch)
+    assert sb.num_new == [1, 1, 1] and sb.began == [9, 5, 2]   # decode rows
+    assert a.token_ids[9:] == [7, 7] and a.num_computed == 10
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    sch = make(seqs=2)
+    a, b, c = (add(sch, [5, 6]) for _ in range(3))
+    sb, _ = step(sch)
+    assert sb.seqs == [a, b] and list(sch.waiting) == [c]
+
+
+def test_the_newest_running_request_is_preempted_when_pages_run_out():
+    sch = make(pages=5, budget=64)
+    a, b = add(sch, range(3, 11)), add(sch, range(3, 11))   # 2 pages each
+    step(sch)
+    assert len(sch.bm.free_pages) == 1
+    for _ in range(2):
+        sb, _ = step(sch)                                     # a grows into the free page, then b's
+    assert sch.num_preemptions == 1 and list(sch.waiting) == [b] and sch.running == [a]
+    assert b.status is Status.WAITING and b.num_computed == 0 and b.pages == [] and b.slot is None
+    assert b.token_ids[8:] == [7]                             # its sampled token is kept
+    sch.bm.check([a])
+
+
+def test_a_request_that_does_not_fit_keeps_waiting_with_nothing_held():
+    sch = make(pages=2, budget=64, mode="replay")
+    a = add(sch, range(3, 10))
+    step(sch)
+    b = add(sch, range(3, 14))                                # its hit is shared, then given back
+    sb, _ = step(sch)
+    assert sb.seqs == [a] and list(sch.waiting) == [b]
+    assert b.pages == [] and b.num_computed == b.write_from == b.swa_floor == b.num_cached_tokens == 0
+    assert b.resume is None
+    sch.bm.check([a])
+
+
+def test_replay_resumes_one_hash_block_below_the_hit():
+    sch = make(mode="replay")
+    root = list(range(3, 16))
+    add(sch, root, max_tokens=1)
+    step(sch)
+    assert not sch.has_unfinished()
+    b = add(sch, root[:12] + [99, 98])
+    sb, _ = step(sch)
+    assert b.num_cached_tokens == 12 and b.write_from == 12 and b.swa_floor == 8
+    assert sb.began == [8] and sb.num_new == [6] and sb.resumes == [(0, ("replay",))]
+    assert b.resume is None and sch.stats["replayed_rows"] == 4 and sch.bm.stats["hit_tokens"] == 12
+    sb, _ = step(sch)
+    assert sb.resumes == [] and sch.bm.stats["hit_tokens"] == 12
+
+
+@pytest.mark.parametrize("invalid, start, forgotten", [((), 12, []), ((2,), 8, [2]), ((1, 2), 4, [2, 1])])
+def test_copy_resumes_at_the_newest_valid_image(invalid, start, forgotten):
+    sch = make(mode="copy", images=4, invalid=invalid)
+    root = list(range(3, 16))
+    a = add(sch, root, max_tokens=1)
+    sb = sch.schedule()
+    assert sb.captures == [(0, 4, 0), (0, 8, 1), (0, 12, 2)]  # every full prompt PAGE boundary
+    sch.postprocess(sb, {a.seq_id: 7})
+    b = add(sch, root[:12] + [99])
+    sb, _ = step(sch)
+    assert b.num_computed == 13 and b.num_cached_tokens == 12 and b.write_from == 12
+    assert sb.began == [start] and sch.stats["replayed_rows"] == 12 - start
+    assert sb.resumes == [(0, ("image", start // P - 1))]
+    assert sch.state.forgotten == forgotten
+    assert sorted(sch.bm.image_of) == sorted(b.pages[:3])   # refused images are captured again
+
+
+def test_copy_without_any_image_recomputes_from_zero():
+    sch = make(mode="copy", images=0)
+    root = list(range(3, 12))
+    add(sch, root, max_tokens=1)
+    step(sch)
+    b = add(sch, root)
+    sb, _ = step(sch)
+    assert sb.began == [0] and sb.resumes == [] and b.num_cached_tokens == 8 and b.write_from == 8
+
+
+def test_captures_cover_the_boundaries_each_chunk_crosses():
+    sch = make(mode="copy", images=8, chunk=5)
+    a = add(sch, range(3, 16))                                # prompt 13: boundaries 4, 8, 12
+    got = []
+    while a.num_computed < 13:
+        sb, _ = step(sch)
+        got.append([(e, i) for _, e, i in sb.captures])
+    assert got == [[(4, 0)], [(8, 1)], [(12, 2)]]             # chunks 0-5, 5-10, 10-13
+    sb, _ = step(sch)
+    assert sb.captures == []                                  # decode crosses no prompt boundary
+
+
+def test_postprocess_finishes_on_eos_stop_ids_and_length():
+    sch = make()
+    a, b, c = add(sch, [5]), add(sch, [5], stop_token_ids=[9]), add(sch, [5], max_tokens=2)
+    d = add(sch, [5], ignore_eos=True, max_tokens=3)
+    sb = sch.schedule()
+    done = sch.postprocess(sb, {a.seq_id: EOS, b.seq_id: 9, c.seq_id: 8, d.seq_id: EOS})
+    assert done == [a, b] and a.finish_reason == b.finish_reason == "stop"
+    assert a.status is Status.FINISHED and a.pages == [] and a.slot is None
+    sb, done = step(sch, token=8)
+    assert done == [c] and c.finish_reason == "length" and c.completion_token_ids == [8, 8]
+    sb, done = step(sch, token=EOS)
+    assert done == [d] and d.finish_reason == "length" and d.completion_token_ids == [EOS, 8, EOS]
+    assert not sch.has_unfinished() and sch.bm.all_free
+
+
+def test_postprocess_skips_requests_cancelled_or_preempted_after_scheduling():
+    sch = make(mode="replay")
+    a, b = add(sch, range(3, 12), "a"), add(sch, range(3, 12), "b")
+    sb = sch.schedule()
+    sch.preempt(b)
+    assert sch.abort("a") is a and a.finish_reason == "abort"
+    assert sch.postprocess(sb, {a.seq_id: 7, b.seq_id: 7}) == []
+    assert a.num_computed == 0 and b.num_computed == 0 and b.token_ids == list(range(3, 12))
+    assert sch.bm.cached == {}                                # nothing published
+    sch.bm.check([])
+
+
+def test_abort_finds_requests_wherever_they_are():
+    sch = make(seqs=1)
+    a, b = add(sch, [5, 6], "a"), add(sch, [5, 6], "b")
+    step(sch)
+    assert sch.abort("b") is b and list(sch.waiting) == []
+    assert sch.abort("a") is a and sch.running == [] and sch.bm.all_free
+    assert sch.abort("a") is None and sch.abort("x") is None
+    assert a.status is b.status is Status.FINISHED
+
+
+def test_preempt_puts_the_request_first_in_line():
+    sch = make(seqs=1)
+    a, b = add(sch, [5, 6], "a"), add(sch, [5, 6], "b")
+    step(sch)
+    sch.preempt(a)
+    assert list(sch.waiting) == [a, b] and sch.num_preemptions == 1
+    sb, _ = step(sch)
+    assert sb.seqs == [a] and sb.began == [0] and sb.num_new == [3]   # prompt + its sampled token
