@@ -156,3 +156,36 @@ def test_prefix_hits(toy_weights, mode):
     steps, eng = run_checked(toy_weights, reqs, engine, arrivals=[0] + [6] * (len(reqs) - 1))
     assert sum(r for r, _ in steps) == len(reqs) - 1
     assert (sum(c for _, c in steps) > 0) == (mode == "copy")
+
+
+def test_every_row_and_the_sampled_rows_match_the_oracle(toy_cfg, toy_weights, toy_token_map):
+    """The short end-to-end check beside the metadata: teacher-forced logits of every row and
+    greedy tokens through chunks and decode equal the oracle's (float64)."""
+    from tests.reference.oracle import Oracle
+    from tests.test_runtime_parity import rel_err, teacher_forced
+    reqs = H.prompts((3, 20), seed=9)
+    oracle = Oracle(toy_cfg, toy_weights, dtype=torch.float64, index_plane="fp8", token_map=toy_token_map)
+    got = teacher_forced(H.make_engine(toy_weights, max_prefill_chunk=7), reqs)
+    for p, g in zip(reqs, got):
+        assert rel_err(g, oracle.forward(torch.tensor(p))) < 1e-6
+    out = H.run(toy_weights, reqs, max_tokens=3, scenario=H.Scenario("chunks", engine={"max_prefill_chunk": 7}))
+    for i, p in enumerate(reqs):
+        ids = list(p)
+        for _ in range(3):
+            ids.append(int(oracle.forward(torch.tensor(ids))[-1].argmax()))
+        assert out[i] == ids[len(p):]
+
+
+def test_static_shapes_pass_the_whole_block_table_and_image_rows(toy_weights):
+    """Under a compiled forward every step has one structure: the block table at capacity (rows
+    past the step's requests zero) and image rows whenever the cache has images."""
+    eng = H.make_engine(toy_weights, enable_prefix_caching=True, encoder_swa_bounded_replay=False, num_images=2)
+    runner = eng.runner
+    eng.add_request(H.prompts((6,), seed=1)[0], SamplingParams(max_tokens=1, ignore_eos=True))
+    sb = eng.scheduler.schedule()
+    batch = runner.prepare(sb)
+    assert batch.block_table.shape[0] == 1 and batch.image_dest is None
+    runner.static_shapes = True
+    batch = runner.prepare(sb)
+    assert batch.block_table.shape[0] == runner.max_seqs and (batch.block_table[1:] == 0).all()
+    assert batch.image_dest is not None and (batch.image_dest == -1).all()
