@@ -12,11 +12,9 @@ class Engram(nn.Module):
     def __init__(self, w: dict, hc: int, eps: float):
         super().__init__()
         self.wkv = Linear(w["engram.wkv"], "fp8")
-        # only the product matters; the spec forms it in FP32 (rounding it to BF16 moves most
-        # of its elements by an ulp), so it is kept in at least float32 whatever q/k arrive in
-        q, k = w["engram.q_weight"], w["engram.k_weight"]
-        acc = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
-        self.wqk = q.to(acc) * k.to(acc)
+        # only the product matters; formed and kept in the accumulation dtype, as the spec
+        # does (prepare_weights keeps q/k there: a BF16 product moves most elements by an ulp)
+        self.wqk = w["engram.q_weight"] * w["engram.k_weight"]
         self.hc, self.eps = hc, eps
 
     def forward(self, X, rows):
