@@ -18,33 +18,34 @@ import json
 import logging
 import sys
 
+from runtime.cli import exit_on_refusal
 from runtime.engine import EngineArgs
 from runtime.geometry import AdmissionError
-from v41.config import ConfigError
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
+    ap = argparse.ArgumentParser(prog="python -m v41.prebuild",
+                                 description="compile every segment into the keyed compile cache")
+    names = EngineArgs.add_cli_args(ap)
+    ap.set_defaults(enforce_eager=False)            # prebuild compiles: --no-enforce-eager / -O3
+    ap.add_argument("--json", action="store_true", help="one JSON line: the compile report")
+    return ap, names
 
 
 def main(argv=None) -> int:
-    from v41.serve import add_engine_flags
-    ap = argparse.ArgumentParser(prog="python -m v41.prebuild",
-                                 description="compile every segment into the keyed compile cache")
-    names = add_engine_flags(ap)
-    ap.set_defaults(enforce_eager=False)
-    ap.add_argument("--json", action="store_true", help="one JSON line: the compile report")
+    ap, _ = build_parser()
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    if a.enforce_eager or a.compilation_level == 0:
-        print("error: prebuild compiles the model: drop --enforce-eager / --compilation-level 0",
-              file=sys.stderr)
-        return 2
-    eargs = EngineArgs(**{n: getattr(a, n) for n in names})
-    try:
+    with exit_on_refusal() as refused:
+        eargs = EngineArgs.from_cli_args(a)
+        if eargs.enforce_eager:
+            raise AdmissionError("prebuild compiles the model: drop --enforce-eager / --compilation-level 0")
         eargs.admit()
         from runtime.engine import LLMEngine
         engine = LLMEngine(eargs)
-    except (AdmissionError, ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if refused:
+        return refused.status
     rep = engine.compile_report
     if a.json:
         print(json.dumps(rep, default=str))
