@@ -1,17 +1,16 @@
 """Routing and routed experts (spec §3.4). Routing: sqrt-softplus scores, experts chosen on the
 biased scores (ties to the smaller expert id), weighted by the unbiased ones, normalized and
-scaled (the reference impl is v41.moe.MoE.route itself). Experts: W4A8 SwiGLU experts with the
-clamp, routing weight applied before the down projection's activation quant, outputs accumulated
-in ascending expert id."""
+scaled (the reference impl is v41.moe_route.route, the function MoE.route runs). Experts: W4A8
+SwiGLU experts with the clamp, routing weight applied before the down projection's activation
+quant, outputs accumulated in ascending expert id."""
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 from custom_ops.registry import define
 from v41 import quant
+from v41.moe_route import route
 
 
 @define("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor w1, Tensor w3, Tensor w2, "
@@ -36,8 +35,6 @@ def moe_experts(x, ids, weights, w1, w3, w2, limit, out) -> None:
 def moe_route(x, gate, bias, top_k, route_scale, ids, weights) -> None:
     """x [T, D]; gate [E, D], bias [E] (accumulation dtype); ids [T, top_k] (int64),
     weights [T, top_k] (gate's dtype) <- MoE.route(x)."""
-    from v41.moe import MoE
-    router = SimpleNamespace(gate=gate, bias=bias, top_k=top_k, route_scale=route_scale)
-    i, w = MoE.route(router, x)
+    i, w = route(x, gate, bias, top_k, route_scale)
     ids.copy_(i)
     weights.copy_(w)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from passes.base import PatternPass, call, ns, rand
-from v41.model import MHC, collapse, expand
+from v41.mhc import MHC, collapse, expand
 
 
 class MHCPass(PatternPass):

@@ -1,9 +1,9 @@
 """The MoE router (spec §3.4) -> `v41::moe_route`; the routed experts are already one op
 (`v41::moe_experts`), which this pass leaves alone.
 
-`MoE.route`: FP32 scores of the router GEMM, sqrt(softplus), a stable descending sort of the
-biased scores for the top-k ids (ties to the smaller expert id), the unbiased scores of those
-experts, normalized and scaled. f32 shown, 8 experts, top 2:
+`v41.moe_route.route` (what `MoE.route` runs): FP32 scores of the router GEMM, sqrt(softplus), a
+stable descending sort of the biased scores for the top-k ids (ties to the smaller expert id),
+the unbiased scores of those experts, normalized and scaled. f32 shown, 8 experts, top 2:
 
     before:
         s = sqrt(softplus(mm(x, permute(gate))))            # softplus: where(mul(s,1) > 20, ...)
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from passes.base import PatternPass, call, ns, rand
-from v41.moe import MoE
+from passes.base import PatternPass, call, rand
+from v41.moe_route import route as moe_route
 
 
 class MoERoute(PatternPass):
@@ -36,7 +36,7 @@ class MoERoute(PatternPass):
         k, scale = cfg.num_experts_per_tok, cfg.routed_scaling_factor
 
         def route(x, gate, bias):
-            return MoE.route(ns(gate=gate, bias=bias, top_k=k, route_scale=scale), x)
+            return moe_route(x, gate, bias, k, scale)
 
         def route_fused(x, gate, bias):
             T = x.shape[0]

@@ -6,7 +6,6 @@ topology and the admission checks that refuse a bad configuration before any wei
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -455,7 +454,7 @@ def load_config(model: str | os.PathLike) -> V41Config:
     return from_hf_dict(d)
 
 
-# ---- CLI --------------------------------------------------------------------------------
+# ---- topology table (printed by the CLI, v41.config_cli) ------------------------------
 
 def _fmt(v):
     return "–" if v is None else str(v)
@@ -480,29 +479,8 @@ def topology_table(cfg: V41Config) -> str:
     return "\n".join(lines)
 
 
-def summary(cfg: V41Config) -> dict:
-    from v41.engram.hashing import EngramLayout
-    from v41.loader import count_params
-    lay = EngramLayout(cfg)
-    engram = {str(l): {"rows": lay.rows[i], "primes": lay.primes[i], "multipliers": lay.multipliers[i]}
-              for i, l in enumerate(cfg.engram_layer_ids)}
-    return {"topology": [s.as_json() for s in cfg.topology.layers], "engram": engram,
-            "params": count_params(cfg)}
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m v41.config", description=__doc__.split("\n")[0])
-    ap.add_argument("model", help="preset name (flash, flash-slice, toy) or a directory with config.json")
-    ap.add_argument("--json", action="store_true", help="print topology, Engram layout and parameter counts")
-    a = ap.parse_args(argv)
-    try:
-        cfg = load_config(a.model)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary(cfg), indent=1) if a.json else topology_table(cfg))
-    return 0
-
-
 if __name__ == "__main__":
+    # the CLI lives in v41.config_cli: its --json prints parameter counts from the checkpoint
+    # schema (v41.loader), which imports this module
+    from v41.config_cli import main
     sys.exit(main())

@@ -1,5 +1,5 @@
-"""Mixture of experts (spec §3.4): sqrt-softplus router with a selection bias, W4A8 routed
-experts (the `v41::moe_experts` op) and one FP8 shared expert."""
+"""Mixture of experts (spec §3.4): sqrt-softplus router with a selection bias (v41.moe_route),
+W4A8 routed experts (the `v41::moe_experts` op) and one FP8 shared expert."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +8,7 @@ from torch import nn
 
 import custom_ops  # noqa: F401
 from v41.layers import Linear, acc_dtype
+from v41.moe_route import route
 
 ops = torch.ops.v41
 
@@ -23,13 +24,8 @@ class MoE(nn.Module):
         self.top_k, self.route_scale, self.limit = top_k, route_scale, limit
 
     def route(self, x):
-        """Experts are chosen on biased scores, weighted by the unbiased ones; ties go to the
-        smaller expert id."""
-        s = (x.to(self.gate.dtype) @ self.gate.T)
-        s = F.softplus(s).sqrt()
-        ids = torch.sort(s + self.bias, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
-        w = s.gather(1, ids)
-        return ids, w / (w.sum(-1, keepdim=True) + 1e-20) * self.route_scale
+        """(ids, weights) of the experts each token goes to (v41.moe_route.route)."""
+        return route(x, self.gate, self.bias, self.top_k, self.route_scale)
 
     def forward(self, x):
         acc = acc_dtype(x.dtype)
