@@ -1,0 +1,220 @@
+"""Loading: the `Weights` mapping and its post-load processing (spec/model.md §5.4), a checkpoint
+directory read after its header check, the writer's values built in memory (`load_format='dummy'`),
+and the cache of preset checkpoints written once on first use (under an fcntl lock)."""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import inspect
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from v41.config import V41Config, load_config, preset, PRESETS
+from v41.loader.io import (COMPLETE_MARKER, DEFAULT_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, _toy_tokenizer_files,
+                           check_checkpoint, shard_plan, write_checkpoint)
+from v41.loader.schema import CheckpointError, checkpoint_schema, is_host_table
+from v41.loader.synthetic import _CHUNK_ELEMS, _FP8_CODE_STD, _WRITER_FUNCS, dummy_tensors
+
+
+def _api():
+    """The package namespace, where `load_checkpoint` finds `safe_open` and `load_weights` finds
+    `dummy_weights` at call time: they are the seams tests substitute
+    (`monkeypatch.setattr(v41.loader, "safe_open", ...)`), as they did in the one-module loader."""
+    import v41.loader
+    return v41.loader
+
+
+# ---- weights + post-load processing -----------------------------------------------------
+
+def fp32_copy_names(schema) -> list[str]:
+    return [n for n in schema if n == "head.weight" or
+            (n.startswith("mtp.") and n.endswith(("markov_head.head.weight", "confidence_head.proj.weight")))]
+
+
+def wo_a_names(schema) -> list[str]:
+    return [n for n in schema if n.endswith("attn.wo_a.weight")]
+
+
+class Weights(Mapping):
+    """The checkpoint tensors by name (a read-only mapping) plus where they came from.
+    `postprocess()` runs the §5.4 post-load processing; it runs exactly once."""
+
+    def __init__(self, cfg: V41Config, tensors: dict, source: str, device="cpu", seed: int | None = None):
+        self.cfg = cfg
+        self.tensors = tensors
+        self.source = source          # a checkpoint directory or "dummy"
+        self.device = torch.device(device)
+        self.seed = seed
+        self.processed = False
+        self.postprocessed: list[str] = []
+
+    def __getitem__(self, name):
+        return self.tensors[name]
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self):
+        return len(self.tensors)
+
+    def __repr__(self):
+        return (f"Weights({self.cfg.name}, {len(self)} tensors, source={self.source}, "
+                f"device={self.device}, processed={self.processed})")
+
+    @property
+    def host_tables(self) -> dict:
+        return {n: t for n, t in self.tensors.items() if is_host_table(n)}
+
+    def postprocess(self) -> "Weights":
+        """§5.4: `attn.wo_a.weight` FP8 x E8M0 (32x32) -> BF16 and `.scale` dropped; `head`,
+        `mtp.*.markov_head.head`, `mtp.*.confidence_head.proj` -> FP32 copies. Everything else
+        keeps its native dtype (no re-quantization). A second call raises."""
+        if self.processed:
+            raise RuntimeError("post-load processing already ran on these weights (it runs exactly once)")
+        from v41.quant import dequant_fp8_block
+        T = self.tensors
+        done = []
+        for name in wo_a_names(T):
+            sname = name[: -len(".weight")] + ".scale"
+            w, s = T[name], T.pop(sname)
+            if w.dtype != torch.float8_e4m3fn:
+                raise RuntimeError(f"{name}: expected float8_e4m3fn before post-load processing, got {w.dtype}")
+            T[name] = dequant_fp8_block(w, s, torch.bfloat16)
+            done.append(name)
+        for name in fp32_copy_names(T):
+            T[name] = T[name].float()
+            done.append(name)
+        for name, t in T.items():
+            if ".hc_" in "." + name.rsplit(".", 1)[-1] and t.dtype != torch.float32:
+                raise RuntimeError(f"{name}: mHC tensors must stay FP32, got {t.dtype}")
+        self.postprocessed = done
+        self.processed = True
+        return self
+
+
+def postprocess(weights: Weights) -> Weights:
+    return weights.postprocess()
+
+
+def load_checkpoint(path, cfg: V41Config | None = None, device="cpu", progress: bool = True,
+                    process: bool = True) -> Weights:
+    """Load a native checkpoint directory: header check of every shard first (CheckpointError,
+    nothing read), then the tensors (Engram tables on the CPU, the rest on `device`), then the
+    post-load processing (once)."""
+    root = Path(path)
+    if cfg is None:
+        cfg = load_config(root)
+    schema = checkpoint_schema(cfg)
+    report = check_checkpoint(root, cfg, schema)
+    device = torch.device(device)
+    tensors: dict[str, torch.Tensor] = {}
+    with tqdm(total=report.bytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
+              desc=f"load {root.name}") as bar:
+        for shard, names in report.shards.items():
+            with _api().safe_open(str(root / shard), framework="pt", device="cpu") as f:
+                for name in names:
+                    t = f.get_tensor(name)
+                    spec = schema[name]
+                    if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+                        raise CheckpointError(f"tensor {name}: read {t.dtype} {list(t.shape)}, expected "
+                                              f"{spec.dtype} {list(spec.shape)}", str(root))
+                    if not is_host_table(name) and device.type != "cpu":
+                        t = t.to(device)
+                    tensors[name] = t
+                    bar.update(spec.nbytes)
+    w = Weights(cfg, {n: tensors[n] for n in schema}, str(root), device)
+    return w.postprocess() if process else w
+
+
+def dummy_weights(cfg: V41Config, device="cpu", seed: int = 0, progress: bool = True,
+                  process: bool = True) -> Weights:
+    """The writer's tensors built in memory (CPU generators, then moved to `device`), no files."""
+    device = torch.device(device)
+    w = Weights(cfg, dummy_tensors(cfg, device, seed, progress), "dummy", device, seed)
+    return w.postprocess() if process else w
+
+
+def _is_checkpoint_dir(p: Path) -> bool:
+    return p.is_dir() and ((p / INDEX_FILE).exists() or (p / SINGLE_FILE).exists())
+
+
+def load_weights(model_or_dir, cfg: V41Config | None = None, device="cpu", load_format: str = "auto",
+                 seed: int = 0, progress: bool = True) -> Weights:
+    """`model_or_dir`: a checkpoint directory or a preset name. `load_format`:
+    'safetensors' reads the directory; 'dummy' builds the writer's random tensors in memory
+    (same values as `write_checkpoint(cfg, ..., seed)`); 'auto' = safetensors for a checkpoint
+    directory; for the `toy` preset its checkpoint, written once into the cache on first use
+    and then read like any other; dummy for the other presets (too large to write)."""
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"load_format {load_format!r}: expected 'auto', 'safetensors' or 'dummy'")
+    if load_format == "auto":
+        p = Path(model_or_dir)
+        if _is_checkpoint_dir(p):
+            load_format = "safetensors"
+        elif model_or_dir == "toy":
+            model_or_dir, load_format = ensure_preset_checkpoint("toy", seed=seed), "safetensors"
+        elif isinstance(model_or_dir, str) and model_or_dir in PRESETS:
+            load_format = "dummy"
+        else:
+            raise CheckpointError(f"{model_or_dir!r} is neither a checkpoint directory nor a preset")
+    if load_format == "dummy":
+        cfg = cfg if cfg is not None else load_config(model_or_dir)
+        return _api().dummy_weights(cfg, device, seed, progress)
+    return load_checkpoint(model_or_dir, cfg, device, progress)
+
+
+# ---- cached preset checkpoints ----------------------------------------------------------
+
+def checkpoint_key(cfg: V41Config, seed: int = 0) -> str:
+    """Short hash of what determines the written bytes: config, schema, writer source and (toy)
+    tokenizer files."""
+    h = hashlib.blake2b(digest_size=6)
+    h.update(json.dumps(cfg.to_hf_dict(), sort_keys=True).encode())
+    for name, s in checkpoint_schema(cfg).items():
+        h.update(f"{name}|{s.st_dtype}|{s.shape}|{s.group}|{s.logical}\n".encode())
+    for fn in _WRITER_FUNCS + (write_checkpoint, shard_plan):
+        h.update(inspect.getsource(fn).encode())
+    h.update(f"{_FP8_CODE_STD}|{_CHUNK_ELEMS}|{DEFAULT_SHARD_BYTES}|{seed}".encode())
+    if cfg.name == "toy":
+        for f in _toy_tokenizer_files():
+            h.update(f.read_bytes() if f.exists() else b"-")
+    return h.hexdigest()
+
+
+def default_cache_root() -> Path:
+    env = os.environ.get("V41_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "v41" / "checkpoints"
+
+
+def ensure_preset_checkpoint(name: str, root=None, seed: int = 0, progress: bool = False) -> Path:
+    """The random-weight checkpoint of a preset, written on first use into
+    `<root>/<name>-s<seed>-<hash>` (root: `$V41_CACHE` or ~/.cache/v41/checkpoints) under an
+    fcntl lock so concurrent processes do not race; `.complete` is written last."""
+    cfg = preset(name)
+    root = Path(root) if root is not None else default_cache_root()
+    d = root / f"{name}-s{seed}-{checkpoint_key(cfg, seed)}"
+    if (d / COMPLETE_MARKER).exists():
+        return d
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{d.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if (d / COMPLETE_MARKER).exists():
+                return d
+            if d.exists():
+                shutil.rmtree(d)
+            for stale in root.glob(f".{d.name}.tmp-*"):    # left by a writer that died
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp = root / f".{d.name}.tmp-{os.getpid()}"
+            write_checkpoint(cfg, tmp, seed=seed, progress=progress)
+            tmp.rename(d)
+            (d / COMPLETE_MARKER).write_text(json.dumps({"preset": name, "seed": seed}) + "\n")
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return d
