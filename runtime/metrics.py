@@ -1,155 +1,23 @@
-"""A small Prometheus text exposition (format 0.0.4): counters, gauges and histograms with
-optional labels, and the serving metrics of `python -m v41.serve`.
+"""The serving metrics of `python -m v41.serve`, through `prometheus_client` (as vLLM and SGLang
+expose theirs), in Prometheus text format 0.0.4.
 
-Written here rather than taken from `prometheus_client` so the server has no extra dependency;
-the output parses with any Prometheus scraper. Every metric is thread-safe: the engine thread
-observes, the HTTP thread renders.
+Each `ServingMetrics` has its own `CollectorRegistry`, so several servers (or test apps) in one
+process do not collide. `prometheus_client` metrics are thread-safe: the engine thread observes,
+the HTTP thread renders.
 """
 from __future__ import annotations
 
-import math
 import threading
 
-_LOCK = threading.Lock()
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+# `_created` samples (a counter's or histogram's creation time) are OpenMetrics, not what
+# vLLM's /metrics shows or what a 0.0.4 scraper needs. Process-wide: prometheus_client has no
+# per-registry switch.
+prometheus_client.disable_created_metrics()
 
-def _fmt(v: float) -> str:
-    if v == math.inf:
-        return "+Inf"
-    if v == -math.inf:
-        return "-Inf"
-    if isinstance(v, float) and v.is_integer() and abs(v) < 1e15:
-        return str(int(v))
-    return repr(float(v))
-
-
-def _labels(names: tuple, values: tuple, extra: tuple = ()) -> str:
-    pairs = list(zip(names, values)) + list(extra)
-    if not pairs:
-        return ""
-    esc = lambda s: str(s).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')  # noqa: E731
-    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in pairs) + "}"
-
-
-class _Metric:
-    """`const` labels (the model name) are fixed for the metric's life, so callers name only the
-    labels that vary; a metric with none of those shows its one series from the start."""
-    kind = ""
-
-    def __init__(self, name: str, help: str, labelnames: tuple = (), const: dict | None = None):
-        self.const = dict(const or {})
-        self.name, self.help, self.labelnames = name, help, tuple(self.const) + tuple(labelnames)
-        self._values: dict[tuple, object] = {}
-        if not labelnames:
-            self.touch()
-
-    def _zero(self):
-        return 0.0
-
-    def _key(self, labels: dict) -> tuple:
-        labels = {**self.const, **labels}
-        if set(labels) != set(self.labelnames):
-            raise ValueError(f"{self.name}: labels {sorted(labels)} != {sorted(self.labelnames)}")
-        return tuple(str(labels[n]) for n in self.labelnames)
-
-    def touch(self, **labels) -> None:
-        """Show the series (at zero) before its first observation."""
-        k = self._key(labels)
-        with _LOCK:
-            self._values.setdefault(k, self._zero())
-
-    def get(self, **labels) -> float:
-        return self._values.get(self._key(labels), 0.0)
-
-    def render(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-        with _LOCK:
-            for key, v in sorted(self._values.items()):
-                out += self._render_one(key, v)
-        return out
-
-    def _render_one(self, key, v) -> list[str]:
-        return [f"{self.name}{_labels(self.labelnames, key)} {_fmt(v)}"]
-
-
-class Counter(_Metric):
-    kind = "counter"
-
-    def inc(self, amount: float = 1.0, **labels) -> None:
-        if amount < 0:
-            raise ValueError("a counter only goes up")
-        k = self._key(labels)
-        with _LOCK:
-            self._values[k] = self._values.get(k, 0.0) + amount
-
-
-class Gauge(_Metric):
-    kind = "gauge"
-
-    def set(self, value: float, **labels) -> None:
-        k = self._key(labels)
-        with _LOCK:
-            self._values[k] = float(value)
-
-
-class Histogram(_Metric):
-    kind = "histogram"
-
-    def __init__(self, name: str, help: str, buckets: list[float], labelnames: tuple = (),
-                 const: dict | None = None):
-        self.buckets = sorted(float(b) for b in buckets) + [math.inf]
-        super().__init__(name, help, labelnames, const)
-
-    def _zero(self):
-        return [[0] * len(self.buckets), 0.0, 0]   # cumulative-free bucket counts, sum, count
-
-    def observe(self, value: float, **labels) -> None:
-        k = self._key(labels)
-        with _LOCK:
-            h = self._values.setdefault(k, self._zero())
-            for i, b in enumerate(self.buckets):
-                if value <= b:
-                    h[0][i] += 1
-                    break
-            h[1] += value
-            h[2] += 1
-
-    def count(self, **labels) -> int:
-        h = self._values.get(self._key(labels))
-        return h[2] if h else 0
-
-    def _render_one(self, key, h) -> list[str]:
-        out, acc = [], 0
-        for b, c in zip(self.buckets, h[0]):
-            acc += c
-            out.append(f"{self.name}_bucket{_labels(self.labelnames, key, (('le', _fmt(b)),))} {acc}")
-        lab = _labels(self.labelnames, key)
-        out += [f"{self.name}_sum{lab} {_fmt(h[1])}", f"{self.name}_count{lab} {h[2]}"]
-        return out
-
-
-class Registry:
-    """Metrics that all carry the labels `const` (e.g. model_name), rendered in creation order."""
-
-    def __init__(self, **const):
-        self.const, self.metrics = const, []
-
-    def _add(self, m: _Metric):
-        self.metrics.append(m)
-        return m
-
-    def counter(self, name: str, help: str, labelnames: tuple = ()) -> Counter:
-        return self._add(Counter(name, help, labelnames, self.const))
-
-    def gauge(self, name: str, help: str) -> Gauge:
-        return self._add(Gauge(name, help, (), self.const))
-
-    def histogram(self, name: str, help: str, buckets: list[float]) -> Histogram:
-        return self._add(Histogram(name, help, buckets, (), self.const))
-
-    def render(self) -> str:
-        return "\n".join(line for m in self.metrics for line in m.render()) + "\n"
-
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"    # what generate_latest writes
 
 _LATENCY = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
             7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -160,11 +28,23 @@ _TOKENS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 5
 
 class ServingMetrics:
     """What `GET /metrics` shows. Names follow vLLM's with a `v41:` prefix; every series carries
-    the served model name."""
+    the served model name. The attributes are the model's series (prometheus_client children
+    bound to `model_name`): `.set()`, `.inc()`, `.observe()` as usual; `requests` is the family,
+    labelled by `finished_reason` through `finished()`."""
 
     def __init__(self, model_name: str):
-        r = self.registry = Registry(model_name=model_name)
-        g, c, h = r.gauge, r.counter, r.histogram
+        self.model_name = model_name
+        r = self.registry = CollectorRegistry()
+
+        def g(name, help):
+            return Gauge(name, help, ("model_name",), registry=r).labels(model_name)
+
+        def c(name, help):
+            return Counter(name, help, ("model_name",), registry=r).labels(model_name)
+
+        def h(name, help, buckets):
+            return Histogram(name, help, ("model_name",), buckets=buckets, registry=r).labels(model_name)
+
         self.running = g("v41:num_requests_running", "Requests in the running batch.")
         self.waiting = g("v41:num_requests_waiting", "Requests waiting to be scheduled.")
         self.page_usage = g("v41:kv_cache_usage_perc", "Fraction of cache pages held by requests (1 = full).")
@@ -189,8 +69,9 @@ class ServingMetrics:
         self.generation_tokens = c("v41:generation_tokens_total", "Generated tokens.")
         self.preemptions = c("v41:num_preemptions_total", "Requests preempted.")
         self.steps = c("v41:engine_steps_total", "Engine steps run.")
-        self.requests = c("v41:request_success_total",
-                          "Finished requests by finish reason (abort = cancelled).", ("finished_reason",))
+        self.requests = Counter("v41:request_success_total",
+                                "Finished requests by finish reason (abort = cancelled).",
+                                ("model_name", "finished_reason"), registry=r)
         self.invariant_failures = c("v41:block_manager_check_failures_total",
                                     "Block manager invariant checks that failed.")
         self.ttft = h("v41:time_to_first_token_seconds", "Time to first token.", _LATENCY)
@@ -202,15 +83,35 @@ class ServingMetrics:
         self.queue_time = h("v41:request_queue_time_seconds", "Arrival to first scheduled step.", _LATENCY)
         self.prompt_len = h("v41:request_prompt_tokens", "Prompt length of requests.", _TOKENS)
         self.gen_len = h("v41:request_generation_tokens", "Generated tokens per request.", _TOKENS)
-        for reason in ("stop", "length", "abort"):
-            self.requests.touch(finished_reason=reason)
+        for reason in ("stop", "length", "abort"):       # shown at zero from the start
+            self.requests.labels(model_name, reason)
+        # the hit rate is derived at scrape time from the two counts `prefix_lookup` keeps
+        self._lock = threading.Lock()
+        self._queries = self._hits = 0
+        self.prefix_hit_rate.set_function(self._hit_rate)
+
+    def finished(self, reason: str) -> None:
+        self.requests.labels(self.model_name, reason).inc()
+
+    def prefix_lookup(self, queries: int, hits: int) -> None:
+        """A request's prompt tokens looked up in the prefix cache, and those it found there."""
+        with self._lock:
+            self._queries += queries
+            self._hits += hits
+        self.prefix_queries.inc(queries)
+        self.prefix_hits.inc(hits)
+
+    def _hit_rate(self) -> float:
+        with self._lock:
+            return self._hits / self._queries if self._queries else 0.0
 
     def render(self) -> str:
-        return self.registry.render()
+        return generate_latest(self.registry).decode()
 
 
 def parse(text: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value}; for tests and the benchmark."""
+    """Prometheus text -> {'name{labels}': value}, the labels as written (prometheus_client
+    sorts them by name); for tests and the benchmark."""
     out = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):

@@ -56,8 +56,8 @@ class Server:
         return parse_metrics(r.text)
 
     def m(self, name: str, **labels) -> float:
-        labels = {"model_name": "toy", **labels}
-        key = name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+        labels = {"model_name": "toy", **labels}        # prometheus_client writes labels sorted by name
+        key = name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
         return self.metrics()[key]
 
     def wait_idle(self, timeout=60.0) -> dict:
@@ -472,7 +472,7 @@ def test_disconnect_mid_stream_frees_everything(server, client, ref):
     th.join(120)
     assert result["ids"] == ref.greedy(ref.tok.encode(prompt), 12)
     ms = server.wait_idle(timeout=30)
-    assert ms['v41:request_success_total{model_name="toy",finished_reason="abort"}'] == aborts0 + 1
+    assert ms['v41:request_success_total{finished_reason="abort",model_name="toy"}'] == aborts0 + 1
     # the abandoned request stopped early: far fewer than its 100 tokens were generated
     assert ms['v41:generation_tokens_total{model_name="toy"}'] - gen0 < 12 + 50
     assert server.m("v41:request_success_total", finished_reason="length") >= 1
@@ -504,8 +504,27 @@ def test_metrics_exposition(server):
     ms = parse_metrics(text)
     assert ms['v41:generation_tokens_total{model_name="toy"}'] > 0
     assert ms['v41:time_to_first_token_seconds_count{model_name="toy"}'] > 0
-    assert ms['v41:e2e_request_latency_seconds_bucket{model_name="toy",le="+Inf"}'] == \
+    assert ms['v41:e2e_request_latency_seconds_bucket{le="+Inf",model_name="toy"}'] == \
         ms['v41:e2e_request_latency_seconds_count{model_name="toy"}']
+    assert "_created" not in text
+
+
+def test_metrics_registry_per_server():
+    """Each ServingMetrics has its own registry: two in one process do not collide or share
+    values; the hit rate is computed at scrape time from the prefix lookups."""
+    from runtime.metrics import ServingMetrics
+    a, b = ServingMetrics("a"), ServingMetrics("b")
+    a.generation_tokens.inc(3)
+    a.finished("length")
+    a.prefix_lookup(10, 4)
+    ma, mb = parse_metrics(a.render()), parse_metrics(b.render())
+    assert ma['v41:generation_tokens_total{model_name="a"}'] == 3
+    assert mb['v41:generation_tokens_total{model_name="b"}'] == 0
+    assert ma['v41:request_success_total{finished_reason="length",model_name="a"}'] == 1
+    assert mb['v41:request_success_total{finished_reason="abort",model_name="b"}'] == 0
+    assert ma['v41:prefix_cache_hit_rate{model_name="a"}'] == 0.4
+    assert mb['v41:prefix_cache_hit_rate{model_name="b"}'] == 0
+    assert not any('model_name="b"' in k for k in ma)
 
 
 # ---- load ----------------------------------------------------------------------------------
@@ -555,7 +574,7 @@ def test_load_64_streaming_clients(server, ref):
             n += 1
     assert n == 192
     after = server.wait_idle(timeout=60)
-    key = 'v41:request_success_total{model_name="toy",finished_reason="%s"}'
+    key = 'v41:request_success_total{finished_reason="%s",model_name="toy"}'
     done = sum(after[key % r] - before[key % r] for r in ("length", "stop"))
     assert done == 192 and after[key % "abort"] == before[key % "abort"]
     print(f"\n192 streaming requests from 64 clients in {elapsed:.1f}s")

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from runtime.server.async_engine import AsyncEngine
 from runtime.server.chat import Chat
 from runtime.server.completions import Completion
@@ -76,7 +77,7 @@ def create_app(aeng: AsyncEngine, served_model_names: list[str], api_key: str | 
 
     @app.get("/metrics")
     async def metrics():
-        return Response(aeng.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(aeng.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/version")
     async def version():

@@ -173,8 +173,7 @@ class AsyncEngine:
                 if t.first_token is None:
                     m.ttft.observe(now - t.arrival)
                     m.prompt_tokens.inc(t.num_prompt_tokens)
-                    m.prefix_queries.inc(t.num_prompt_tokens)
-                    m.prefix_hits.inc(seq.num_cached_tokens)
+                    m.prefix_lookup(t.num_prompt_tokens, seq.num_cached_tokens)
                     t.first_token = now
                 else:
                     m.itl.observe(now - t.last_token)
@@ -187,7 +186,7 @@ class AsyncEngine:
 
     def _finished(self, t: Track, reason: str, now: float) -> None:
         m = self.metrics
-        m.requests.inc(finished_reason=reason)
+        m.finished(reason)
         if reason == "abort":
             return
         m.e2e.observe(now - t.arrival)
@@ -226,8 +225,6 @@ class AsyncEngine:
         m.slots_total.set(ns)
         m.page_usage.set(1 - fp / np_ if np_ else 0.0)
         m.slot_usage.set(1 - fs / ns if ns else 0.0)
-        q = m.prefix_queries.get()
-        m.prefix_hit_rate.set(m.prefix_hits.get() / q if q else 0.0)
         st = self.engine.runner.state.stats
         m.images_stored.set(st["images_stored"])
         m.images_restored.set(st["images_restored"])
