@@ -490,6 +490,56 @@ def test_disconnect_non_streaming_frees_everything(server):
     assert server.m("v41:request_success_total", finished_reason="abort") == aborts0 + 2
 
 
+# ---- detokenization ------------------------------------------------------------------------
+
+def _feed_all(it, ids, sizes):
+    out, k, stopped = [], 0, False
+    while k < len(ids) and not stopped:
+        n = sizes.randrange(1, 4)
+        d, stopped = it.feed(ids[k:k + n], k + n >= len(ids))
+        out.append(d)
+        k += n
+    return out, stopped
+
+
+def test_incremental_text_equals_full_decode():
+    """Deltas of the incremental detokenizer, fed 1-3 tokens at a time, concatenate to the full
+    decode; multi-byte characters split across tokens never show U+FFFD mid-stream; stop strings
+    (across tokens, or ending in a multi-byte character the last token completes) cut the text
+    at their first occurrence."""
+    from runtime.server.detokenize import IncrementalText, TextCodec
+    from v41.config import TOY_TOKENIZER_DIR
+    from v41.tokenizer import Tokenizer
+    tok = Tokenizer(TOY_TOKENIZER_DIR)
+    codec = TextCodec(tok)
+    rng = random.Random(7)
+    texts = ["héllo wörld ✓ 日本語テキスト 😀 emoji", "Ünïcödé ☃ snow — dash ß", "the window ring"]
+    for text in texts:
+        ids = tok.encode(text)
+        assert text.isascii() or any(codec.token_str(i).startswith("bytes:") for i in ids)  # split chars
+        for _ in range(20):
+            out, stopped = _feed_all(IncrementalText(codec, []), ids, rng)
+            assert "".join(out) == tok.decode(ids) and not stopped
+            assert not any("\ufffd" in d for d in out)
+            i = rng.randrange(len(text) - 1)
+            stop = text[i:i + rng.randrange(1, 5)]
+            it = IncrementalText(codec, ["zzzz-never", stop])
+            out, stopped = _feed_all(it, ids, rng)
+            assert ("".join(out), stopped, it.stop_str) == (text[:text.index(stop)], True, stop)
+            assert not any("\ufffd" in d for d in out)
+    # a stop string whose last character the last token completes, fed one token at a time
+    text = texts[1]
+    ids = tok.encode(text)
+    it = IncrementalText(codec, ["ß"])
+    out = [it.feed([t], k == len(ids) - 1)[0] for k, t in enumerate(ids) if it.stop_str is None]
+    assert ("".join(out), it.stop_str) == (text[:-1], "ß")
+    # random ids (invalid UTF-8 included): the text still ends exactly as the full decode
+    for _ in range(200):
+        ids = [rng.randrange(0, 1024) for _ in range(rng.randrange(1, 30))]
+        out, _ = _feed_all(IncrementalText(codec, []), ids, rng)
+        assert "".join(out) == tok.decode(ids)
+
+
 # ---- metrics -------------------------------------------------------------------------------
 
 def test_metrics_exposition(server):

@@ -1,8 +1,11 @@
-"""Token ids to text: incremental detokenization with stop strings, and the per-token strings
-and bytes that logprobs report."""
+"""Token ids to text: incremental detokenization (`tokenizers.decoders.DecodeStream`) with stop
+strings, and the per-token strings and bytes that logprobs report."""
 from __future__ import annotations
 
 import json
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 
 def _bytes_to_unicode() -> dict[str, int]:
@@ -40,6 +43,13 @@ class TextCodec:
     def decode(self, ids) -> str:
         return self.tok.decode(ids) if self.tok is not None and ids else ""
 
+    def stream(self) -> DecodeStream | None:
+        """A DecodeStream over the model's `tokenizers.Tokenizer` (special tokens skipped, as in
+        `decode`); None for no tokenizer or one without `.tok` (the text then comes whole at the
+        end)."""
+        raw = getattr(self.tok, "tok", None)
+        return DecodeStream(skip_special_tokens=True) if isinstance(raw, Tokenizer) else None
+
     def token_bytes(self, tid: int) -> bytes:
         """The bytes of one token; a byte-level piece maps back through the BPE alphabet, since
         decoding it alone may not be whole UTF-8."""
@@ -71,14 +81,17 @@ class IncrementalText:
     """The completion text as it grows, token by token, with stop strings.
 
     Streaming and non-streaming responses both concatenate the deltas this returns, so they
-    are equal by construction. Text that may still change is held back until it settles: a
-    trailing partial UTF-8 character (decoded as U+FFFD), and the last len(longest stop) - 1
-    characters, which could begin a stop string."""
+    are equal by construction. `DecodeStream` gives the settled text (it holds back a trailing
+    partial UTF-8 character); of that, the last len(longest stop) - 1 characters, which could
+    begin a stop string, are held back here. The final feed decodes all the ids once, so the
+    text ends as `decode` has it (an unfinished character there reads U+FFFD)."""
 
     def __init__(self, codec: TextCodec, stops: list[str]):
         self.codec, self.stops = codec, stops
         self.hold = max((len(s) for s in stops), default=1) - 1
+        self.stream = codec.stream()
         self.ids: list[int] = []
+        self.settled = ""         # what DecodeStream has released
         self.text = ""            # emitted so far
         self.checked = 0          # chars of the decoded text already searched for stops
         self.stop_str: str | None = None
@@ -86,7 +99,11 @@ class IncrementalText:
     def feed(self, ids: list[int], final: bool) -> tuple[str, bool]:
         """Add tokens; returns (new text, stopped on a stop string)."""
         self.ids += ids
-        full = self.codec.decode(self.ids)
+        if self.stream is not None:
+            for i in ids:
+                if (piece := self.stream.step(self.codec.tok.tok, i)) is not None:
+                    self.settled += piece
+        full = self.codec.decode(self.ids) if final else self.settled
         if self.stops and len(full) > self.checked:
             start = max(0, self.checked - self.hold)
             hits = [(i, s) for s in self.stops if (i := full.find(s, start)) >= 0]
@@ -95,12 +112,7 @@ class IncrementalText:
                 self.stop_str = s
                 return self._emit(full, i), True
             self.checked = len(full)
-        if final:
-            return self._emit(full, len(full)), False
-        end = len(full)
-        while end > 0 and full[end - 1] == "\ufffd":
-            end -= 1
-        return self._emit(full, min(end, len(full) - self.hold)), False
+        return self._emit(full, len(full) if final else len(full) - self.hold), False
 
     def _emit(self, full: str, end: int) -> str:
         n = len(self.text)
