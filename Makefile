@@ -7,7 +7,7 @@ PROMPT  ?= The sliding window ring keeps
 # torch 2.13 CPU comes from the machine's local wheel; a GPU machine keeps the torch it has
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup run serve test test-gpu
+.PHONY: setup run serve test test-gpu mutation
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,3 +32,9 @@ test: setup
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu
+
+# mutation score of the request-state modules ([tool.mutmut] in pyproject.toml, docs/mutation.md)
+mutation: setup
+	$(BIN)/python -m pip install -q -e ".[mutation]"
+	$(BIN)/mutmut run --max-children 2
+	$(BIN)/mutmut results

@@ -176,7 +176,7 @@ class BlockManager:
         for p in range(self.num_pages):
             state = (p in free) + (p in ev) + (refs[p] > 0)
             assert state == 1, f"page {p} leaked or shared wrongly"
-            assert p not in ev or p in self.page_key
+            assert p not in ev or p in self.page_key, f"evictable page {p} is not cached"
         slots = [s.slot for s in live if s.slot is not None] + list(self.free_slots)
         assert sorted(slots) == list(range(self.num_slots)), "slot leaked or shared"
         images = list(self.image_of.values()) + list(self.free_images)

@@ -202,22 +202,41 @@ def test_replay_resumes_one_hash_block_below_the_hit():
     assert bm().replay_start(12) == 8
 
 
-@pytest.mark.parametrize("corrupt", ["ref", "double-free", "slot", "image"])
-def test_check_sees_every_leak(corrupt):
-    m = bm(images=1)
+@pytest.mark.parametrize("corrupt, message", [
+    ("ref", "reference counts disagree"), ("held-and-free", "leaked or shared wrongly"),
+    ("free-twice", "two free lists"), ("free-and-cached", "two free lists"), ("lost", "leaked or shared wrongly"),
+    ("uncached-evictable", "not cached"), ("slot", "slot leaked"), ("image", "image leaked"),
+    ("image-of-uncached", "image of an uncached page")])
+def test_check_sees_every_leak(corrupt, message):
+    m = bm(images=2)
     a = seq(range(9))
     computed(m, a, 9)
     m.take_image(a.pages[0])
+    b = seq(range(20, 29))
+    computed(m, b, 9)
+    m.free(b)                                              # b's first two pages: cached, unreferenced
     m.check([a])
+    free, cached = m.free_pages[0], next(iter(m.evictable))
     if corrupt == "ref":
         m.ref[a.pages[0]] += 1
-    elif corrupt == "double-free":
+    elif corrupt == "held-and-free":
         m.free_pages.append(a.pages[0])
+    elif corrupt == "free-twice":
+        m.free_pages.append(free)
+    elif corrupt == "free-and-cached":
+        m.free_pages.append(cached)
+    elif corrupt == "lost":
+        m.free_pages.remove(free)
+    elif corrupt == "uncached-evictable":
+        m.evictable[free] = None
+        m.free_pages.remove(free)
     elif corrupt == "slot":
         m.free_slots.append(a.slot)
-    else:
+    elif corrupt == "image":
         m.free_images.append(0)
-    with pytest.raises(AssertionError):
+    else:
+        m.image_of[a.pages[2]] = m.free_images.popleft()
+    with pytest.raises(AssertionError, match=message):
         m.check([a])
 
 

@@ -189,3 +189,15 @@ def test_static_shapes_pass_the_whole_block_table_and_image_rows(toy_weights):
     batch = runner.prepare(sb)
     assert batch.block_table.shape[0] == runner.max_seqs and (batch.block_table[1:] == 0).all()
     assert batch.image_dest is not None and (batch.image_dest == -1).all()
+
+
+def test_cursor_at_pads_history_before_the_first_token(toy_weights):
+    """The resumed cursor: (position, the compressed ids of the 3 tokens before it, DEAD before
+    position 0)."""
+    from v41.engram.hashing import DEAD
+    runner = H.make_engine(toy_weights).runner
+    ids = [11, 12, 13, 14, 15]
+    c = [int(runner.token_map[t]) for t in ids]
+    assert runner.cursor_at(ids, 0) == [0, DEAD, DEAD, DEAD]
+    assert runner.cursor_at(ids, 2) == [2, DEAD, c[0], c[1]]
+    assert runner.cursor_at(ids, 5) == [5, c[2], c[3], c[4]]

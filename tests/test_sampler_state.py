@@ -74,6 +74,7 @@ def test_token_logprobs_are_the_models_distribution():
     assert token_logprobs(logits, [1, 1], [0, 0]) == [(pytest.approx(float(lp[0, 1])), []),
                                                       (pytest.approx(float(lp[1, 1])), [])]
     assert [t for t, _ in token_logprobs(logits, [0, 0], [4, 1])[0][1]] == [1, 3, 2, 0]
+    assert token_logprobs(logits[:0], [], []) == []
 
 
 # ---- StateTransfer ---------------------------------------------------------------------------
@@ -96,10 +97,12 @@ def test_mode_is_checked(state):
 
 def test_a_sealed_image_is_valid_only_as_it_was(state):
     c, W = state.cache, state.W
+    state.seal(0, 32)
     state.seal(1, 64)
-    assert state.meta[1][:2] == (c.geo.layout_id, 64) and state.stats["images_stored"] == 1
+    assert state.meta[1][:2] == (c.geo.layout_id, 64) and state.stats["images_stored"] == 2
     assert state.valid(1, 64) and state.stats["images_refused"] == 0
     assert not state.valid(1, 32) and not state.valid(0, 64) and state.stats["images_refused"] == 2
+    assert state.valid(0, 32)
     for alter in (lambda: c.image_ring[3, W + 5, 7].add_(1), lambda: c.image_ring[0, 2 * W - 1, 0].neg_(),
                   lambda: c.image_cursor[1, 2].add_(1), lambda: c.image_cursor[1, 0].add_(1)):
         keep = (c.image_ring.clone(), c.image_cursor.clone())
@@ -118,7 +121,9 @@ def test_a_sealed_image_is_valid_only_as_it_was(state):
 def test_restore_copies_every_layer_and_the_cursor_into_the_slot(state):
     c, W = state.cache, state.W
     ring = c.ring.clone()
+    state.restore(0, 2)
     state.restore(2, 1)
     assert torch.equal(c.ring[:, W:2 * W], c.image_ring[:, 2 * W:3 * W])
-    assert torch.equal(c.ring[:, :W], ring[:, :W]) and torch.equal(c.ring[:, 2 * W:], ring[:, 2 * W:])
-    assert torch.equal(c.cursor[1], c.image_cursor[2]) and state.stats["images_restored"] == 1
+    assert torch.equal(c.ring[:, :W], ring[:, :W]) and torch.equal(c.ring[:, 3 * W:], ring[:, 3 * W:])
+    assert torch.equal(c.ring[:, 2 * W:3 * W], c.image_ring[:, :W]) and torch.equal(c.cursor[2], c.image_cursor[0])
+    assert torch.equal(c.cursor[1], c.image_cursor[2]) and state.stats["images_restored"] == 2

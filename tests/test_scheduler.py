@@ -136,13 +136,13 @@ def test_copy_without_any_image_recomputes_from_zero():
 
 
 def test_captures_cover_the_boundaries_each_chunk_crosses():
-    sch = make(mode="copy", images=8, chunk=5)
+    sch = make(mode="copy", images=8, chunk=7)
     a = add(sch, range(3, 16))                                # prompt 13: boundaries 4, 8, 12
     got = []
     while a.num_computed < 13:
         sb, _ = step(sch)
         got.append([(e, i) for _, e, i in sb.captures])
-    assert got == [[(4, 0)], [(8, 1)], [(12, 2)]]             # chunks 0-5, 5-10, 10-13
+    assert got == [[(4, 0)], [(8, 1), (12, 2)]]               # chunks 0-7 (ends next to 8), 7-13
     sb, _ = step(sch)
     assert sb.captures == []                                  # decode crosses no prompt boundary
 
