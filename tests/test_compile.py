@@ -653,18 +653,18 @@ def test_compile_key_changes_with_each_factor(toy_cfg, monkeypatch):
     }
     hashes = C.source_hashes()
     for part in ("model", "passes", "ops"):
-        monkeypatch.setattr(C, "source_hashes", lambda part=part: {**hashes, part: "edited"})
+        monkeypatch.setattr(C.cache, "source_hashes", lambda part=part: {**hashes, part: "edited"})
         changed[f"{part} sources"] = key()
-    monkeypatch.setattr(C, "source_hashes", lambda: hashes)
+    monkeypatch.setattr(C.cache, "source_hashes", lambda: hashes)
     monkeypatch.setattr(torch, "__version__", "2.99.0")
     changed["torch"] = key()
     monkeypatch.undo()
-    real = C._version
+    real = C.cache._version
     for mod in ("triton", "aiter"):
-        monkeypatch.setattr(C, "_version", lambda m, mod=mod: "9.9" if m == mod else real(m))
+        monkeypatch.setattr(C.cache, "_version", lambda m, mod=mod: "9.9" if m == mod else real(m))
         changed[mod] = key()
     monkeypatch.undo()
-    monkeypatch.setattr(C, "device_arch", lambda d: "cuda:sm_90")
+    monkeypatch.setattr(C.cache, "device_arch", lambda d: "cuda:sm_90")
     changed["gpu arch"] = key()
     assert base not in changed.values() and len(set(changed.values())) == len(changed), changed
 

@@ -1,0 +1,131 @@
+"""Compile keys and the keyed cache directory: everything a compiled graph depends on (config,
+graph-shaping engine settings, compile settings, split points, capture sizes, source hashes,
+versions, device arch) hashed into `<root>/<key>/`, which holds Inductor's and Triton's caches,
+a lock for concurrent builders and a READY marker."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from runtime.compile.config import CompileConfig
+from runtime.compile.segments import SplitPoints
+
+log = logging.getLogger("v41.compile")
+
+REPO = Path(__file__).resolve().parents[2]
+# the source files whose code is traced or shapes the compiled graphs (hashed into the key)
+TRACED_SOURCES = ("v41/model.py", "v41/attention.py", "v41/moe.py", "v41/layers.py", "v41/quant.py",
+                  "v41/engram/device.py", "runtime/model_runner.py",
+                  *(f"runtime/compile/{m}.py" for m in ("__init__", "backend", "cache", "config", "debug",
+                                                        "forward", "segments")))
+# EngineArgs fields that cannot change a compiled graph (every other field is in the key: opt-out,
+# so a new engine setting is keyed until someone decides otherwise). The model is keyed by its
+# config, the device by its arch, the compile settings by CompileConfig.
+NOT_KEYED = {"model", "device", "seed", "load_format", "max_prefill_chunk", "speculative_method",
+             "enforce_eager", "compilation_level", "decoder_swa_bounded_replay", "compile_cache_dir",
+             "capture_sizes", "dump_dir", "extra"}
+
+
+def _file_hash(paths) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(str(Path(p).relative_to(REPO)).encode())
+        h.update(Path(p).read_bytes())
+    return h.hexdigest()
+
+
+def source_hashes() -> dict:
+    """Content hashes of what the compiled graphs are made from: traced model code, pass files,
+    op files (schemas, fake and reference impls, kernels)."""
+    return {
+        "model": _file_hash(REPO / f for f in TRACED_SOURCES),
+        "passes": _file_hash((REPO / "passes").glob("*.py")),
+        "ops": _file_hash((REPO / "custom_ops").rglob("*.py")),
+    }
+
+
+def _version(mod: str) -> str | None:
+    try:
+        m = __import__(mod)
+        return getattr(m, "__version__", "unknown")
+    except Exception:  # noqa: BLE001  (absent or broken: not part of this build)
+        return None
+
+
+def device_arch(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device)
+        arch = getattr(props, "gcnArchName", None) or "sm_%d%d" % (props.major, props.minor)
+        return f"cuda:{arch}"
+    return f"{device.type}:{platform.machine()}"
+
+
+def key_factors(cfg, args, ccfg: CompileConfig, device) -> dict:
+    """Everything a compiled graph depends on, as plain JSON values. Changing any one of them
+    gives a new cache directory (tests/test_compile.py checks each)."""
+    points = SplitPoints.of(cfg)
+    return {
+        "config": cfg.to_hf_dict(),
+        "runtime": {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
+                    if f.name not in NOT_KEYED},
+        "compile": {"level": ccfg.level, "backend": str(ccfg.backend), "passes": ccfg.passes,
+                    "fused_lowering": ccfg.fused_lowering},
+        "split": ({"segments": ["_EarlyLayers", "_LateLayers"], "early": [0, points.boundary],
+                   "late": [points.boundary + 1, points.last], "eager": list(points.eager)}
+                  if ccfg.split else {"segments": ["_Backbone"]}),
+        "capture_sizes": list(ccfg.capture_sizes),
+        "sources": source_hashes(),
+        "versions": {"torch": torch.__version__, "triton": _version("triton"), "aiter": _version("aiter"),
+                     "python": platform.python_version()},
+        "device": device_arch(device),
+    }
+
+
+def compile_key(factors: dict) -> str:
+    return hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class CacheDir:
+    """`<root>/<key>/` with a lock and a READY marker; Inductor and Triton caches inside."""
+
+    def __init__(self, root: str, factors: dict):
+        self.factors, self.key = factors, compile_key(factors)
+        self.path = Path(root) / self.key
+        self.ready_file = self.path / "READY"
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_file.exists()
+
+    def activate(self) -> None:
+        """Point Inductor's and Triton's caches into this directory (before any compile)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "factors.json").write_text(json.dumps(self.factors, indent=1, sort_keys=True, default=str))
+        ind = str(self.path / "inductor")
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != ind:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = ind
+            os.environ["TRITON_CACHE_DIR"] = str(self.path / "triton")
+            try:      # in-memory caches keyed by the old directory
+                from torch._inductor.utils import clear_caches
+                clear_caches()
+            except Exception as e:  # noqa: BLE001  (absent in some torch versions: nothing to clear)
+                log.debug("inductor clear_caches unavailable: %s", e)
+
+    def lock(self):
+        from filelock import FileLock
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(self.path) + ".lock")
+
+    def mark_ready(self, info: dict) -> None:
+        tmp = self.ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=1, default=str))
+        tmp.replace(self.ready_file)
+

@@ -1,0 +1,219 @@
+"""The compiled forward: CompiledForward (the segments compiled once each, then called in order,
+same call and result as `Transformer.forward`), the padding batches that trace and warm it, and
+compile_runner, which installs it on a runner inside the keyed cache directory."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from runtime.compile.backend import PiecewiseBackend
+from runtime.compile.cache import CacheDir, key_factors
+from runtime.compile.config import CompileConfig, default_cache_root
+from runtime.compile.debug import _depyf
+from runtime.compile.segments import SplitPoints, _Backbone, _EarlyLayers, _LateLayers, mark_tokens, split_forward
+
+log = logging.getLogger("v41.compile")
+
+
+def _drop_all_guards(entries):
+    return [False] * len(entries)
+
+
+def _fresh_function(fn, tag: str):
+    """`fn` with a code object of its own: Dynamo keeps its cache on the code object, so this
+    compiled segment never sees another's cache entries (which, guards dropped, it would run)."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}__{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+_SHARED: dict[str, dict] = {}        # compile_key -> {segment name: compiled function}
+_SHARED_LOCK = threading.Lock()
+
+
+def static_signature(model, cache) -> str:
+    """Shapes, strides and dtypes of every tensor the graphs read besides the per-step batch:
+    weights (module tensor attributes) and cache planes. Segments traced for one signature are
+    only shared with a model of the same signature."""
+    h = hashlib.sha256()
+    for name, m in model.named_modules():
+        for k, v in sorted(vars(m).items()):
+            if isinstance(v, torch.Tensor):
+                h.update(f"{name}.{k}:{tuple(v.shape)}:{v.stride()}:{v.dtype}:{v.device.type}".encode())
+            elif isinstance(v, (int, float, str, bool)) and not k.startswith("_"):
+                h.update(f"{name}.{k}={v!r}".encode())
+    for k, v in sorted(vars(cache).items()):
+        if isinstance(v, torch.Tensor):
+            h.update(f"cache.{k}:{tuple(v.shape)}:{v.dtype}".encode())
+    for o, planes in sorted(cache.owners.items()):
+        for k, v in sorted(vars(planes).items()):
+            h.update(f"owner{o}.{k}:{tuple(v.shape) if isinstance(v, torch.Tensor) else v}".encode())
+    return h.hexdigest()
+
+
+class CompiledForward:
+    """`runner.forward` when compiled: same call and result as `Transformer.forward`."""
+
+    def __init__(self, model, cache, ccfg: CompileConfig, share_key: str | None = None, pass_manager=None):
+        """`share_key`: engines with the same key (and weights/cache shapes) share the traced
+        segments. `pass_manager`: a PassManager to use instead of the default one."""
+        from passes.manager import PassManager
+        self.model, self.ccfg = model, ccfg
+        self.points = SplitPoints.of(model.cfg)
+        self.warm = False
+        self.pass_manager = pass_manager
+        if pass_manager is None and ccfg.backend in ("inductor", "post_grad_eager") and ccfg.passes:
+            self.pass_manager = PassManager(model.cfg, model.dtype, lowering=ccfg.fused_lowering)
+        if ccfg.split:
+            pts = self.points
+            self.segments = {"_EarlyLayers": _EarlyLayers(model, pts.early)}
+            if len(pts.late):
+                self.segments["_LateLayers"] = _LateLayers(model, pts.late)
+        else:
+            self.segments = {"_Backbone": _Backbone(model)}
+        self.backends: dict[str, Any] = {}
+        self.raw: dict[str, Callable] = {}       # the segment functions Dynamo caches on
+        sig = static_signature(model, cache)
+        shared = None
+        if share_key is not None:
+            with _SHARED_LOCK:
+                shared = _SHARED.get(share_key)
+                if shared is not None and shared["signature"] != sig:
+                    shared = None
+        if shared is not None:
+            self.fns, self.backends, self.pass_manager = shared["fns"], shared["backends"], shared["passes"]
+            self.raw = shared["raw"]
+            self.warm = shared["warm"]
+            self.shared = True
+        else:
+            self.fns = {name: self._compile(name, seg) for name, seg in self.segments.items()}
+            self.shared = False
+            if share_key is not None:
+                with _SHARED_LOCK:
+                    _SHARED[share_key] = {"signature": sig, "fns": self.fns, "backends": self.backends,
+                                          "passes": self.pass_manager, "raw": self.raw, "warm": False}
+        self._share_key = share_key
+
+    def _compile(self, name: str, seg: nn.Module):
+        ccfg = self.ccfg
+        if callable(ccfg.backend) and not isinstance(ccfg.backend, str):
+            backend = ccfg.backend
+        elif ccfg.backend == "eager":
+            backend = "eager"
+        else:
+            backend = PiecewiseBackend(name, ccfg, self.pass_manager)
+        self.backends[name] = backend
+        fn = _fresh_function(type(seg).forward, f"{name}_{id(self):x}")
+        self.raw[name] = fn
+        options = {"guard_filter_fn": _drop_all_guards} if ccfg.drop_guards else None
+        return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=options)
+
+    # -- calling --
+    def _call(self, name: str, *args):
+        seg = self.segments[name]
+        return self.fns[name](seg, *args)
+
+    def __call__(self, batch, cache):
+        ctx = (torch.compiler.set_stance("fail_on_recompile") if self.warm
+               else torch.fx.experimental._config.patch(backed_size_oblivious=True))
+        with ctx:
+            if not self.warm:
+                mark_tokens(batch)
+            if "_Backbone" in self.segments:
+                return self._call("_Backbone", batch, cache)
+            late = None
+            if "_LateLayers" in self.segments:
+                def late(X, pre, b, c, sel):
+                    if not self.warm:
+                        mark_tokens(b, X, pre, sel)
+                    return self._call("_LateLayers", X, pre, b, c, sel)
+            return split_forward(self.model, batch, cache, lambda b, c, s: self._call("_EarlyLayers", b, c, s),
+                                 late, self.points)
+
+    def finish_warmup(self) -> None:
+        """From now on a recompile is an error."""
+        self.warm = True
+        if self._share_key is not None:
+            with _SHARED_LOCK:
+                if self._share_key in _SHARED:
+                    _SHARED[self._share_key]["warm"] = True
+
+    def stats(self) -> dict:
+        out = {}
+        for name, be in self.backends.items():
+            if isinstance(be, PiecewiseBackend):
+                out[name] = {"graphs": be.graphs, "pieces": len(be.stats),
+                             "compiled": sum(not s.reused for s in be.stats),
+                             "reused": sum(s.reused for s in be.stats),
+                             "seconds": round(sum(s.seconds for s in be.stats), 2)}
+        if self.pass_manager is not None:
+            out["matches"] = self.pass_manager.totals()
+        return out
+
+
+def padding_batch(runner, tokens: int):
+    """A step of `tokens` padding rows and no request: reads and writes nothing (DESIGN §5
+    "Padding is inert"); used to trace and warm the compiled segments."""
+    from runtime.model_runner import Batch
+    if not 1 <= tokens <= runner.max_tokens:
+        raise ValueError(f"padding batch of {tokens} rows: capacity is {runner.max_tokens}")
+    pad = {"input_ids": 0, "positions": 0}
+    v = {}
+    for k in ("input_ids", "positions", "batch_ids", "win_idx", "ring_dest", "tail_src", "tail_dst",
+              "dest1", "dest2"):
+        v[k] = runner.buf[k][:tokens].fill_(pad.get(k, -1))
+    bt = runner.block_table_rows(1)
+    bt.fill_(0)
+    rows = {l: b[:tokens].zero_() for l, b in runner.engram_buf.items()}
+    image = runner.image_rows([], runner.buf["image_dest"][:tokens].fill_(-1))
+    return Batch(v["input_ids"], v["positions"], v["batch_ids"], bt, v["win_idx"], v["ring_dest"],
+                 {1: v["dest1"], 2: v["dest2"]}, v["tail_src"], v["tail_dst"], rows, image)
+
+
+def compile_runner(runner, args, ccfg: CompileConfig) -> dict:
+    """Compile `runner`'s forward (or reuse a prebuilt cache), warm every capture size and switch
+    to fail_on_recompile. Returns a report: cold/warm start, seconds, cache directory, stats."""
+    t0 = time.perf_counter()
+    factors = key_factors(runner.cfg, args, ccfg, runner.device)
+    cdir = CacheDir(ccfg.cache_dir or default_cache_root(), factors)
+    cdir.activate()
+    was_ready = cdir.ready
+    with cdir.lock():
+        was_ready = was_ready or cdir.ready
+        runner.static_shapes = True
+        fwd = CompiledForward(runner.model, runner.cache, ccfg, share_key=cdir.key)
+        runner.forward = fwd
+        sizes = ccfg.capture_sizes or (runner.max_tokens,)
+        depyf_ctx = _depyf(ccfg.dump_dir) if ccfg.dump_dir and not fwd.warm else contextlib.nullcontext()
+        with torch.inference_mode():
+            if not fwd.warm:
+                with depyf_ctx:
+                    fwd(padding_batch(runner, max(sizes)), runner.cache)     # the one trace
+                fwd.finish_warmup()
+            for s in sizes:
+                fwd(padding_batch(runner, s), runner.cache)
+        seconds = time.perf_counter() - t0
+        report = {"start": "warm" if was_ready else "cold", "seconds": round(seconds, 2),
+                  "cache_dir": str(cdir.path), "key": cdir.key, "capture_sizes": list(sizes),
+                  "shared_trace": fwd.shared, "segments": list(fwd.segments), "stats": fwd.stats()}
+        if not cdir.ready:
+            cdir.mark_ready({"built_seconds": round(seconds, 2), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                             "segments": list(fwd.segments), "stats": report["stats"]})
+    if ccfg.dump_dir:
+        Path(ccfg.dump_dir).mkdir(parents=True, exist_ok=True)
+        Path(ccfg.dump_dir, "compile_report.json").write_text(json.dumps(report, indent=1, default=str))
+        if fwd.pass_manager is not None:
+            fwd.pass_manager.write_counts(Path(ccfg.dump_dir, "match_counts.json"))
+    log.info("compile: %s start in %.1fs (%s, segments %s, cache %s)", report["start"], seconds,
+             "trace shared" if fwd.shared else "traced", ", ".join(fwd.segments), cdir.path)
+    return report
+

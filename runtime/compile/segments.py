@@ -1,0 +1,131 @@
+"""The forward as segments (the package docstring has the picture): the split points of any
+topology, the segment modules Dynamo traces, the forward run through them, and the tensors whose
+dim 0 is the token count (the one dynamic dim)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+SEGMENTS = ("_Backbone", "_EarlyLayers", "_LateLayers")
+
+
+@dataclass(frozen=True)
+class SplitPoints:
+    """Layers of each part of the forward (any topology): early [0, boundary), the boundary
+    layer (eager), late (boundary, last), the last layer (eager)."""
+    boundary: int
+    last: int
+
+    @classmethod
+    def of(cls, cfg) -> "SplitPoints":
+        topo = cfg.topology
+        return cls(topo.boundary, topo.n_backbone - 1)
+
+    @property
+    def early(self) -> range:
+        return range(0, self.boundary)
+
+    @property
+    def late(self) -> range:
+        return range(self.boundary + 1, self.last)
+
+    @property
+    def eager(self) -> tuple:
+        return tuple(sorted({self.boundary, self.last}))
+
+
+def embed(model, batch):
+    """The head of `Transformer.forward`: residual streams and the first collapse weights."""
+    X = model.embed[batch.input_ids].unsqueeze(1).expand(-1, model.hc, -1).contiguous()
+    pre = torch.zeros(X.shape[0], model.hc, dtype=_acc(model.dtype), device=X.device)
+    pre[:, 0] = 1
+    return X, pre
+
+
+def final(model, X, pre):
+    """The tail of `Transformer.forward`: the last collapse and norm."""
+    from v41.model import collapse
+    return model.norm(collapse(X, pre))
+
+
+def _acc(dtype):
+    from v41.layers import acc_dtype
+    return acc_dtype(dtype)
+
+
+class _Backbone(nn.Module):
+    """The whole forward, one graph (bounded replay off)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch, cache):
+        return self.model(batch, cache)
+
+
+class _EarlyLayers(nn.Module):
+    """Embedding and the encoder below the boundary layer (0..19 in Flash)."""
+
+    def __init__(self, model, layers: range):
+        super().__init__()
+        self.embed, self.hc, self.dtype = model.embed, model.hc, model.dtype
+        self.layers = nn.ModuleList(model.layers[i] for i in layers)
+
+    def forward(self, batch, cache, sel):
+        X, pre = embed(self, batch)
+        for block in self.layers:
+            X, pre = block(X, pre, batch, cache, sel)
+        return X, pre
+
+
+class _LateLayers(nn.Module):
+    """The decoder between the boundary and the last layer (21..38 in Flash)."""
+
+    def __init__(self, model, layers: range):
+        super().__init__()
+        self.layers = nn.ModuleList(model.layers[i] for i in layers)
+
+    def forward(self, X, pre, batch, cache, sel):
+        for block in self.layers:
+            X, pre = block(X, pre, batch, cache, sel)
+        return X, pre
+
+
+def split_forward(model, batch, cache, early: Callable, late: Callable | None, points: SplitPoints):
+    """The forward as segments: `early`/`late` are the (compiled or eager) segment callables."""
+    sel: dict = {}
+    X, pre = early(batch, cache, sel)
+    X, pre = model.layers[points.boundary](X, pre, batch, cache, sel)
+    if late is not None:
+        X, pre = late(X, pre, batch, cache, sel)
+    if points.last != points.boundary:
+        X, pre = model.layers[points.last](X, pre, batch, cache, sel)
+    return final(model, X, pre)
+
+
+# ---- dynamic dims --------------------------------------------------------------------------
+
+def token_tensors(batch, *extra) -> list:
+    """Every tensor whose dim 0 is the token count: the batch's per-token fields, the Engram
+    rows, and `extra` (X, pre, sel values)."""
+    out = [batch.input_ids, batch.positions, batch.batch_ids, batch.win_idx, batch.ring_dest,
+           batch.tail_src, batch.tail_dst]
+    out += list(batch.owner_dest.values()) + list(batch.engram_rows.values())
+    if getattr(batch, "image_dest", None) is not None:
+        out.append(batch.image_dest)
+    for e in extra:
+        if isinstance(e, dict):
+            out += [v for v in e.values() if isinstance(v, torch.Tensor)]
+        elif isinstance(e, torch.Tensor):
+            out.append(e)
+    return out
+
+
+def mark_tokens(batch, *extra) -> None:
+    for t in token_tensors(batch, *extra):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+
