@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from v41.keyed_dir import hash_files
+
 PASSES_DIR = Path(__file__).resolve().parent
 OPS_DIR = PASSES_DIR.parent / "custom_ops"
 
@@ -52,14 +54,7 @@ def _files() -> list[str]:
 
 
 def files_hash() -> str:
-    try:
-        from torch._inductor.custom_graph_pass import get_hash_for_files
-        return get_hash_for_files(tuple(_files())).hex()
-    except ImportError:  # older torch: same idea by hand
-        h = hashlib.sha256()
-        for f in _files():
-            h.update(Path(f).read_bytes())
-        return h.hexdigest()
+    return hash_files(_files(), root=PASSES_DIR.parent).hexdigest()
 
 
 def graph_code(graph: torch.fx.Graph) -> str:

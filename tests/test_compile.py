@@ -687,12 +687,38 @@ def test_cache_dir_lock_and_ready_marker(tmp_path, monkeypatch):
     assert C.CacheDir(str(tmp_path), {"a": 1}).ready and not C.CacheDir(str(tmp_path), {"a": 2}).ready
 
 
+def test_keyed_dir_second_builder_waits_and_reuses(tmp_path):
+    """v41/keyed_dir.py, as parallel pytest workers use it: two builders of one key, the second
+    arriving while the first writes: one write, the second waits for the lock and returns the
+    finished directory; no temporary directory is left."""
+    import time
+    from v41.keyed_dir import KeyedDir
+    calls, writing = [], threading.Event()
+
+    def write(tmp):
+        calls.append(tmp)
+        writing.set()
+        time.sleep(0.3)
+        tmp.mkdir()
+        (tmp / "x").write_text("1")
+
+    a, b = KeyedDir(tmp_path, "k"), KeyedDir(tmp_path, "k")
+    out = []
+    t = threading.Thread(target=lambda: out.append(a.build(write, {"by": "a"})))
+    t.start()
+    assert writing.wait(10) and not b.ready
+    out.append(b.build(write))
+    t.join()
+    assert len(calls) == 1 and out == [a.path, a.path] and (a.path / "x").read_text() == "1"
+    assert json.loads(a.marker.read_text()) == {"by": "a"}
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
 def _try_lock(d):
-    from filelock import Timeout
     try:
-        with d.lock().acquire(timeout=0.2):
+        with d.lock(blocking=False):
             return True
-    except Timeout:
+    except BlockingIOError:
         return False
 
 

@@ -1,7 +1,7 @@
 """Compile keys and the keyed cache directory: everything a compiled graph depends on (config,
 graph-shaping engine settings, compile settings, split points, capture sizes, source hashes,
 versions, device arch) hashed into `<root>/<key>/`, which holds Inductor's and Triton's caches,
-a lock for concurrent builders and a READY marker."""
+built under the key's lock and marked READY (v41/keyed_dir.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +16,7 @@ import torch
 
 from runtime.compile.config import CompileConfig
 from runtime.compile.segments import SplitPoints
+from v41.keyed_dir import KeyedDir, hash_files
 
 log = logging.getLogger("v41.compile")
 
@@ -34,11 +35,7 @@ NOT_KEYED = {"model", "device", "seed", "load_format", "max_prefill_chunk", "spe
 
 
 def _file_hash(paths) -> str:
-    h = hashlib.sha256()
-    for p in sorted(paths):
-        h.update(str(Path(p).relative_to(REPO)).encode())
-        h.update(Path(p).read_bytes())
-    return h.hexdigest()
+    return hash_files(paths, root=REPO).hexdigest()
 
 
 def source_hashes() -> dict:
@@ -93,17 +90,13 @@ def compile_key(factors: dict) -> str:
     return hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-class CacheDir:
-    """`<root>/<key>/` with a lock and a READY marker; Inductor and Triton caches inside."""
+class CacheDir(KeyedDir):
+    """`<root>/<key>/` (v41/keyed_dir.py: the lock, the READY marker), filled in place: Inductor's
+    and Triton's caches inside, and the key's factors in factors.json."""
 
-    def __init__(self, root: str, factors: dict):
-        self.factors, self.key = factors, compile_key(factors)
-        self.path = Path(root) / self.key
-        self.ready_file = self.path / "READY"
-
-    @property
-    def ready(self) -> bool:
-        return self.ready_file.exists()
+    def __init__(self, root, factors: dict):
+        self.factors = factors
+        super().__init__(root, compile_key(factors), marker="READY")
 
     def activate(self) -> None:
         """Point Inductor's and Triton's caches into this directory (before any compile)."""
@@ -118,14 +111,3 @@ class CacheDir:
                 clear_caches()
             except Exception as e:  # noqa: BLE001  (absent in some torch versions: nothing to clear)
                 log.debug("inductor clear_caches unavailable: %s", e)
-
-    def lock(self):
-        from filelock import FileLock
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        return FileLock(str(self.path) + ".lock")
-
-    def mark_ready(self, info: dict) -> None:
-        tmp = self.ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info, indent=1, default=str))
-        tmp.replace(self.ready_file)
-

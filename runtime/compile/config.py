@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from v41.keyed_dir import default_cache_root
+
 
 @dataclass(frozen=True)
 class CompileConfig:
@@ -27,7 +29,7 @@ class CompileConfig:
             return None
         sizes = parse_sizes(args.capture_sizes, max_tokens)
         return cls(level=args.compilation_level, split=args.decoder_swa_bounded_replay,
-                   dump_dir=args.dump_dir, cache_dir=args.compile_cache_dir or default_cache_root(),
+                   dump_dir=args.dump_dir, cache_dir=args.compile_cache_dir or str(default_cache_root("compile")),
                    capture_sizes=sizes, fused_lowering=os.environ.get("V41_FUSED_LOWERING", "auto"))
 
 
@@ -43,9 +45,4 @@ def parse_sizes(spec, max_tokens: int) -> tuple:
     if bad:
         raise ValueError(f"capture_sizes: {bad} not in [1, max_num_batched_tokens = {max_tokens}]")
     return tuple(sorted(set(sizes)))
-
-
-def default_cache_root() -> str:
-    return os.environ.get("V41_COMPILE_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "v41", "compile")
 

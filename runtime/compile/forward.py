@@ -18,9 +18,10 @@ from torch import nn
 
 from runtime.compile.backend import PiecewiseBackend
 from runtime.compile.cache import CacheDir, key_factors
-from runtime.compile.config import CompileConfig, default_cache_root
+from runtime.compile.config import CompileConfig
 from runtime.compile.debug import _depyf
 from runtime.compile.segments import SplitPoints, _Backbone, _EarlyLayers, _LateLayers, mark_tokens, split_forward
+from v41.keyed_dir import default_cache_root
 
 log = logging.getLogger("v41.compile")
 
@@ -184,7 +185,7 @@ def compile_runner(runner, args, ccfg: CompileConfig) -> dict:
     to fail_on_recompile. Returns a report: cold/warm start, seconds, cache directory, stats."""
     t0 = time.perf_counter()
     factors = key_factors(runner.cfg, args, ccfg, runner.device)
-    cdir = CacheDir(ccfg.cache_dir or default_cache_root(), factors)
+    cdir = CacheDir(ccfg.cache_dir or default_cache_root("compile"), factors)
     cdir.activate()
     was_ready = cdir.ready
     with cdir.lock():

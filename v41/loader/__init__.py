@@ -27,7 +27,7 @@ from safetensors import safe_open  # noqa: F401
 from v41.loader.cli import main
 from v41.loader.io import (COMPLETE_MARKER, DEFAULT_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, CheckReport,
                            check_checkpoint, read_safetensors_header, shard_plan, write_checkpoint)
-from v41.loader.load import (Weights, checkpoint_key, default_cache_root, dummy_weights,
+from v41.loader.load import (Weights, checkpoint_key, dummy_weights,
                              ensure_preset_checkpoint, fp32_copy_names, load_checkpoint, load_weights,
                              postprocess, wo_a_names)
 from v41.loader.schema import (KINDS, PARTS, CheckpointError, TensorSpec, checkpoint_schema, count_params,
@@ -36,7 +36,7 @@ from v41.loader.synthetic import dummy_tensors, iter_tensor_values, tensor_seed,
 
 __all__ = ["COMPLETE_MARKER", "DEFAULT_SHARD_BYTES", "INDEX_FILE", "KINDS", "PARTS", "SINGLE_FILE",
            "CheckReport", "CheckpointError", "TensorSpec", "Weights", "check_checkpoint", "checkpoint_key",
-           "checkpoint_schema", "count_params", "default_cache_root", "dummy_tensors", "dummy_weights",
+           "checkpoint_schema", "count_params", "dummy_tensors", "dummy_weights",
            "ensure_preset_checkpoint", "fp32_copy_names", "is_host_table", "iter_tensor_values",
            "load_checkpoint", "load_weights", "main", "postprocess", "read_safetensors_header",
            "schema_totals", "shard_plan", "tensor_seed", "tensor_values", "wo_a_names", "write_checkpoint"]

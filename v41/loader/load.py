@@ -1,14 +1,11 @@
 """Loading: the `Weights` mapping and its post-load processing (spec/model.md §5.4), a checkpoint
 directory read after its header check, the writer's values built in memory (`load_format='dummy'`),
-and the cache of preset checkpoints written once on first use (under an fcntl lock)."""
+and the cache of preset checkpoints written once on first use (a keyed directory)."""
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import inspect
 import json
-import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -16,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from v41.config import V41Config, load_config, preset, PRESETS
+from v41.keyed_dir import KeyedDir, default_cache_root, hash_files
 from v41.loader.io import (COMPLETE_MARKER, DEFAULT_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, _toy_tokenizer_files,
                            check_checkpoint, shard_plan, write_checkpoint)
 from v41.loader.schema import CheckpointError, checkpoint_schema, is_host_table
@@ -182,39 +180,17 @@ def checkpoint_key(cfg: V41Config, seed: int = 0) -> str:
         h.update(inspect.getsource(fn).encode())
     h.update(f"{_FP8_CODE_STD}|{_CHUNK_ELEMS}|{DEFAULT_SHARD_BYTES}|{seed}".encode())
     if cfg.name == "toy":
-        for f in _toy_tokenizer_files():
-            h.update(f.read_bytes() if f.exists() else b"-")
+        hash_files(_toy_tokenizer_files(), hasher=h, missing=b"-")
     return h.hexdigest()
-
-
-def default_cache_root() -> Path:
-    env = os.environ.get("V41_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "v41" / "checkpoints"
 
 
 def ensure_preset_checkpoint(name: str, root=None, seed: int = 0, progress: bool = False) -> Path:
     """The random-weight checkpoint of a preset, written on first use into
-    `<root>/<name>-s<seed>-<hash>` (root: `$V41_CACHE` or ~/.cache/v41/checkpoints) under an
-    fcntl lock so concurrent processes do not race; `.complete` is written last."""
+    `<root>/<name>-s<seed>-<hash>` (root: `$V41_CACHE` or ~/.cache/v41/checkpoints), a keyed
+    directory (v41/keyed_dir.py): written once under its lock into a temporary directory renamed
+    into place, so concurrent processes do not race; `.complete` is written last."""
     cfg = preset(name)
-    root = Path(root) if root is not None else default_cache_root()
-    d = root / f"{name}-s{seed}-{checkpoint_key(cfg, seed)}"
-    if (d / COMPLETE_MARKER).exists():
-        return d
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{d.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if (d / COMPLETE_MARKER).exists():
-                return d
-            if d.exists():
-                shutil.rmtree(d)
-            for stale in root.glob(f".{d.name}.tmp-*"):    # left by a writer that died
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp = root / f".{d.name}.tmp-{os.getpid()}"
-            write_checkpoint(cfg, tmp, seed=seed, progress=progress)
-            tmp.rename(d)
-            (d / COMPLETE_MARKER).write_text(json.dumps({"preset": name, "seed": seed}) + "\n")
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return d
+    root = Path(root) if root is not None else default_cache_root("checkpoints")
+    d = KeyedDir(root, f"{name}-s{seed}-{checkpoint_key(cfg, seed)}", marker=COMPLETE_MARKER)
+    return d.build(lambda tmp: write_checkpoint(cfg, tmp, seed=seed, progress=progress),
+                   {"preset": name, "seed": seed})
