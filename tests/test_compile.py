@@ -669,6 +669,22 @@ def test_compile_key_changes_with_each_factor(toy_cfg, monkeypatch):
     assert base not in changed.values() and len(set(changed.values())) == len(changed), changed
 
 
+def test_traced_sources_cover_the_model_imports():
+    """Every module the model imports (at module level, transitively, within v41) is hashed into
+    the key, but the config, which the key holds by value."""
+    from tests.test_imports import MODULES, import_graph
+    graph, seen, todo = import_graph(), set(), ["v41.model"]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += [t for t in graph[m] if t.startswith("v41")]
+    files = {str(MODULES[m].relative_to(REPO)) for m in seen if m not in ("v41.config", "v41.engram")}
+    assert files <= set(C.TRACED_SOURCES), files - set(C.TRACED_SOURCES)
+    assert all((REPO / f).exists() for f in C.TRACED_SOURCES)
+    assert {str(p.relative_to(REPO)) for p in (REPO / "runtime" / "compile").glob("*.py")} <= set(C.TRACED_SOURCES)
+
+
 def test_cache_dir_lock_and_ready_marker(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ["TORCHINDUCTOR_CACHE_DIR"])
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
