@@ -55,20 +55,30 @@ class Transformer(nn.Module):
         topo = cfg.topology
         self.layers = nn.ModuleList(
             Block(cfg, s, w[f"layers.{s.layer}"], compressed if s.ratio else window) for s in topo.backbone)
-        self.embed = w["embed.weight"]
+        self.embed_weight = w["embed.weight"]
         self.norm = RMSNorm(w["norm.weight"], cfg.rms_norm_eps)
         self.head = w["head.weight"]
         self.hc = cfg.hc_mult
 
     def forward(self, batch, cache):
         """Hidden state of every token after the final collapse and norm, [T, D]."""
-        X = self.embed[batch.input_ids].unsqueeze(1).expand(-1, self.hc, -1).contiguous()
-        acc = acc_dtype(self.dtype)
-        pre = torch.zeros(X.shape[0], self.hc, dtype=acc, device=X.device)
-        pre[:, 0] = 1
+        X, pre = self.embed(batch)
         sel: dict = {}
         for block in self.layers:
             X, pre = block(X, pre, batch, cache, sel)
+        return self.final(X, pre)
+
+    # the head and the tail of the forward, also run by the compiled segments (runtime/compile/)
+    def embed(self, batch):
+        """The residual streams of the batch's tokens (hc copies of each embedding) and the first
+        collapse weights (all on stream 0): (X [T, hc, D], pre [T, hc])."""
+        X = self.embed_weight[batch.input_ids].unsqueeze(1).expand(-1, self.hc, -1).contiguous()
+        pre = torch.zeros(X.shape[0], self.hc, dtype=acc_dtype(self.dtype), device=X.device)
+        pre[:, 0] = 1
+        return X, pre
+
+    def final(self, X, pre):
+        """The last collapse and the final norm: [T, D]."""
         return self.norm(collapse(X, pre))
 
     def logits(self, h):

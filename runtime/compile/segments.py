@@ -37,25 +37,6 @@ class SplitPoints:
         return tuple(sorted({self.boundary, self.last}))
 
 
-def embed(model, batch):
-    """The head of `Transformer.forward`: residual streams and the first collapse weights."""
-    X = model.embed[batch.input_ids].unsqueeze(1).expand(-1, model.hc, -1).contiguous()
-    pre = torch.zeros(X.shape[0], model.hc, dtype=_acc(model.dtype), device=X.device)
-    pre[:, 0] = 1
-    return X, pre
-
-
-def final(model, X, pre):
-    """The tail of `Transformer.forward`: the last collapse and norm."""
-    from v41.model import collapse
-    return model.norm(collapse(X, pre))
-
-
-def _acc(dtype):
-    from v41.layers import acc_dtype
-    return acc_dtype(dtype)
-
-
 class _Backbone(nn.Module):
     """The whole forward, one graph (bounded replay off)."""
 
@@ -72,11 +53,11 @@ class _EarlyLayers(nn.Module):
 
     def __init__(self, model, layers: range):
         super().__init__()
-        self.embed, self.hc, self.dtype = model.embed, model.hc, model.dtype
+        self.model = model
         self.layers = nn.ModuleList(model.layers[i] for i in layers)
 
     def forward(self, batch, cache, sel):
-        X, pre = embed(self, batch)
+        X, pre = self.model.embed(batch)
         for block in self.layers:
             X, pre = block(X, pre, batch, cache, sel)
         return X, pre
@@ -104,7 +85,7 @@ def split_forward(model, batch, cache, early: Callable, late: Callable | None, p
         X, pre = late(X, pre, batch, cache, sel)
     if points.last != points.boundary:
         X, pre = model.layers[points.last](X, pre, batch, cache, sel)
-    return final(model, X, pre)
+    return model.final(X, pre)
 
 
 # ---- dynamic dims --------------------------------------------------------------------------
