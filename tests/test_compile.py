@@ -223,6 +223,24 @@ def test_piece_check_reference_catches_an_impl_wrong_in_both_paths(mini_split):
     assert all(w["vs_reference"] > 1e-3 and w["eager_vs_reference"] > 1e-3 for w in worst.values()), worst
 
 
+def test_trace_cache_is_opt_in(mini):
+    """Forwards share traced segments only through a TraceCache they are given (or the active
+    one, for compile_runner): same key and signature, one set of segment functions."""
+    r = mini_engine(mini).runner
+    cc = C.CompileConfig(backend="eager")
+    traces = C.TraceCache()
+    a = C.CompiledForward(r.model, r.cache, cc, share_key="k", traces=traces)
+    b = C.CompiledForward(r.model, r.cache, cc, share_key="k", traces=traces)
+    alone = C.CompiledForward(r.model, r.cache, cc, share_key="k")
+    assert not a.shared and b.shared and b.fns is a.fns and not alone.shared and len(traces) == 1
+    a.finish_warmup()
+    assert C.CompiledForward(r.model, r.cache, cc, share_key="k", traces=traces).warm and not alone.warm
+    assert C.TraceCache.current() is None
+    with traces.active():
+        assert C.TraceCache.current() is traces
+    assert C.TraceCache.current() is None
+
+
 # ---- one trace, no recompiles ---------------------------------------------------------------
 
 def _late_inputs(fwd, runner, T):

@@ -6,7 +6,7 @@ and teacher-forced mean NLL within 1e-3 nats/token.
 The fused ops stay ops on the CPU (passes/backend_select.py: their reference impls are the
 eager model's arithmetic), so the compiled forward is in fact bitwise equal to the eager one;
 the NLL bound is the issue's. The compile itself (both segments, every capture size) is the
-shared one of every engine with these settings in this process; its Inductor caches live under
+shared one of every engine with these settings in this module (the `shared_traces` fixture); its Inductor caches live under
 .cache/compile/<key>/ and are reused by later runs (a cold build takes about 4 minutes on the 2
 cores of the CPU machine, a warm one about 1). `python -m v41.prebuild` with the same settings is
 tested here too, so that under `pytest -n` (one worker per file) it shares that compile.
@@ -27,6 +27,15 @@ REPO = Path(__file__).resolve().parent.parent
 COMPILED = {"enforce_eager": False, "compile_cache_dir": os.environ.get(
     "V41_TEST_COMPILE_CACHE", str(REPO / ".cache" / "compile"))}
 MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_traces():
+    """Every compiled engine of this module (the harness's, prebuild's) reuses the traced
+    segments of the first one with its settings (runtime/compile: TraceCache)."""
+    from runtime.compile import TraceCache
+    with TraceCache().active() as traces:
+        yield traces
 
 
 @pytest.fixture(scope="module")

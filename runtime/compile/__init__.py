@@ -57,12 +57,12 @@ from runtime.compile.cache import (NOT_KEYED, REPO, TRACED_SOURCES, CacheDir, co
                                    key_factors, source_hashes)
 from runtime.compile.config import CompileConfig, parse_sizes
 from runtime.compile.debug import _depyf
-from runtime.compile.forward import CompiledForward, compile_runner, padding_batch, static_signature
+from runtime.compile.forward import CompiledForward, TraceCache, compile_runner, padding_batch, static_signature
 from runtime.compile.segments import (SEGMENTS, SplitPoints, _Backbone, _EarlyLayers, _LateLayers, mark_tokens,
                                       split_forward, token_tensors)
 
 __all__ = ["NOT_KEYED", "REPO", "SEGMENTS", "TRACED_SOURCES", "CacheDir", "CompileConfig", "CompiledForward",
-           "PieceStats", "PiecewiseBackend", "SplitPoints", "compile_key", "compile_runner", "device_arch",
+           "PieceStats", "PiecewiseBackend", "SplitPoints", "TraceCache", "compile_key", "compile_runner", "device_arch",
            "key_factors", "mark_tokens", "padding_batch", "parse_sizes",
            "piece_key", "post_grad_eager", "source_hashes", "split_forward", "static_signature",
            "token_tensors"]

@@ -4,6 +4,7 @@ compile_runner, which installs it on a runner inside the keyed cache directory."
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import json
 import logging
@@ -37,8 +38,50 @@ def _fresh_function(fn, tag: str):
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
-_SHARED: dict[str, dict] = {}        # compile_key -> {segment name: compiled function}
-_SHARED_LOCK = threading.Lock()
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("v41_trace_cache", default=None)
+
+
+class TraceCache:
+    """Traced segments shared by the compiled forwards that opt in: a forward with the key
+    (compile_runner: the compile key) and the static signature of an earlier one reuses its
+    compiled segment functions, backends and pass manager instead of tracing again (the graphs
+    read weights and caches from the module they are called with). An engine traces its own
+    segments unless given one: pass it to compile_runner, or make it the active one around code
+    that builds engines (`with traces.active(): ...`; tests share one through a fixture)."""
+
+    def __init__(self):
+        self._entries: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str, signature: str) -> dict | None:
+        with self._lock:
+            entry = self._entries.get(key)
+        return entry if entry is not None and entry["signature"] == signature else None
+
+    def put(self, key: str, entry: dict) -> None:
+        with self._lock:
+            self._entries[key] = entry
+
+    def mark_warm(self, key: str) -> None:
+        with self._lock:
+            if key in self._entries:
+                self._entries[key]["warm"] = True
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @contextlib.contextmanager
+    def active(self):
+        """Within the block, compile_runner calls given no TraceCache use this one."""
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
+    @staticmethod
+    def current() -> "TraceCache | None":
+        return _ACTIVE.get()
 
 
 def static_signature(model, cache) -> str:
@@ -64,9 +107,11 @@ def static_signature(model, cache) -> str:
 class CompiledForward:
     """`runner.forward` when compiled: same call and result as `Transformer.forward`."""
 
-    def __init__(self, model, cache, ccfg: CompileConfig, share_key: str | None = None, pass_manager=None):
-        """`share_key`: engines with the same key (and weights/cache shapes) share the traced
-        segments. `pass_manager`: a PassManager to use instead of the default one."""
+    def __init__(self, model, cache, ccfg: CompileConfig, share_key: str | None = None, pass_manager=None,
+                 traces: TraceCache | None = None):
+        """`traces`, `share_key`: forwards with the same key (and weights/cache shapes) in one
+        TraceCache share the traced segments. `pass_manager`: a PassManager to use instead of the
+        default one."""
         from passes.manager import PassManager
         self.model, self.ccfg = model, ccfg
         self.points = SplitPoints.of(model.cfg)
@@ -84,12 +129,9 @@ class CompiledForward:
         self.backends: dict[str, Any] = {}
         self.raw: dict[str, Callable] = {}       # the segment functions Dynamo caches on
         sig = static_signature(model, cache)
-        shared = None
-        if share_key is not None:
-            with _SHARED_LOCK:
-                shared = _SHARED.get(share_key)
-                if shared is not None and shared["signature"] != sig:
-                    shared = None
+        if traces is None:
+            share_key = None
+        shared = traces.get(share_key, sig) if share_key is not None else None
         if shared is not None:
             self.fns, self.backends, self.pass_manager = shared["fns"], shared["backends"], shared["passes"]
             self.raw = shared["raw"]
@@ -99,10 +141,9 @@ class CompiledForward:
             self.fns = {name: self._compile(name, seg) for name, seg in self.segments.items()}
             self.shared = False
             if share_key is not None:
-                with _SHARED_LOCK:
-                    _SHARED[share_key] = {"signature": sig, "fns": self.fns, "backends": self.backends,
-                                          "passes": self.pass_manager, "raw": self.raw, "warm": False}
-        self._share_key = share_key
+                traces.put(share_key, {"signature": sig, "fns": self.fns, "backends": self.backends,
+                                       "passes": self.pass_manager, "raw": self.raw, "warm": False})
+        self._traces, self._share_key = traces, share_key
 
     def _compile(self, name: str, seg: nn.Module):
         ccfg = self.ccfg
@@ -144,9 +185,7 @@ class CompiledForward:
         """From now on a recompile is an error."""
         self.warm = True
         if self._share_key is not None:
-            with _SHARED_LOCK:
-                if self._share_key in _SHARED:
-                    _SHARED[self._share_key]["warm"] = True
+            self._traces.mark_warm(self._share_key)
 
     def stats(self) -> dict:
         out = {}
@@ -180,9 +219,12 @@ def padding_batch(runner, tokens: int):
                  {1: v["dest1"], 2: v["dest2"]}, v["tail_src"], v["tail_dst"], rows, image)
 
 
-def compile_runner(runner, args, ccfg: CompileConfig) -> dict:
+def compile_runner(runner, args, ccfg: CompileConfig, traces: TraceCache | None = None) -> dict:
     """Compile `runner`'s forward (or reuse a prebuilt cache), warm every capture size and switch
-    to fail_on_recompile. Returns a report: cold/warm start, seconds, cache directory, stats."""
+    to fail_on_recompile. `traces`: share traced segments there (default: the active TraceCache,
+    if any). Returns a report: cold/warm start, seconds, cache directory, stats."""
+    if traces is None:
+        traces = TraceCache.current()
     t0 = time.perf_counter()
     factors = key_factors(runner.cfg, args, ccfg, runner.device)
     cdir = CacheDir(ccfg.cache_dir or default_cache_root("compile"), factors)
@@ -191,7 +233,7 @@ def compile_runner(runner, args, ccfg: CompileConfig) -> dict:
     with cdir.lock():
         was_ready = was_ready or cdir.ready
         runner.static_shapes = True
-        fwd = CompiledForward(runner.model, runner.cache, ccfg, share_key=cdir.key)
+        fwd = CompiledForward(runner.model, runner.cache, ccfg, share_key=cdir.key, traces=traces)
         runner.forward = fwd
         sizes = ccfg.capture_sizes or (runner.max_tokens,)
         depyf_ctx = _depyf(ccfg.dump_dir) if ccfg.dump_dir and not fwd.warm else contextlib.nullcontext()
