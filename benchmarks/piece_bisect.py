@@ -49,12 +49,11 @@ def build(path, weights, device, backend, passes):
     eng = LLMEngine(EngineArgs(model=path, dtype="bfloat16", device=device, max_num_seqs=4,
                                max_num_batched_tokens=256), weights=weights)
     r = eng.runner
-    r.static_shapes = True
     fwd = C.CompiledForward(r.model, r.cache, C.CompileConfig(backend=backend, passes=passes))
-    r.forward = fwd
+    r.use_forward(fwd, static_shapes=True)
     t = time.perf_counter()
     with torch.inference_mode():
-        fwd(C.padding_batch(r, 256), r.cache)
+        fwd(r.padding_batch(256), r.cache)
     print(f"compiled in {time.perf_counter() - t:.1f}s, matches {fwd.stats().get('matches')}", flush=True)
     return eng, fwd
 

@@ -124,7 +124,7 @@ def main():
     forwards = {"eager": runner.model}
 
     def use(v):
-        runner.forward, runner.static_shapes = forwards[v], v == "compiled"
+        runner.use_forward(forwards[v], static_shapes=v == "compiled")
 
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)

@@ -63,11 +63,19 @@ class ModelRunner:
         width = cfg.engram_width
         self.engram_buf = {l: torch.zeros(T, width, dtype=dtype, device=self.device)
                            for l in cfg.engram_layer_ids}
-        # the forward: the eager model, or runtime.compile.CompiledForward (compile_runner), which
-        # sets static_shapes: every step then passes the same Batch structure (block table at full
-        # capacity, image rows whenever images exist), so one graph serves every step
-        self.forward = self.model
-        self.static_shapes = False
+        self.use_forward(self.model, static_shapes=False)
+
+    # a padding row's value in each per-token buffer: it reads and writes nothing (DESIGN §5
+    # "Padding is inert"); block-table rows past the step's requests are 0
+    PAD = {"input_ids": 0, "positions": 0, "batch_ids": -1, "win_idx": -1, "ring_dest": -1, "tail_src": -1,
+           "tail_dst": -1, "dest1": -1, "dest2": -1, "image_dest": -1}
+
+    def use_forward(self, forward, static_shapes: bool = True) -> None:
+        """The step's forward: the eager model, or a compiled one (runtime.compile.compile_runner
+        installs its CompiledForward), which wants `static_shapes`: every step then passes the
+        same Batch structure (block table at full capacity, image rows whenever images exist), so
+        one graph serves every step."""
+        self.forward, self.static_shapes = forward, static_shapes
 
     def block_table_rows(self, n: int) -> torch.Tensor:
         """The block-table rows a forward of `n` requests reads (all of them under static_shapes:
@@ -123,14 +131,12 @@ class ModelRunner:
         host = dict(input_ids=ids, positions=pos, batch_ids=bid, win_idx=win, ring_dest=ring_dest,
                     tail_src=tail_src, tail_dst=tail_dst, dest1=dest[1], dest2=dest[2],
                     image_dest=self.plan_captures(sb, starts, np.cumsum(n) - n, T))
-        pad = {"batch_ids": -1, "win_idx": -1, "ring_dest": -1, "tail_src": -1, "tail_dst": -1,
-               "dest1": -1, "dest2": -1, "input_ids": 0, "positions": 0, "image_dest": -1}
         v = {}
         for k, a in host.items():
             b = self.buf[k]
             b[:T].copy_(torch.from_numpy(a))
             if Tr > T:
-                b[T:Tr].fill_(pad[k])
+                b[T:Tr].fill_(self.PAD[k])
             v[k] = b[:Tr]
         self.buf["block_table"][: len(n)].copy_(torch.from_numpy(bt))
         hi = self.max_seqs if self.static_shapes else Br
@@ -142,6 +148,19 @@ class ModelRunner:
                       v["win_idx"], v["ring_dest"], {1: v["dest1"], 2: v["dest2"]}, v["tail_src"],
                       v["tail_dst"], engram, self.image_rows(sb.captures, v["image_dest"]))
         return batch
+
+    def padding_batch(self, tokens: int) -> Batch:
+        """A step of `tokens` padding rows and no request: reads and writes nothing; it traces and
+        warms the compiled segments (runtime.compile.compile_runner)."""
+        if not 1 <= tokens <= self.max_tokens:
+            raise ValueError(f"padding batch of {tokens} rows: capacity is {self.max_tokens}")
+        v = {k: b[:tokens].fill_(self.PAD[k]) for k, b in self.buf.items() if k != "block_table"}
+        bt = self.block_table_rows(1)
+        bt.fill_(0)
+        rows = {l: b[:tokens].zero_() for l, b in self.engram_buf.items()}
+        return Batch(v["input_ids"], v["positions"], v["batch_ids"], bt, v["win_idx"], v["ring_dest"],
+                     {1: v["dest1"], 2: v["dest2"]}, v["tail_src"], v["tail_dst"], rows,
+                     self.image_rows([], v["image_dest"]))
 
     def resume(self, sb: ScheduledBatch) -> None:
         """A prefix hit's fresh slot gets its state: the checkpoint image (copy), or, for

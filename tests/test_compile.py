@@ -81,11 +81,10 @@ def _planes(cache):
 
 def compiled(runner, **kw) -> C.CompiledForward:
     """Install a CompiledForward (default: post_grad_eager, passes on) as the runner's forward."""
-    runner.static_shapes = True
     pm = kw.pop("pass_manager", None)
     fwd = C.CompiledForward(runner.model, runner.cache, C.CompileConfig(**{"backend": "post_grad_eager", **kw}),
                             pass_manager=pm)
-    runner.forward = fwd
+    runner.use_forward(fwd, static_shapes=True)
     return fwd
 
 
@@ -125,7 +124,7 @@ def test_split_forward_equals_unsplit_eager(toy_weights):
     eng = H.make_engine(toy_weights, "float32")
     model, pts = eng.runner.model, C.SplitPoints.of(eng.cfg)
     early, late = C._EarlyLayers(model, pts.early), C._LateLayers(model, pts.late)
-    eng.runner.forward = lambda b, c: C.split_forward(model, b, c, early, late, pts)
+    eng.runner.use_forward(lambda b, c: C.split_forward(model, b, c, early, late, pts), static_shapes=False)
     got = step_logits(eng, reqs)
     assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
 
@@ -144,7 +143,7 @@ def mini_backbone(mini):
     cnt = CompileCounter()
     fwd = compiled(eng.runner, split=False, backend=cnt)
     with torch.inference_mode():
-        fwd(C.padding_batch(eng.runner, 64), eng.runner.cache)
+        fwd(eng.runner.padding_batch(64), eng.runner.cache)
     fwd.finish_warmup()
     return eng, fwd, cnt, step_logits(eng, MINI_REQS)
 
@@ -157,7 +156,7 @@ def mini_split(mini):
     eng = mini_engine(mini)
     fwd = compiled(eng.runner, split=True)
     with torch.inference_mode():
-        fwd(C.padding_batch(eng.runner, 64), eng.runner.cache)
+        fwd(eng.runner.padding_batch(64), eng.runner.cache)
     return eng, fwd
 
 
@@ -245,7 +244,7 @@ def test_trace_cache_is_opt_in(mini):
 
 def _late_inputs(fwd, runner, T):
     """X, pre and sel as _LateLayers receives them, for T padding rows (run eagerly)."""
-    b = C.padding_batch(runner, T)
+    b = runner.padding_batch(T)
     sel: dict = {}
     with torch.inference_mode():
         X, pre = fwd.segments["_EarlyLayers"](b, runner.cache, sel)
@@ -273,7 +272,7 @@ def mini_guarded(mini):
     rec = ShapeRecorder()
     fwd = compiled(eng.runner, backend=rec, drop_guards=False)
     with torch.inference_mode():
-        fwd(C.padding_batch(eng.runner, 512), eng.runner.cache)
+        fwd(eng.runner.padding_batch(512), eng.runner.cache)
     fwd.finish_warmup()
     return eng, fwd, rec
 
@@ -309,7 +308,7 @@ def test_one_graph_per_segment_and_no_recompiles(mini_guarded):
     snap = snapshot(runner.cache)   # (padding rows write nothing; checked below)
     with torch.inference_mode():
         for T in range(2, 513):
-            b = C.padding_batch(runner, T)
+            b = runner.padding_batch(T)
             assert entries["_EarlyLayers"][0].guard_manager.check(
                 {"self": seg_e, "batch": b, "cache": runner.cache, "sel": {}}), T
             sel = {k: v.new_empty((T,) + v.shape[1:]) for k, v in sel4.items()}
@@ -319,7 +318,7 @@ def test_one_graph_per_segment_and_no_recompiles(mini_guarded):
     served = compiled(runner, backend=rec)          # as served: guards dropped
     for T in (512, 1, 2, 3, 17, 255, 511):
         with torch.inference_mode():
-            served(C.padding_batch(runner, T), runner.cache)
+            served(runner.padding_batch(T), runner.cache)
         if T == 512:
             served.finish_warmup()
     assert all(torch.equal(v, snap[k]) for k, v in _planes(runner.cache)), "padding rows wrote state"
@@ -332,14 +331,14 @@ def test_backbone_is_one_graph(mini_backbone):
     eng, fwd, cnt, _ = mini_backbone          # traced once at 64 rows, then real steps
     for T in (1, 2, 64):
         with torch.inference_mode():
-            fwd(C.padding_batch(eng.runner, T), eng.runner.cache)
+            fwd(eng.runner.padding_batch(T), eng.runner.cache)
     assert cnt.frame_count == 1 and list(fwd.segments) == ["_Backbone"]
 
 
 def test_recompile_while_serving_is_an_error(mini_guarded):
     """With guards kept, an input the graph was not traced for fails instead of recompiling."""
     eng, fwd, _ = mini_guarded
-    b = C.padding_batch(eng.runner, 8)
+    b = eng.runner.padding_batch(8)
     b.positions = b.positions.to(torch.int32)          # a dtype the trace did not see
     with pytest.raises(Exception, match="(?i)recompil"), torch.inference_mode():
         fwd(b, eng.runner.cache)
@@ -368,7 +367,7 @@ def toy_prefix(toy_weights, n_layers) -> ToyPrefix:
     40 tokens)."""
     eng = H.make_engine(toy_weights, "float32")
     runner = eng.runner
-    runner.static_shapes = True
+    runner.use_forward(runner.model, static_shapes=True)
     runner.model.layers = runner.model.layers[:n_layers]
     for i, p in enumerate(H.prompts((5, 17, 40), seed=0)):
         eng.add_request(p, SamplingParams(max_tokens=2, ignore_eos=True), f"r{i}")

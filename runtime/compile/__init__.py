@@ -48,7 +48,7 @@ The package, one concern per module (like vLLM's `compilation/`): `config` (Comp
 parse_sizes), `segments` (SplitPoints, the segment modules, split_forward, the token-shaped
 tensors and their dynamic dim), `backend` (PiecewiseBackend, piece keys, post_grad_eager),
 `cache` (key factors, compile_key, the keyed cache directory), `forward` (CompiledForward,
-compile_runner, padding batches) and `debug` (dump routing, depyf). Import the names from here.
+TraceCache, compile_runner) and `debug` (dump routing, depyf). Import the names from here.
 """
 from __future__ import annotations
 
@@ -57,12 +57,12 @@ from runtime.compile.cache import (NOT_KEYED, REPO, TRACED_SOURCES, CacheDir, co
                                    key_factors, source_hashes)
 from runtime.compile.config import CompileConfig, parse_sizes
 from runtime.compile.debug import _depyf
-from runtime.compile.forward import CompiledForward, TraceCache, compile_runner, padding_batch, static_signature
+from runtime.compile.forward import CompiledForward, TraceCache, compile_runner, static_signature
 from runtime.compile.segments import (SEGMENTS, SplitPoints, _Backbone, _EarlyLayers, _LateLayers, mark_tokens,
                                       split_forward, token_tensors)
 
 __all__ = ["NOT_KEYED", "REPO", "SEGMENTS", "TRACED_SOURCES", "CacheDir", "CompileConfig", "CompiledForward",
            "PieceStats", "PiecewiseBackend", "SplitPoints", "TraceCache", "compile_key", "compile_runner", "device_arch",
-           "key_factors", "mark_tokens", "padding_batch", "parse_sizes",
+           "key_factors", "mark_tokens", "parse_sizes",
            "piece_key", "post_grad_eager", "source_hashes", "split_forward", "static_signature",
            "token_tensors"]

@@ -1,6 +1,7 @@
 """The compiled forward: CompiledForward (the segments compiled once each, then called in order,
-same call and result as `Transformer.forward`), the padding batches that trace and warm it, and
-compile_runner, which installs it on a runner inside the keyed cache directory."""
+same call and result as `Transformer.forward`), TraceCache (traced segments shared on request),
+and compile_runner, which installs it on a runner (traced and warmed on the runner's padding
+batches) inside the keyed cache directory."""
 from __future__ import annotations
 
 import contextlib
@@ -200,25 +201,6 @@ class CompiledForward:
         return out
 
 
-def padding_batch(runner, tokens: int):
-    """A step of `tokens` padding rows and no request: reads and writes nothing (DESIGN §5
-    "Padding is inert"); used to trace and warm the compiled segments."""
-    from runtime.model_runner import Batch
-    if not 1 <= tokens <= runner.max_tokens:
-        raise ValueError(f"padding batch of {tokens} rows: capacity is {runner.max_tokens}")
-    pad = {"input_ids": 0, "positions": 0}
-    v = {}
-    for k in ("input_ids", "positions", "batch_ids", "win_idx", "ring_dest", "tail_src", "tail_dst",
-              "dest1", "dest2"):
-        v[k] = runner.buf[k][:tokens].fill_(pad.get(k, -1))
-    bt = runner.block_table_rows(1)
-    bt.fill_(0)
-    rows = {l: b[:tokens].zero_() for l, b in runner.engram_buf.items()}
-    image = runner.image_rows([], runner.buf["image_dest"][:tokens].fill_(-1))
-    return Batch(v["input_ids"], v["positions"], v["batch_ids"], bt, v["win_idx"], v["ring_dest"],
-                 {1: v["dest1"], 2: v["dest2"]}, v["tail_src"], v["tail_dst"], rows, image)
-
-
 def compile_runner(runner, args, ccfg: CompileConfig, traces: TraceCache | None = None) -> dict:
     """Compile `runner`'s forward (or reuse a prebuilt cache), warm every capture size and switch
     to fail_on_recompile. `traces`: share traced segments there (default: the active TraceCache,
@@ -232,18 +214,17 @@ def compile_runner(runner, args, ccfg: CompileConfig, traces: TraceCache | None 
     was_ready = cdir.ready
     with cdir.lock():
         was_ready = was_ready or cdir.ready
-        runner.static_shapes = True
         fwd = CompiledForward(runner.model, runner.cache, ccfg, share_key=cdir.key, traces=traces)
-        runner.forward = fwd
+        runner.use_forward(fwd, static_shapes=True)
         sizes = ccfg.capture_sizes or (runner.max_tokens,)
         depyf_ctx = _depyf(ccfg.dump_dir) if ccfg.dump_dir and not fwd.warm else contextlib.nullcontext()
         with torch.inference_mode():
             if not fwd.warm:
                 with depyf_ctx:
-                    fwd(padding_batch(runner, max(sizes)), runner.cache)     # the one trace
+                    fwd(runner.padding_batch(max(sizes)), runner.cache)     # the one trace
                 fwd.finish_warmup()
             for s in sizes:
-                fwd(padding_batch(runner, s), runner.cache)
+                fwd(runner.padding_batch(s), runner.cache)
         seconds = time.perf_counter() - t0
         report = {"start": "warm" if was_ready else "cold", "seconds": round(seconds, 2),
                   "cache_dir": str(cdir.path), "key": cdir.key, "capture_sizes": list(sizes),
