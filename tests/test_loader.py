@@ -15,6 +15,7 @@ from safetensors import safe_open as st_safe_open
 from safetensors.torch import save_file
 
 import v41.loader as L
+import v41.loader.load
 from v41.config import preset
 
 # ---- flash: schema and totals on the meta device ----------------------------------------
@@ -256,7 +257,7 @@ def test_value_scales(toy):
 def test_dummy_equals_files(toy, toy_ckpt, monkeypatch):
     a = L.load_weights(toy_ckpt, toy, load_format="safetensors", progress=False)
     b = L.load_weights("toy", None, load_format="dummy", progress=False)
-    monkeypatch.setattr(L, "dummy_weights", lambda cfg, *a, **k: L.Weights(cfg, {}, "dummy"))
+    monkeypatch.setattr(v41.loader.load, "dummy_weights", lambda cfg, *a, **k: L.Weights(cfg, {}, "dummy"))
     c = L.load_weights("flash-slice", progress=False)        # auto: a large preset -> dummy
     monkeypatch.undo()
     d = L.load_weights(toy_ckpt, progress=False)              # auto: a directory -> safetensors
@@ -411,7 +412,7 @@ def test_corrupt_checkpoint_refused_before_reading(kind, toy, toy_ckpt, tmp_path
     def no_read(*a, **k):
         raise AssertionError("tensor data read before the header check finished")
 
-    monkeypatch.setattr(L, "safe_open", no_read)
+    monkeypatch.setattr(v41.loader.load, "safe_open", no_read)     # where load_checkpoint looks it up
     with pytest.raises(L.CheckpointError) as ei:
         L.load_checkpoint(d, toy, progress=False)
     assert needle in str(ei.value), str(ei.value)

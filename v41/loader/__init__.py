@@ -21,9 +21,6 @@ load_weights, the cache of preset checkpoints) and `cli`. Import the names from 
 """
 from __future__ import annotations
 
-# `load_checkpoint` opens shards through this name, at call time (v41.loader.load._api)
-from safetensors import safe_open  # noqa: F401
-
 from v41.loader.cli import main
 from v41.loader.io import (COMPLETE_MARKER, DEFAULT_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, CheckReport,
                            check_checkpoint, read_safetensors_header, shard_plan, write_checkpoint)

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from tqdm import tqdm
 
 from v41.config import V41Config, load_config, preset, PRESETS
@@ -18,14 +19,6 @@ from v41.loader.io import (COMPLETE_MARKER, DEFAULT_SHARD_BYTES, INDEX_FILE, SIN
                            check_checkpoint, shard_plan, write_checkpoint)
 from v41.loader.schema import CheckpointError, checkpoint_schema, is_host_table
 from v41.loader.synthetic import _CHUNK_ELEMS, _FP8_CODE_STD, _WRITER_FUNCS, dummy_tensors
-
-
-def _api():
-    """The package namespace, where `load_checkpoint` finds `safe_open` and `load_weights` finds
-    `dummy_weights` at call time: they are the seams tests substitute
-    (`monkeypatch.setattr(v41.loader, "safe_open", ...)`), as they did in the one-module loader."""
-    import v41.loader
-    return v41.loader
 
 
 # ---- weights + post-load processing -----------------------------------------------------
@@ -115,7 +108,7 @@ def load_checkpoint(path, cfg: V41Config | None = None, device="cpu", progress: 
     with tqdm(total=report.bytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
               desc=f"load {root.name}") as bar:
         for shard, names in report.shards.items():
-            with _api().safe_open(str(root / shard), framework="pt", device="cpu") as f:
+            with safe_open(str(root / shard), framework="pt", device="cpu") as f:
                 for name in names:
                     t = f.get_tensor(name)
                     spec = schema[name]
@@ -163,7 +156,7 @@ def load_weights(model_or_dir, cfg: V41Config | None = None, device="cpu", load_
             raise CheckpointError(f"{model_or_dir!r} is neither a checkpoint directory nor a preset")
     if load_format == "dummy":
         cfg = cfg if cfg is not None else load_config(model_or_dir)
-        return _api().dummy_weights(cfg, device, seed, progress)
+        return dummy_weights(cfg, device, seed, progress)
     return load_checkpoint(model_or_dir, cfg, device, progress)
 
 
