@@ -25,22 +25,8 @@ Grid: (tokens, head groups, splits); a split takes a contiguous run of the token
 block_table[request, j // rows_per_page] (what the reference's (j·ratio) // (rows_per_page·ratio)
 reduces to), so `ratio` needs no further use here.
 
-Measured on the H200 (torch 2.11, triton 3.6; bf16, H=64, d=512, W=128, K=512; CUDA-graph
-replays; benchmarks/results/kernels-h200-sweep.json): decode T=1 20 us, T=16 32 us, T=64 81 us
-(15% of copy bandwidth on the 50.5 MB it must move, floor 11.9 us); prefill T=4096 3.6 ms (the
-FLOP floor is 0.77 ms). The defaults are the sweep's best of BLOCK_H 16/32/64 x BLOCK_N
-16/32/64 x 4/8 warps x 1-3 stages; 16 warps spill and take 650 us
-(sparse-attn-variants-h200.json). Splitting the output D across programs was measured and
-dropped (n-fold slower: every program needs the whole S = Q·Kᵀ; kernels-h200.json).
-
-Where T=64's 81 us go (kernels-h200-breakdown.json): one program fills an SM (255 registers x
-8 warps, 128 KB shared memory), so the 128 programs (2 splits) each walk 10 key blocks in
-series. The same row gather alone (a sum of the rows, no dots) takes 42 us at 2 splits and 20
-us at 8, and the two dots alone on cuBLAS, keys dense per token, take 19.6 us (274 TFLOP/s):
-60% of bandwidth (19.8 us) is what the dots alone cost on cuBLAS. More splits do not help here
-(4: 95 us): the extra programs run as a second wave. The way on is a layout like FlashMLA's
-(the [64, 512] accumulator split over two warpgroups that share S, keys staged ahead by TMA),
-which this Triton kernel does not express.
+Its speed at Flash shapes, the tile sweep behind the defaults, what was tried and where the
+decode time goes: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -53,7 +39,7 @@ from custom_ops.registry import register_impl
 from custom_ops.triton import common
 from custom_ops.triton.common import TL_DTYPES
 
-# defaults measured best on the H200 at Flash shapes (H=64, d=512; see the module notes)
+# defaults: the best of the H200 sweep at Flash shapes (H=64, d=512; docs/kernels.md)
 BLOCK_H = 64                # query heads per program (the M of both dots)
 BLOCK_N = 32                # key rows per online-softmax block
 QK_SPLIT = 1                # D-chunks of S = Q·Kᵀ (1: Q held whole in registers)

@@ -28,11 +28,7 @@ Width. REINDEX scores C·B columns. FULL scores up to the longest visible prefix
 `static_width=True` - up to the block table's capacity, so nothing on the host depends on the
 step's data.
 
-Measured on the H200 (torch 2.11, triton 3.6; 32 heads x 128, K=512, 2048 candidate blocks of
-8): decode T=64 over ~30k visible rows, replayed as a CUDA graph (static width): 357 us on the
-FP8 plane, 461 us on FP4 (the scorer 89 / 178 us of it, torch.topk for the thresholds most of
-the rest); prefill T=4096 over <= 7.5k rows, eager: 4.0 ms FP8, 5.4 ms FP4. The reference takes
-72 ms and 1.5 s for the same two steps.
+Its speed at Flash shapes: docs/kernels.md.
 """
 from __future__ import annotations
 
