@@ -15,7 +15,8 @@ import torch
 from tests.reference import quant as Q
 from tests.reference.oracle import (Oracle, apply_rope, attention_indices, candidate_blocks, replay_window,
                                     rope_freqs, rope_table, sinkhorn, sparse_attn_sink, topk_rows, yarn_range)
-from v41.config import Role, preset
+from v41.config import preset
+from v41.topology import Role
 
 SEQ = 301   # > window (16), odd (ratio-2 tail), > 2·index_topk, > candidate rows (16)
 

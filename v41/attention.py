@@ -12,7 +12,8 @@ from torch import nn
 
 import custom_ops  # noqa: F401  (registers torch.ops.v41)
 from v41 import quant
-from v41.config import LayerSpec, Role, V41Config
+from v41.config import V41Config
+from v41.topology import LayerSpec, Role
 from v41.layers import Linear, RMSNorm, Rope, acc_dtype
 
 ops = torch.ops.v41

@@ -8,7 +8,8 @@ import json
 import sys
 
 import v41.config as config
-from v41.config import ConfigError, V41Config, load_config, topology_table
+from v41.config import ConfigError, V41Config, load_config
+from v41.topology import topology_table
 from v41.engram.hashing import EngramLayout
 from v41.loader import count_params
 

@@ -2,7 +2,7 @@
 request, written from the spec. v41's paged runtime is compared against it (float64, 1e-6).
 
 It takes a `V41Config` and a weights mapping (names of spec §5.2, as `v41.loader` produces them)
-and imports no v41 model code (only `v41.config`; its Engram hashing is its own, `engram_hashing.py`).
+and imports no v41 model code (only `v41.config` and `v41.topology`; its Engram hashing is its own).
 
 Precision contract. `dtype` is the activation dtype: every point where the spec rounds to BF16
 becomes a cast to `dtype`; every FP32 point computes in `acc` (float64 when dtype is float64,
@@ -24,7 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from v41.config import Role, V41Config
+from v41.config import V41Config
+from v41.topology import Role
 
 from . import quant as Q
 from .engram_hashing import DEAD, EngramLayout, hash_ids

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from v41.config import V41Config, Role
+from v41.config import V41Config
+from v41.topology import Role
 
 PARTS = ("routed_experts", "engram_tables", "dspark", "other")
 KINDS = ("bf16", "f32", "fp8", "e8m0", "fp4")
