@@ -1,4 +1,4 @@
-"""Acceptance of the compiled model (runtime/compile.py, passes/): the toy compiled by Inductor's
+"""Acceptance of the compiled model (runtime/compile/, passes/): the toy compiled by Inductor's
 CPU backend in float32, against the eager model in float32, over the schedule-invariance
 harness: greedy tokens identical on its prompts (uninterrupted and under perturbing scenarios)
 and teacher-forced mean NLL within 1e-3 nats/token.

@@ -69,7 +69,7 @@ def device_arch(device) -> str:
 
 def key_factors(cfg, args, ccfg: CompileConfig, device) -> dict:
     """Everything a compiled graph depends on, as plain JSON values. Changing any one of them
-    gives a new cache directory (tests/test_compile.py checks each)."""
+    gives a new cache directory (tests/test_compile_cache.py checks each)."""
     points = SplitPoints.of(cfg)
     return {
         "config": cfg.to_hf_dict(),
