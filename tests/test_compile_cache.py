@@ -58,7 +58,8 @@ def test_compile_key_changes_with_each_factor(toy_cfg, monkeypatch):
 
 def test_traced_sources_cover_the_model_imports():
     """Every module the model imports (at module level, transitively, within v41) is hashed into
-    the key, but the config, which the key holds by value."""
+    the key, but the config, which the key holds by value (the topology code it imports is
+    hashed)."""
     from tests.test_imports import MODULES, import_graph
     graph, seen, todo = import_graph(), set(), ["v41.model"]
     while todo:

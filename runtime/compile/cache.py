@@ -22,10 +22,12 @@ log = logging.getLogger("v41.compile")
 
 REPO = Path(__file__).resolve().parents[2]
 # the source files whose code is traced or shapes the compiled graphs (hashed into the key): the
-# model and every v41 module it imports (v41/config.py is keyed by its values, the config), the
-# runner (the Batch), and this package (tests/test_compile_cache.py checks the model's imports)
+# model and every v41 module it imports (v41/config.py is keyed by its values, the config; the
+# topology derived from them is code: hashed), the runner (the Batch), and this package
+# (tests/test_compile_cache.py checks the model's imports)
 TRACED_SOURCES = ("v41/model.py", "v41/attention.py", "v41/moe.py", "v41/moe_route.py", "v41/mhc.py",
-                  "v41/layers.py", "v41/quant.py", "v41/engram/device.py", "runtime/model_runner.py",
+                  "v41/layers.py", "v41/quant.py", "v41/engram/device.py", "v41/topology.py",
+                  "runtime/model_runner.py",
                   *(f"runtime/compile/{m}.py" for m in ("__init__", "backend", "cache", "config", "debug",
                                                         "forward", "segments")))
 # EngineArgs fields that cannot change a compiled graph (every other field is in the key: opt-out,
