@@ -22,7 +22,7 @@ boundaries with `split_module(keep_original_order=True)`:
 
 Views of the cache inputs are hoisted into the first piece (run eagerly: they cost nothing) so
 no layer piece carries its layer index as a constant (`cache.ring[l]`): pieces of layers with
-the same role are then the same graph, compiled once (see `runtime/compile.py`) and found in the
+the same role are then the same graph, compiled once (see `runtime/compile/`) and found in the
 FX graph cache by every later process. Mutations stay in the piece that makes them, in program
 order, so cache writes of layer l land before layer l+1 reads.
 """

@@ -27,7 +27,7 @@ INDEX_ROWS_PER_BLOCK_ID = 16
 
 # Seed flags whose features are not built: every CLI takes them (so they are not "unrecognized
 # arguments") and refuses them by name before a weight is read. Not EngineArgs fields: a field
-# would enter the compile cache key (runtime/compile.py keys every field it does not list).
+# would enter the compile cache key (runtime/compile/cache.py keys every field it does not list).
 NOT_BUILT = {
     "--enable-expert-parallel": "expert parallelism",
     "--kv-transfer-config": "KV transfer (disaggregated prefill/decode)",
@@ -100,7 +100,7 @@ class _EngineFields:
     num_images: int | None = _opt(None, "checkpoint images in copy mode (default: 4 per sequence)")
     # The one compile switch (-O/--compilation-level/--level is an alias; `compilation_level` below).
     enforce_eager: bool = _opt(True, "run the eager model; --no-enforce-eager (= -O3) compiles the "
-                                     "forward with torch.compile (runtime/compile.py)")
+                                     "forward with torch.compile (runtime/compile/)")
     decoder_swa_bounded_replay: bool = _opt(True, "compile the forward as _EarlyLayers/_LateLayers around "
                                                   "the boundary layer (off: one _Backbone graph)")
     compile_cache_dir: str | None = _opt(None, "root of the keyed compile caches (default: "
@@ -117,7 +117,7 @@ class _EngineFields:
 class EngineArgs(_EngineFields):
     """Every engine setting (a dataclass: `fields`, `replace` and `asdict` work). One compile
     switch: `enforce_eager`. `compilation_level` is its alias: a constructor keyword (0 = eager,
-    3 = compiled) and a read-only view, for runtime/compile.py and the `-O` flag."""
+    3 = compiled) and a read-only view, for runtime/compile/ and the `-O` flag."""
 
     def __init__(self, *args, compilation_level: int | None = None, **kw):
         super().__init__(*args, **kw)

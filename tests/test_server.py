@@ -106,10 +106,8 @@ def start_server(extra=(), timeout=240.0):
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="session")
-def server():
-    s = start_server()
-    yield s
+def stop_server(s) -> str:
+    """Stop a server from start_server; returns its log."""
     s.http.close()
     s.proc.terminate()
     try:
@@ -119,6 +117,14 @@ def server():
         s.proc.wait()
     log = s.log()
     os.unlink(s.log_path)
+    return log
+
+
+@pytest.fixture(scope="session")
+def server():
+    s = start_server()
+    yield s
+    log = stop_server(s)
     assert "Traceback" not in log, log[-4000:]
 
 
@@ -323,14 +329,7 @@ def copy_server():
     """A second server in StateTransfer copy mode (checkpoint images, no bounded replay)."""
     s = start_server(["--no-encoder-swa-bounded-replay"])
     yield s
-    s.http.close()
-    s.proc.terminate()
-    try:
-        s.proc.wait(30)
-    except subprocess.TimeoutExpired:
-        s.proc.kill()
-        s.proc.wait()
-    os.unlink(s.log_path)
+    stop_server(s)
 
 
 @pytest.mark.parametrize("mode", ["server", "copy_server"], ids=["replay", "copy"])

@@ -6,7 +6,7 @@
 Builds the engine the way `python -m v41.serve --no-enforce-eager` does (same flags, same code
 path): every compiled segment is traced and compiled once, every capture size is run under
 `fail_on_recompile`, and the keyed directory `<compile-cache-dir>/<key>/` gets its READY marker
-(runtime/compile.py: the key hashes the config, the runtime settings that shape the graphs, the
+(runtime/compile/cache.py: the key hashes the config, the runtime settings that shape the graphs, the
 model/pass/op sources, the split points, the capture sizes, torch/triton/aiter versions and the
 device arch; a file lock serializes concurrent builders). A later `serve` with the same settings
 finds it and reports a warm start. Prints the directory, cold or warm, and the seconds.
