@@ -143,7 +143,7 @@ class ModelRunner:
         if hi > len(n):
             self.buf["block_table"][len(n):hi].fill_(0)
         self._committed = (slots, starts + n)
-        engram = self.prepare_engram(sb, ids, n, starts, slots, T, Tr)
+        engram = self.prepare_engram(ids, n, starts, slots, T, Tr)
         batch = Batch(v["input_ids"], v["positions"], v["batch_ids"], self.block_table_rows(Br),
                       v["win_idx"], v["ring_dest"], {1: v["dest1"], 2: v["dest2"]}, v["tail_src"],
                       v["tail_dst"], engram, self.image_rows(sb.captures, v["image_dest"]))
@@ -193,7 +193,7 @@ class ModelRunner:
             c.image_cursor[img] = torch.as_tensor(self.cursor_at(seq.token_ids, end))
         return dest
 
-    def prepare_engram(self, sb, ids, n, starts, slots, T, Tr) -> dict:
+    def prepare_engram(self, ids, n, starts, slots, T, Tr) -> dict:
         """Hash ids from the tokens and each request's committed Engram history (the STATE
         cursor, read after any restore), then the table rows of every Engram layer."""
         m = self.layout.max_ngram - 1

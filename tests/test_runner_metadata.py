@@ -131,6 +131,8 @@ def run_checked(weights, reqs, engine: dict, arrivals=None, hook=None, max_token
             hook(eng, step)
         if eng.has_unfinished():
             eng.step()
+            for seq in eng.scheduler.running:            # the committed position, after the step
+                assert int(runner.cache.cursor[seq.slot, 0]) == seq.num_computed
         step += 1
     eng.bm.check([])
     return steps, eng
@@ -161,6 +163,8 @@ def test_prefix_hits(toy_weights, mode):
     steps, eng = run_checked(toy_weights, reqs, engine, arrivals=[0] + [6] * (len(reqs) - 1))
     assert sum(r for r, _ in steps) == len(reqs) - 1
     assert (sum(c for _, c in steps) > 0) == (mode == "copy")
+    restored = eng.runner.state.stats["images_restored"]
+    assert restored == (len(reqs) - 1 if mode == "copy" else 0)
 
 
 def test_every_row_and_the_sampled_rows_match_the_oracle(toy_cfg, toy_weights, toy_token_map):
@@ -190,10 +194,47 @@ def test_static_shapes_pass_the_whole_block_table_and_image_rows(toy_weights):
     sb = eng.scheduler.schedule()
     batch = runner.prepare(sb)
     assert batch.block_table.shape[0] == 1 and batch.image_dest is None
-    runner.static_shapes = True
+    runner.buf["block_table"].fill_(7)                   # what a wider step left there
+    runner.use_forward(runner.forward, static_shapes=True)
     batch = runner.prepare(sb)
     assert batch.block_table.shape[0] == runner.max_seqs and (batch.block_table[1:] == 0).all()
     assert batch.image_dest is not None and (batch.image_dest == -1).all()
+    plain = H.make_engine(toy_weights).runner               # no images: no image rows, ever
+    plain.use_forward(plain.forward, static_shapes=True)
+    assert plain.image_rows([], plain.buf["image_dest"]) is None
+
+
+def test_running_width_must_hold_the_step(toy_weights):
+    eng = H.make_engine(toy_weights, max_num_seqs=3, max_num_batched_tokens=16)
+    for p in H.prompts((5, 4), seed=2):
+        eng.add_request(p, SamplingParams(max_tokens=1, ignore_eos=True))
+    sb, runner = eng.scheduler.schedule(), eng.runner
+    for bad in ({"running_tokens": 8}, {"running_bs": 1}, {"running_tokens": 17}, {"running_bs": 4}):
+        with pytest.raises(ValueError, match=r"^step of 9 tokens / 2 requests does not fit running width"):
+            runner.prepare(sb, **bad)
+    batch = runner.prepare(sb, running_tokens=16, running_bs=3)    # the full capacity fits
+    assert batch.input_ids.shape[0] == 16 and batch.block_table.shape[0] == 3
+
+
+def test_padding_batch_reads_and_writes_nothing(toy_weights):
+    """The step that traces and warms compiled segments: padding rows only."""
+    runner = H.make_engine(toy_weights, num_images=2, enable_prefix_caching=True,
+                           encoder_swa_bounded_replay=False).runner
+    for b in runner.buf.values():
+        b.fill_(5)
+    for b in runner.engram_buf.values():
+        b.fill_(5)
+    runner.use_forward(runner.forward, static_shapes=True)
+    batch = runner.padding_batch(7)
+    for k, sentinel in runner.PAD.items():
+        v = batch.image_dest if k == "image_dest" else batch.owner_dest[int(k[-1])] if k.startswith("dest") \
+            else getattr(batch, k)
+        assert v.shape[0] == 7 and (v == sentinel).all(), k
+    assert batch.block_table.shape[0] == runner.max_seqs and (batch.block_table == 0).all()
+    assert all(r.shape[0] == 7 and (r == 0).all() for r in batch.engram_rows.values())
+    for bad in (0, runner.max_tokens + 1):
+        with pytest.raises(ValueError, match="^padding batch of"):
+            runner.padding_batch(bad)
 
 
 def test_cursor_at_pads_history_before_the_first_token(toy_weights):

@@ -55,6 +55,12 @@ def test_greedy_and_seeded_rows_in_one_batch():
     assert len(set(want)) > 1
 
 
+def test_top_k_one_samples_the_argmax():
+    logits = torch.stack([LOGITS, LOGITS.flip(0)]).float()
+    seqs = [Sequence([1], SamplingParams(temperature=2.0, top_k=1, seed=s)) for s in range(2)]
+    assert all(sample(logits, seqs) == [1, 2] for _ in range(20))
+
+
 def test_unseeded_requests_get_a_fresh_generator():
     s = Sequence([1], SamplingParams(temperature=1.0))
     sample(LOGITS.float()[None], [s])
@@ -79,9 +85,10 @@ def test_token_logprobs_are_the_models_distribution():
 
 # ---- StateTransfer ---------------------------------------------------------------------------
 
-@pytest.fixture
-def state(toy_weights):
-    eng = H.make_engine(toy_weights, num_images=3, enable_prefix_caching=True, encoder_swa_bounded_replay=False)
+@pytest.fixture(params=["float64", "float32", "bfloat16"])
+def state(toy_weights, request):
+    eng = H.make_engine(toy_weights, request.param, num_images=3, enable_prefix_caching=True,
+                        encoder_swa_bounded_replay=False)
     st = eng.runner.state
     c = st.cache
     g = torch.Generator().manual_seed(0)

@@ -163,12 +163,12 @@ def test_postprocess_finishes_on_eos_stop_ids_and_length():
 
 
 def test_postprocess_skips_requests_cancelled_or_preempted_after_scheduling():
-    sch = make(mode="replay")
-    a, b = add(sch, range(3, 12), "a"), add(sch, range(3, 12), "b")
+    sch = make(mode="replay", budget=32)
+    a, b, c = add(sch, range(3, 12), "a"), add(sch, range(3, 12), "b"), add(sch, [5], "c", max_tokens=1)
     sb = sch.schedule()
     sch.preempt(b)
     assert sch.abort("a") is a and a.finish_reason == "abort"
-    assert sch.postprocess(sb, {a.seq_id: 7, b.seq_id: 7}) == []
+    assert sch.postprocess(sb, {a.seq_id: 7, b.seq_id: 7, c.seq_id: 7}) == [c]   # c still commits
     assert a.num_computed == 0 and b.num_computed == 0 and b.token_ids == list(range(3, 12))
     assert sch.bm.cached == {}                                # nothing published
     sch.bm.check([])
