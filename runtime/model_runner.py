@@ -42,12 +42,11 @@ class Batch:
 class ModelRunner:
     def __init__(self, cfg, weights, geo: PoolGeometry, num_pages: int, num_slots: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, token_map,
-                 device="cpu", dtype=torch.bfloat16, transfer: str = "replay", num_images: int = 0):
+                 device, dtype, transfer: str, num_images: int):
         self.cfg, self.geo, self.device, self.dtype = cfg, geo, torch.device(device), dtype
         self.model = Transformer(cfg, weights, dtype, device, max_pos=max_model_len)
         self.cache = KVCache(geo, num_pages, num_slots, num_images, device)
         self.state = StateTransfer(self.cache, transfer)
-        self.cache.cursor[:, 1:] = DEAD
         self.W, self.page = cfg.sliding_window, geo.page_tokens
         self.token_map = np.asarray(token_map, dtype=np.int64)
         self.layout = EngramLayout(cfg, pad_id=int(self.token_map[cfg.engram_pad_token_id]))
@@ -70,7 +69,7 @@ class ModelRunner:
     PAD = {"input_ids": 0, "positions": 0, "batch_ids": -1, "win_idx": -1, "ring_dest": -1, "tail_src": -1,
            "tail_dst": -1, "dest1": -1, "dest2": -1, "image_dest": -1}
 
-    def use_forward(self, forward, static_shapes: bool = True) -> None:
+    def use_forward(self, forward, *, static_shapes: bool) -> None:
         """The step's forward: the eager model, or a compiled one (runtime.compile.compile_runner
         installs its CompiledForward), which wants `static_shapes`: every step then passes the
         same Batch structure (block table at full capacity, image rows whenever images exist), so
@@ -125,7 +124,7 @@ class ModelRunner:
         for r in (1, 2):
             rpp = self.page // r
             j = pos // r
-            page = bt[bid, (j * r) // self.page] if T else np.zeros(0, np.int64)
+            page = bt[bid, (j * r) // self.page]
             # a group is written by the row completing it, unless the prefix cache holds it
             dest[r] = np.where((pos % r == r - 1) & (pos >= write_from), page * rpp + j % rpp, -1)
         host = dict(input_ids=ids, positions=pos, batch_ids=bid, win_idx=win, ring_dest=ring_dest,
@@ -197,9 +196,8 @@ class ModelRunner:
         """Hash ids from the tokens and each request's committed Engram history (the STATE
         cursor, read after any restore), then the table rows of every Engram layer."""
         m = self.layout.max_ngram - 1
-        hist = self.cache.cursor[torch.as_tensor(slots, device=self.device), 1:].cpu().numpy() \
-            if len(slots) else np.zeros((0, m), np.int64)
-        # a slot may hold an earlier request's history: positions before 0 are DEAD
+        hist = self.cache.cursor[torch.as_tensor(slots, device=self.device), 1:].cpu().numpy()
+        # a slot holds whatever its last request left (or zeros): positions before 0 are DEAD
         hist = np.where(starts[:, None] - m + np.arange(m) >= 0, hist, DEAD)
         comp = self.token_map[ids]
         # per request: [history (m ids, oldest first), this step's compressed ids]
@@ -213,7 +211,7 @@ class ModelRunner:
         ext[tok_ext] = comp
         look = ext[tok_ext[:, None] - np.arange(m + 1)]
         # the last m compressed ids of each request become its history after the step
-        self._tail_ids = ext[(base + ext_len)[:, None] - m + np.arange(m)] if len(n) else np.zeros((0, m), np.int64)
+        self._tail_ids = ext[(base + ext_len)[:, None] - m + np.arange(m)]
         out = {}
         for i, l in enumerate(self.cfg.engram_layer_ids):
             hid = torch.from_numpy(hash_lookback(look, self.layout, i))

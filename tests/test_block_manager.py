@@ -254,3 +254,31 @@ def test_all_free_needs_every_slot_back():
     a.slot, slot = None, a.slot
     m.ref[a.pages[0]] = 0
     assert not m.all_free and np.all(m.table[slot, :1] == a.pages)
+
+
+def test_defaults_cache_nothing_and_keep_no_images():
+    m = BlockManager(4, 1, P, max_pages_per_seq=2)
+    a = seq(range(9))
+    assert m.allocate(a, 8)
+    a.num_computed = 8
+    assert m.register(a) == [] and m.match(seq(range(9))) == [] and m.take_image(0) is None
+
+
+def test_every_eviction_is_counted():
+    m = bm(pages=2, slots=2)
+    for tokens in ([1] * 5, [2] * 5, [3] * 5):
+        s = seq(tokens)
+        computed(m, s, 5)
+        m.free(s)
+    assert m.stats["evictions"] == 2
+    s = seq([4] * 9)
+    assert m.allocate(s, 8) and m.stats["evictions"] == 3
+
+
+def test_a_request_with_a_slot_needs_no_free_slot():
+    m = bm(pages=4, slots=1)
+    a = seq(range(9))
+    assert m.allocate(a, 4) and not m.free_slots
+    a.num_computed = 4
+    assert m.allocate(a, 4) and len(a.pages) == 2            # grows without a second slot
+    assert not m.allocate(seq(range(3)), 1)                # pages free, but no slot

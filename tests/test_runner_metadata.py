@@ -95,6 +95,11 @@ def check_step(runner, sb, batch) -> None:
     assert batch.block_table.shape[0] == Br
     assert batch.block_table[:B].tolist() == sb.block_tables.tolist()
     assert (batch.block_table[B:] == 0).all()
+    c, W = runner.cache, runner.W
+    for i, boundary, img in sb.captures:      # rows of earlier forwards: copied from the ring now
+        slot, a = int(sb.slots[i]), sb.seqs[i].num_computed
+        for p in range(max(0, boundary - W), a):
+            assert torch.equal(c.image_ring[:, img * W + p % W], c.ring[:, slot * W + p % W]), "image row"
     for i, l in enumerate(runner.cfg.engram_layer_ids):
         assert batch.engram_rows[l].shape[0] == Tr
         assert torch.equal(batch.engram_rows[l][:T], expected_engram(runner, sb, i, l)), f"Engram layer {l}"
@@ -109,6 +114,8 @@ def run_checked(weights, reqs, engine: dict, arrivals=None, hook=None, max_token
     # the metadata does not depend on what the forward computes: a stub keeps this test fast
     # enough to run for every mutant (the sampled tokens are then all one id)
     width = runner.cfg.hidden_size
+    g = torch.Generator().manual_seed(0)   # distinct ring rows, so a misplaced image copy shows
+    runner.cache.ring.copy_(torch.randn(runner.cache.ring.shape, generator=g, dtype=torch.float64))
     runner.use_forward(lambda batch, cache: torch.zeros(batch.input_ids.shape[0], width, dtype=runner.dtype),
                        static_shapes=False)
 
@@ -144,6 +151,12 @@ def test_chunked_prefill_and_decode(toy_weights):
     assert len(steps) >= 8
 
 
+def test_slots_reused_by_later_requests(toy_weights):
+    """A slot keeps its last request's Engram history: a new request must not read it."""
+    reqs = H.prompts((9, 4, 12, 6, 3), seed=12)
+    _, eng = run_checked(toy_weights, reqs, {"max_num_seqs": 2, "max_prefill_chunk": 5})
+
+
 def test_preemption_restarts_from_zero(toy_weights):
     def preempt(eng, step):
         if step in (3, 6) and eng.scheduler.running:
@@ -159,7 +172,7 @@ def test_prefix_hits(toy_weights, mode):
     floor and cursor (replay); rows below the hit are never written again."""
     reqs = H.forks(root_len=80, suffix=5)[:1] + H.forks(root_len=80, suffix=5)[3:8:2]
     engine = {"enable_prefix_caching": True, "encoder_swa_bounded_replay": mode == "replay",
-              "max_prefill_chunk": 20}
+              "max_prefill_chunk": 20 if mode == "replay" else 40}
     steps, eng = run_checked(toy_weights, reqs, engine, arrivals=[0] + [6] * (len(reqs) - 1))
     assert sum(r for r, _ in steps) == len(reqs) - 1
     assert (sum(c for _, c in steps) > 0) == (mode == "copy")
@@ -235,6 +248,10 @@ def test_padding_batch_reads_and_writes_nothing(toy_weights):
     for bad in (0, runner.max_tokens + 1):
         with pytest.raises(ValueError, match="^padding batch of"):
             runner.padding_batch(bad)
+    assert runner.padding_batch(1).input_ids.shape[0] == 1
+    assert runner.padding_batch(runner.max_tokens).input_ids.shape[0] == runner.max_tokens
+    runner.use_forward(runner.forward, static_shapes=False)
+    assert runner.padding_batch(3).block_table.shape[0] == 1
 
 
 def test_cursor_at_pads_history_before_the_first_token(toy_weights):

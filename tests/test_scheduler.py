@@ -108,8 +108,9 @@ def test_replay_resumes_one_hash_block_below_the_hit():
     assert sb.resumes == [] and sch.bm.stats["hit_tokens"] == 12
 
 
-@pytest.mark.parametrize("invalid, start, forgotten", [((), 12, []), ((2,), 8, [2]), ((1, 2), 4, [2, 1])])
-def test_copy_resumes_at_the_newest_valid_image(invalid, start, forgotten):
+@pytest.mark.parametrize("invalid, start, forgotten, images", [((), 12, [], [0, 1, 2]), ((2,), 8, [2], [0, 1, 3]),
+                                                             ((1, 2), 4, [2, 1], [0, 3, 2])])
+def test_copy_resumes_at_the_newest_valid_image(invalid, start, forgotten, images):
     sch = make(mode="copy", images=4, invalid=invalid)
     root = list(range(3, 16))
     a = add(sch, root, max_tokens=1)
@@ -122,7 +123,8 @@ def test_copy_resumes_at_the_newest_valid_image(invalid, start, forgotten):
     assert sb.began == [start] and sch.stats["replayed_rows"] == 12 - start
     assert sb.resumes == [(0, ("image", start // P - 1))]
     assert sch.state.forgotten == forgotten
-    assert sorted(sch.bm.image_of) == sorted(b.pages[:3])   # refused images are captured again
+    # refused images went back to the free list; the resumed forward captures those PAGEs again
+    assert [sch.bm.image_of[p] for p in b.pages[:3]] == images
 
 
 def test_copy_without_any_image_recomputes_from_zero():
@@ -192,3 +194,58 @@ def test_preempt_puts_the_request_first_in_line():
     assert list(sch.waiting) == [a, b] and sch.num_preemptions == 1
     sb, _ = step(sch)
     assert sb.seqs == [a] and sb.began == [0] and sb.num_new == [3]   # prompt + its sampled token
+
+
+def test_a_two_token_prompt_is_chunked_too():
+    sch = make(chunk=1)
+    add(sch, [5, 6])
+    sb, _ = step(sch)
+    assert sb.num_new == [1]
+
+
+def test_running_requests_stop_at_the_budget():
+    sch = make(budget=16, chunk=4)
+    a, b = add(sch, range(3, 15)), add(sch, range(3, 15))
+    step(sch)                                             # both admitted, 4 tokens each
+    sch.max_tokens = 4
+    sb, _ = step(sch)
+    assert sb.seqs == [a] and sb.num_new == [4]           # b gets no 0-token chunk
+    sch.max_tokens = 5
+    sb, _ = step(sch)
+    assert sb.seqs == [a, b] and sb.num_new == [4, 1]     # the last budget token still runs
+
+
+def test_a_waiting_request_takes_the_last_budget_token():
+    sch = make(budget=5)
+    a, b = add(sch, range(3, 7)), add(sch, range(3, 9))
+    sb, _ = step(sch)
+    assert sb.seqs == [a, b] and sb.num_new == [4, 1]
+
+
+def test_preemption_takes_the_newest_of_three():
+    sch = make(pages=6, budget=64)
+    a, b, c = (add(sch, range(3, 11)) for _ in range(3))  # 2 pages each: the pool is full
+    step(sch)
+    sb, _ = step(sch)                                     # a needs a page: c goes, then b runs
+    assert sch.num_preemptions == 1 and list(sch.waiting) == [c] and sch.running == [a, b]
+    sch.bm.check([a, b])
+
+
+def test_a_request_that_must_grow_preempts_itself_when_newest():
+    sch = make(pages=4, budget=64)
+    a, b = add(sch, [5, 6, 7]), add(sch, range(3, 15))   # 1 + 3 pages: the pool is full
+    step(sch)
+    sb, _ = step(sch)                                     # a fits its page; b needs a fourth
+    assert sb.seqs == [a] and list(sch.waiting) == [b] and sch.num_preemptions == 1
+    sch.bm.check([a])
+
+
+def test_hit_and_replay_counters_accumulate():
+    sch = make(mode="replay")
+    root = list(range(3, 16))
+    add(sch, root, max_tokens=1)
+    step(sch)
+    for tail in ([99, 98], [97]):
+        add(sch, root[:12] + tail, max_tokens=1)
+        step(sch)
+    assert sch.bm.stats["hit_tokens"] == 24 and sch.stats["replayed_rows"] == 8
