@@ -166,13 +166,15 @@ def test_preemption_restarts_from_zero(toy_weights):
     assert eng.scheduler.num_preemptions == 2
 
 
-@pytest.mark.parametrize("mode", ["copy", "replay"])
-def test_prefix_hits(toy_weights, mode):
+@pytest.mark.parametrize("mode, chunk", [("copy", 20), ("copy", 40), ("replay", 20)])
+def test_prefix_hits(toy_weights, mode, chunk):
     """Forks of a root resume from the cache: images restored and captured (copy) or a replay
-    floor and cursor (replay); rows below the hit are never written again."""
+    floor and cursor (replay); rows below the hit are never written again. Chunks of 20 start
+    forwards less than a window before a boundary (image rows copied from the ring), chunks of
+    40 more than a window before it (image rows written by the forward alone)."""
     reqs = H.forks(root_len=80, suffix=5)[:1] + H.forks(root_len=80, suffix=5)[3:8:2]
     engine = {"enable_prefix_caching": True, "encoder_swa_bounded_replay": mode == "replay",
-              "max_prefill_chunk": 20 if mode == "replay" else 40}
+              "max_prefill_chunk": chunk}
     steps, eng = run_checked(toy_weights, reqs, engine, arrivals=[0] + [6] * (len(reqs) - 1))
     assert sum(r for r, _ in steps) == len(reqs) - 1
     assert (sum(c for _, c in steps) > 0) == (mode == "copy")
