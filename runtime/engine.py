@@ -15,7 +15,7 @@ from runtime.model_runner import ModelRunner
 from runtime.sampler import sample, token_logprobs
 from runtime.scheduler import Scheduler
 from runtime.sequence import SamplingParams, Sequence, Status
-from v41.config import ConfigError, V41Config, load_config, validate_page
+from v41.config import V41Config, load_config, validate_page
 
 log = logging.getLogger("v41")
 

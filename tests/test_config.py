@@ -6,7 +6,6 @@ import sys
 import pytest
 
 from v41.config import ConfigError, from_hf_dict, load_config, preset, validate
-from v41.topology import Role
 
 # spec/model.md §1.2, layer by layer: (role, ratio, kv owner, top-k owner, candidate owner)
 FLASH = {0: ("WINDOW", 0, None, None, None), 1: ("WINDOW", 0, None, None, None)}

@@ -14,7 +14,7 @@ from v41 import quant
 from v41.attention import Attention
 from v41.config import V41Config
 from v41.engram.device import Engram
-from v41.layers import Linear, RMSNorm, Rope, acc_dtype
+from v41.layers import RMSNorm, Rope, acc_dtype
 from v41.mhc import MHC, collapse, expand
 from v41.moe import MoE
 
