@@ -7,12 +7,17 @@ import torch
 from runtime.sequence import Sequence
 
 
+# Below this a temperature is greedy (vLLM's rule): logits / 1e-50 overflow to inf and softmax
+# turns them into NaN, which multinomial refuses, failing every request of the step.
+GREEDY_BELOW = 1e-5
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     logits = logits.float()
     out = logits.argmax(-1).tolist()
     for i, seq in enumerate(seqs):
         p = seq.params
-        if p.temperature == 0:
+        if p.temperature < GREEDY_BELOW:
             continue
         if seq.generator is None:
             seq.generator = torch.Generator(device="cpu")

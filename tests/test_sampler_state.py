@@ -61,6 +61,17 @@ def test_top_k_one_samples_the_argmax():
     assert all(sample(logits, seqs) == [1, 2] for _ in range(20))
 
 
+@pytest.mark.parametrize("t", [1e-50, 1e-300, 5e-324, 9.9e-6])
+def test_a_tiny_temperature_is_greedy_and_hurts_no_other_row(t):
+    """logits / 1e-50 overflow and softmax gives NaN: such a row samples greedily, and the
+    seeded row beside it draws what it draws alone."""
+    logits = torch.stack([LOGITS.flip(0), LOGITS]).float()
+    tiny = Sequence([1], SamplingParams(temperature=t, seed=3))
+    alone = sample(logits[1:], [Sequence([1], SamplingParams(temperature=1.0, seed=4))])
+    assert sample(logits, [tiny, Sequence([1], SamplingParams(temperature=1.0, seed=4))]) == [2] + alone
+    assert sample(logits[:1], [Sequence([1], SamplingParams(temperature=1e-5, seed=3))])[0] in range(4)
+
+
 def test_unseeded_requests_get_a_fresh_generator():
     s = Sequence([1], SamplingParams(temperature=1.0))
     sample(LOGITS.float()[None], [s])
