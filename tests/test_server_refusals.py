@@ -308,6 +308,9 @@ ROWS = [
     R("get_as: '{}' must be a {}, got {}", 400, "stream", body=C(stream="yes")),
     # protocol.read_body
     R("malformed JSON body", 400, body=b"{not json"),
+    R("malformed JSON body", 400, body=b"[" * 100_000 + b"]" * 100_000),            # RecursionError
+    R("malformed JSON body", 400, body=b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"),
+    R("malformed JSON body", 400, body=b'{"model": "toy", "prompt": "a\\ud800b"}'),  # lone surrogate
     R("must be a JSON object", 400, body=b"[1, 2]"),
     # protocol.refuse_unsupported
     R("unrecognized request argument", 400, "bogus", UNK, body=C(bogus=1)),

@@ -92,7 +92,9 @@ class Body(dict):
 async def read_body(request: Request) -> Body:
     try:
         body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        # a lone surrogate ("\ud800") is valid JSON but no text: tokenizing or streaming it fails
+        json.dumps(body, ensure_ascii=False).encode()
+    except (ValueError, UnicodeError, RecursionError) as e:   # also too deep, too many digits
         raise bad(f"malformed JSON body: {e}") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type_name(body)}")
