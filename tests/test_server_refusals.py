@@ -207,6 +207,9 @@ class StandIn:
         self.dead = "RuntimeError: stand-in engine died" if mode == "dead" else None
         self.alive = self.dead is None
 
+    def stalled_for(self):
+        return 120.0 if self.mode == "stalled" else None
+
     def start(self):
         pass
 
@@ -235,7 +238,7 @@ def apps():
     toy.start()
     made = {"toy": create_app(toy, ["toy"], api_key=KEY)}
     for mode, tok in [("bare", None), ("stub", TemplateStub()), ("refuse", eng.tokenizer), ("crash", eng.tokenizer),
-                      ("dead", eng.tokenizer), ("silent", eng.tokenizer)]:
+                      ("dead", eng.tokenizer), ("silent", eng.tokenizer), ("stalled", eng.tokenizer)]:
         made[mode] = create_app(StandIn(mode, tok), ["toy"])
     loop = asyncio.new_event_loop()
     yield made, loop
@@ -379,6 +382,8 @@ ROWS = [
     R("method {} is not allowed on {}", 405, method="GET"),
     R("internal error", 500, app="crash"),
     R("health: engine not running", 503, app="dead", method="GET", path="/health"),
+    R("health: engine has not stepped for {} s with requests queued (limit {} s)", 503, app="stalled",
+      method="GET", path="/health"),
     # serving.py
     R("the engine is not running", 503, app="dead"),
     R("respond: {}", 400, app="refuse"),
@@ -427,3 +432,22 @@ def test_every_refusal_has_a_row():
     missing = set(SITES) - rows - set(EXEMPT)
     assert not missing, "refusals without a row in ROWS:\n" + "\n".join(sorted(missing))
     assert len(SITES) >= 60
+
+
+def test_health_answers_head_and_reports_a_stalled_engine(apps):
+    """A wedged engine thread with requests queued is a 503 on /health (GET and HEAD); an idle
+    engine is healthy."""
+    made, loop = apps
+    for method in ("GET", "HEAD"):
+        assert loop.run_until_complete(call(made["toy"], method, "/health", b"", {}, False))[0] == 200
+        assert loop.run_until_complete(call(made["stalled"], method, "/health", b"", {}, False))[0] == 503
+
+
+def test_stalled_for_counts_only_while_work_waits():
+    from runtime.metrics import ServingMetrics
+    from runtime.server import AsyncEngine
+    aeng = AsyncEngine(SimpleNamespace(), ServingMetrics("toy"))   # its thread is never started
+    aeng.heartbeat -= 100
+    assert aeng.stalled_for() is None                  # nothing queued: idle, not stalled
+    aeng.abort("r1")
+    assert aeng.stalled_for() >= 100

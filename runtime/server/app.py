@@ -43,7 +43,9 @@ class BearerAuth:
 
 
 def create_app(aeng: AsyncEngine, served_model_names: list[str], api_key: str | None = None,
-               max_logprobs: int = 20, model_path: str | None = None) -> FastAPI:
+               max_logprobs: int = 20, model_path: str | None = None, stall_timeout: float = 30.0) -> FastAPI:
+    """`stall_timeout`: /health answers 503 once the engine loop has not turned for this many
+    seconds while requests are queued."""
     fe = Frontend(aeng, served_model_names, max_logprobs)
 
     @asynccontextmanager
@@ -69,10 +71,14 @@ def create_app(aeng: AsyncEngine, served_model_names: list[str], api_key: str | 
         log.exception("unhandled error")
         return error_response(500, f"internal error: {type(e).__name__}: {e}")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not aeng.alive:
             return error_response(503, f"engine not running: {aeng.dead or 'stopped'}")
+        stalled = aeng.stalled_for()
+        if stalled is not None and stalled > stall_timeout:
+            return error_response(503, f"engine has not stepped for {stalled:.0f} s with requests queued "
+                                       f"(limit {stall_timeout:g} s)")
         return Response(status_code=200)
 
     @app.get("/metrics")

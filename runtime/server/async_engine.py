@@ -65,6 +65,7 @@ class AsyncEngine:
         self._idle_checked = False
         self._preemptions = 0
         self.dead: str | None = None          # why the engine thread died, if it did
+        self.heartbeat = time.monotonic()     # the engine loop's last turn (steps and idle waits)
 
     # ---- asyncio side ----------------------------------------------------------------------
     def start(self) -> None:
@@ -82,6 +83,13 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead is None
 
+    def stalled_for(self) -> float | None:
+        """Seconds since the engine loop last turned, while requests wait on it; None when
+        nothing is queued (an idle engine turns every 0.5 s anyway)."""
+        if not (self._cmds or self._live):
+            return None
+        return time.monotonic() - self.heartbeat
+
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             sink: asyncio.Queue, logprobs: int | None, arrival: float) -> None:
         """Queue a request; its Deltas arrive in `sink` (called from the event loop)."""
@@ -98,6 +106,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
+                self.heartbeat = time.monotonic()
                 self._drain()
                 if self.engine.has_unfinished():
                     self._idle_checked = False
