@@ -310,11 +310,16 @@ ROWS = [
     R("get_num: '{}' must be {}, got {}", 400, "top_p", body=C(top_p=0)),
     R("get_as: '{}' must be a {}, got {}", 400, "stream", body=C(stream="yes")),
     # protocol.read_body
+    R("request body over the limit of {} bytes", 413, code="request_too_large", body=b" " * (16 << 20) + b"{}"),
     R("malformed JSON body", 400, body=b"{not json"),
     R("malformed JSON body", 400, body=b"[" * 100_000 + b"]" * 100_000),            # RecursionError
     R("malformed JSON body", 400, body=b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"),
     R("malformed JSON body", 400, body=b'{"model": "toy", "prompt": "a\\ud800b"}'),  # lone surrogate
     R("must be a JSON object", 400, body=b"[1, 2]"),
+    R("{} prompts x n={} = {} choices; this server takes at most {} per request", 400, "n", "too_many_choices",
+      body=C(prompt=["a", "b", "c"], n=100)),
+    R("'prompt' holds {} prompts; this server takes at most {} choices per request", 400, "prompt",
+      "too_many_choices", body=C(prompt=["a"] * 300)),
     # protocol.refuse_unsupported
     R("unrecognized request argument", 400, "bogus", UNK, body=C(bogus=1)),
     R("'presence_penalty' = {}", 400, "presence_penalty", UNS, body=C(presence_penalty=0.5)),

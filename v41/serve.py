@@ -39,6 +39,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     s.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
+    s.add_argument("--max-choices-per-request", type=int, default=256,
+                   help="largest number of prompts x n in one request (default 256)")
+    s.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
+                   help="larger request bodies get 413 (default 16 MiB)")
     s.add_argument("--health-stall-timeout", type=float, default=30.0,
                    help="/health answers 503 once the engine has not stepped for this many seconds "
                         "while requests are queued (default 30)")
@@ -120,7 +124,8 @@ def main(argv=None) -> int:
     metrics = ServingMetrics(names_served[0])
     aeng = AsyncEngine(engine, metrics)
     app = create_app(aeng, names_served, api_key=a.api_key, max_logprobs=a.max_logprobs, model_path=a.model,
-                     stall_timeout=a.health_stall_timeout)
+                     stall_timeout=a.health_stall_timeout, max_choices=a.max_choices_per_request,
+                     max_body_bytes=a.max_request_body_bytes)
     shown = f"[{host}]" if ":" in host else host
     print(f"v41 serving {names_served[0]!r} on http://{shown}:{port} (max_model_len {engine.max_model_len}, "
           f"{'API key required' if a.api_key else 'no API key'})", flush=True)

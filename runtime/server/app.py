@@ -43,10 +43,11 @@ class BearerAuth:
 
 
 def create_app(aeng: AsyncEngine, served_model_names: list[str], api_key: str | None = None,
-               max_logprobs: int = 20, model_path: str | None = None, stall_timeout: float = 30.0) -> FastAPI:
+               max_logprobs: int = 20, model_path: str | None = None, stall_timeout: float = 30.0,
+               max_choices: int = 256, max_body_bytes: int = 16 << 20) -> FastAPI:
     """`stall_timeout`: /health answers 503 once the engine loop has not turned for this many
     seconds while requests are queued."""
-    fe = Frontend(aeng, served_model_names, max_logprobs)
+    fe = Frontend(aeng, served_model_names, max_logprobs, max_choices=max_choices, max_body_bytes=max_body_bytes)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -107,10 +108,10 @@ def create_app(aeng: AsyncEngine, served_model_names: list[str], api_key: str | 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await fe.respond(request, Completion.parse(fe, await read_body(request)))
+        return await fe.respond(request, Completion.parse(fe, await read_body(request, fe.max_body_bytes)))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await fe.respond(request, Chat.parse(fe, await read_body(request)))
+        return await fe.respond(request, Chat.parse(fe, await read_body(request, fe.max_body_bytes)))
 
     return BearerAuth(app, api_key) if api_key else app  # type: ignore[return-value]

@@ -28,6 +28,9 @@ def parse_prompts(fe, p) -> tuple[list[str | None], list[list[int]]]:
             raise bad(shape, "prompt")
     else:
         raise bad(f"{shape}, got {type_name(p)}", "prompt")
+    if len(items) > fe.max_choices:   # before any prompt is tokenized
+        raise bad(f"'prompt' holds {len(items)} prompts; this server takes at most {fe.max_choices} "
+                  f"choices per request", "prompt", "too_many_choices")
     texts, prompts = [], []
     for x in items:
         if isinstance(x, str):

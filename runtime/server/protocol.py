@@ -89,9 +89,15 @@ class Body(dict):
         return v
 
 
-async def read_body(request: Request) -> Body:
+async def read_body(request: Request, max_bytes: int) -> Body:
+    """The JSON object of a request, read up to `max_bytes` (413 beyond: nothing larger is held)."""
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > max_bytes:
+            raise APIError(413, f"request body over the limit of {max_bytes} bytes", code="request_too_large")
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
         # a lone surrogate ("\ud800") is valid JSON but no text: tokenizing or streaming it fails
         json.dumps(body, ensure_ascii=False).encode()
     except (ValueError, UnicodeError, RecursionError) as e:   # also too deep, too many digits
@@ -186,6 +192,9 @@ def sampling(b: Body, fe, prompt_lens: list[int], prompt_key: str, max_tokens_ke
     """SamplingParams for each prompt's n choices (seeded choices get seed + j), the stop
     strings and the stop token ids. `default_max` None: up to the context length."""
     n = b.get_int("n", 1, 1, fe.max_n)
+    if n * len(prompt_lens) > fe.max_choices:
+        raise bad(f"{len(prompt_lens)} prompts x n={n} = {n * len(prompt_lens)} choices; this server "
+                  f"takes at most {fe.max_choices} per request", "n", "too_many_choices")
     max_tokens = None
     for k in max_tokens_keys:
         if b.get(k) is not None:

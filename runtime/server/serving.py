@@ -111,7 +111,7 @@ class Frontend:
     """The served model as the endpoints see it: names, limits, text codec, and `respond`."""
 
     def __init__(self, aeng: AsyncEngine, served_model_names: list[str], max_logprobs: int = 20,
-                 max_n: int = 128):
+                 max_n: int = 128, max_choices: int = 256, max_body_bytes: int = 16 << 20):
         eng = aeng.engine
         self.aeng = aeng
         self.names = list(served_model_names)
@@ -121,6 +121,7 @@ class Frontend:
         self.max_model_len = eng.max_model_len
         self.codec = TextCodec(self.tokenizer)
         self.max_logprobs, self.max_n = max_logprobs, max_n
+        self.max_choices, self.max_body_bytes = max_choices, max_body_bytes   # per request
         self.created = int(time.time())
 
     async def respond(self, request: Request, job: Job):
