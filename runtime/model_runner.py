@@ -130,36 +130,35 @@ class ModelRunner:
         host = dict(input_ids=ids, positions=pos, batch_ids=bid, win_idx=win, ring_dest=ring_dest,
                     tail_src=tail_src, tail_dst=tail_dst, dest1=dest[1], dest2=dest[2],
                     image_dest=self.plan_captures(sb, starts, np.cumsum(n) - n, T))
-        v = {}
         for k, a in host.items():
             b = self.buf[k]
             b[:T].copy_(torch.from_numpy(a))
             if Tr > T:
                 b[T:Tr].fill_(self.PAD[k])
-            v[k] = b[:Tr]
         self.buf["block_table"][: len(n)].copy_(torch.from_numpy(bt))
         hi = self.max_seqs if self.static_shapes else Br
         if hi > len(n):
             self.buf["block_table"][len(n):hi].fill_(0)
         self._committed = (slots, starts + n)
-        engram = self.prepare_engram(ids, n, starts, slots, T, Tr)
-        batch = Batch(v["input_ids"], v["positions"], v["batch_ids"], self.block_table_rows(Br),
-                      v["win_idx"], v["ring_dest"], {1: v["dest1"], 2: v["dest2"]}, v["tail_src"],
-                      v["tail_dst"], engram, self.image_rows(sb.captures, v["image_dest"]))
-        return batch
+        return self.batch_view(Tr, Br, self.prepare_engram(ids, n, starts, slots, T, Tr), sb.captures)
 
     def padding_batch(self, tokens: int) -> Batch:
         """A step of `tokens` padding rows and no request: reads and writes nothing; it traces and
         warms the compiled segments (runtime.compile.compile_runner)."""
         if not 1 <= tokens <= self.max_tokens:
             raise ValueError(f"padding batch of {tokens} rows: capacity is {self.max_tokens}")
-        v = {k: b[:tokens].fill_(self.PAD[k]) for k, b in self.buf.items() if k != "block_table"}
-        bt = self.block_table_rows(1)
-        bt.fill_(0)
-        rows = {l: b[:tokens].zero_() for l, b in self.engram_buf.items()}
-        return Batch(v["input_ids"], v["positions"], v["batch_ids"], bt, v["win_idx"], v["ring_dest"],
-                     {1: v["dest1"], 2: v["dest2"]}, v["tail_src"], v["tail_dst"], rows,
-                     self.image_rows([], v["image_dest"]))
+        for k, b in self.buf.items():
+            if k != "block_table":
+                b[:tokens].fill_(self.PAD[k])
+        self.block_table_rows(1).fill_(0)
+        return self.batch_view(tokens, 1, {l: b[:tokens].zero_() for l, b in self.engram_buf.items()}, [])
+
+    def batch_view(self, rows: int, bs: int, engram_rows: dict, captures) -> Batch:
+        """The Batch over the persistent buffers' first `rows` rows and `bs` requests."""
+        v = {k: b[:rows] for k, b in self.buf.items() if k != "block_table"}
+        return Batch(v["input_ids"], v["positions"], v["batch_ids"], self.block_table_rows(bs), v["win_idx"],
+                     v["ring_dest"], {1: v["dest1"], 2: v["dest2"]}, v["tail_src"], v["tail_dst"],
+                     engram_rows, self.image_rows(captures, v["image_dest"]))
 
     def resume(self, sb: ScheduledBatch) -> None:
         """A prefix hit's fresh slot gets its state: the checkpoint image (copy), or, for

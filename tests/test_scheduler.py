@@ -37,6 +37,14 @@ def add(sch, tokens, rid=None, **params) -> Sequence:
     return s
 
 
+def cached_root(sch, root=tuple(range(3, 16))) -> list[int]:
+    """A 13-token prompt run to completion alone, so its 3 full PAGEs are cached."""
+    add(sch, root, max_tokens=1)
+    step(sch)
+    assert not sch.has_unfinished()
+    return list(root)
+
+
 def step(sch, token=7):
     """Schedule and commit one step, sampling `token` for every final chunk; `sb.began` keeps
     the positions the step started from."""
@@ -95,10 +103,7 @@ def test_a_request_that_does_not_fit_keeps_waiting_with_nothing_held():
 
 def test_replay_resumes_one_hash_block_below_the_hit():
     sch = make(mode="replay")
-    root = list(range(3, 16))
-    add(sch, root, max_tokens=1)
-    step(sch)
-    assert not sch.has_unfinished()
+    root = cached_root(sch)
     b = add(sch, root[:12] + [99, 98])
     sb, _ = step(sch)
     assert b.num_cached_tokens == 12 and b.write_from == 12 and b.swa_floor == 8
@@ -242,9 +247,7 @@ def test_a_request_that_must_grow_preempts_itself_when_newest():
 
 def test_hit_and_replay_counters_accumulate():
     sch = make(mode="replay")
-    root = list(range(3, 16))
-    add(sch, root, max_tokens=1)
-    step(sch)
+    root = cached_root(sch)
     for tail in ([99, 98], [97]):
         add(sch, root[:12] + tail, max_tokens=1)
         step(sch)
