@@ -6,10 +6,14 @@ preempted: it gives back its pages and slot and is recomputed later from positio
 A new request first looks its prompt up in the prefix cache. A hit of h tokens (whole PAGEs)
 shares those pages and resumes below h, as the StateTransfer dictates: `replay` one hash
 block below (`replay_start`), `copy` at the newest valid checkpoint image at or below h.
-Either way nothing below h is written again (`write_from`)."""
+Either way nothing below h is written again (`write_from`).
+
+Cancelling is O(1) in the number of queued requests: the waiting queue is an ordered dict by
+request id and the running set is found through `status` (an abort storm of thousands of
+queued requests once took a linear scan each, quadratic in all)."""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +49,40 @@ class ScheduledBatch:
         return sum(self.num_new)
 
 
+class WaitQueue:
+    """The waiting requests in FCFS order, with O(1) removal by request id: the deque surface
+    the scheduler uses (append, appendleft, popleft, [0]) over an OrderedDict."""
+
+    def __init__(self):
+        self._q: OrderedDict[str, Sequence] = OrderedDict()
+
+    def append(self, seq: Sequence) -> None:
+        if seq.request_id in self._q:
+            raise ValueError(f"request id {seq.request_id!r} is already waiting")
+        self._q[seq.request_id] = seq
+
+    def appendleft(self, seq: Sequence) -> None:
+        self._q[seq.request_id] = seq
+        self._q.move_to_end(seq.request_id, last=False)
+
+    def popleft(self) -> Sequence:
+        return self._q.popitem(last=False)[1]
+
+    def pop(self, request_id: str) -> Sequence | None:
+        return self._q.pop(request_id, None)
+
+    def __getitem__(self, i: int) -> Sequence:
+        if i != 0:
+            raise IndexError("WaitQueue reads only its head, [0]")
+        return next(iter(self._q.values()))
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self):
+        return iter(self._q.values())
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_id: int | None, max_prefill_chunk: int | None = None, state=None):
@@ -54,7 +92,7 @@ class Scheduler:
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
         self.eos = eos_token_id
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitQueue()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
@@ -159,15 +197,17 @@ class Scheduler:
         self.num_preemptions += 1
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Cancel a request wherever it is; its pages and slot return at once."""
-        for q in (self.running, self.waiting):
-            for seq in q:
-                if seq.request_id == request_id:
-                    q.remove(seq)
-                    self.bm.free(seq)
-                    seq.status, seq.finish_reason = Status.FINISHED, "abort"
-                    return seq
-        return None
+        """Cancel a request wherever it is; its pages and slot return at once. O(1) for a
+        waiting request; a running one costs a scan of at most max_num_seqs."""
+        seq = self.waiting.pop(request_id)
+        if seq is None:
+            seq = next((s for s in self.running if s.request_id == request_id), None)
+            if seq is None:
+                return None
+            self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        return seq
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
         """Commit the step: positions advance, sampled tokens append, finished requests free.

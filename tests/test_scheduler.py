@@ -252,3 +252,39 @@ def test_hit_and_replay_counters_accumulate():
         add(sch, root[:12] + tail, max_tokens=1)
         step(sch)
     assert sch.bm.stats["hit_tokens"] == 24 and sch.stats["replayed_rows"] == 8
+
+
+def _abort_all_newest_first(n: int) -> float:
+    """Seconds to abort n waiting requests, newest first (the order a linear scan from the
+    head pays most for)."""
+    import time
+    sch = make(pages=4, slots=1, seqs=1)
+    ids = [add(sch, [5], f"r{i}").request_id for i in range(n)]
+    t0 = time.perf_counter()
+    for rid in reversed(ids):
+        assert sch.abort(rid) is not None
+    dt = time.perf_counter() - t0
+    assert not sch.has_unfinished() and sch.bm.all_free
+    return dt
+
+
+def test_aborting_waiting_requests_costs_o1_each():
+    """10,000 aborts cost about 10x what 1,000 do (a linear scan per abort made it 100x: an
+    abort storm of 128,000 requests wedged the server for minutes)."""
+    small = min(_abort_all_newest_first(1_000) for _ in range(3))
+    large = min(_abort_all_newest_first(10_000) for _ in range(3))
+    assert large < 30 * small, (small, large)
+
+
+def test_the_wait_queue_keeps_fcfs_order_through_aborts_and_preemption():
+    sch = make(seqs=1)
+    a, b, c, d = (add(sch, [5, 6], r) for r in "abcd")
+    step(sch)                                             # a runs
+    assert sch.abort("c") is c
+    sch.preempt(a)
+    assert list(sch.waiting) == [a, b, d] and len(sch.waiting) == 3
+    assert sch.waiting[0] is a
+    with pytest.raises(ValueError, match="already waiting"):
+        add(sch, [5], "b")
+    sb, _ = step(sch)
+    assert sb.seqs == [a] and list(sch.waiting) == [b, d]
