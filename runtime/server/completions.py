@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from runtime.server.protocol import (COMMON, Body, bad, check_model, is_int, refuse_unsupported, sampling,
                                      stream_options, type_name)
+from runtime.server.detokenize import TextOffsets
 from runtime.server.serving import Choice, Job, choice
 
 FIELDS = COMMON | {"prompt", "echo", "suffix"}
@@ -56,7 +57,7 @@ def parse_prompts(fe, p) -> tuple[list[str | None], list[list[int]]]:
 class Completion(Job):
     object = chunk_object = "text_completion"
     prefix = "cmpl"
-    offsets: dict = field(default_factory=dict)        # streamed text_offset reached, per choice
+    offsets: dict = field(default_factory=dict)        # streamed TextOffsets, per choice index
 
     @classmethod
     def parse(cls, fe, b: Body) -> Completion:
@@ -90,23 +91,24 @@ class Completion(Job):
     def chunk(self, c: Choice, text: str, ids: list[int], lps: list) -> dict:
         lp = None
         if self.logprobs is not None:
-            lp, self.offsets[c.index] = self._logprobs(ids, lps, self.offsets.get(c.index, len(c.echo)))
+            at = self.offsets.setdefault(c.index, TextOffsets(self.codec, len(c.echo)))
+            lp = self._logprobs(ids, lps, at)
         return choice(c, {"text": text}, lp, ids if self.want_ids else None, c.done)
 
     def whole(self, c: Choice) -> dict:
-        lp = self._logprobs(c.token_ids, c.logprobs, len(c.echo))[0] if self.logprobs is not None else None
+        lp = self._logprobs(c.token_ids, c.logprobs, TextOffsets(self.codec, len(c.echo))) \
+            if self.logprobs is not None else None
         ch = choice(c, {"text": c.echo + c.text.text}, lp, None, True)
         if self.want_ids:
             ch["prompt_token_ids"], ch["token_ids"] = c.prompt_ids, c.token_ids
         return ch
 
-    def _logprobs(self, ids: list[int], lps: list, offset: int) -> tuple[dict, int]:
-        """The legacy logprobs object, and the text offset after these tokens."""
+    def _logprobs(self, ids: list[int], lps: list, at: TextOffsets) -> dict:
+        """The legacy logprobs object of these tokens; `at` moves past them."""
         toks, tlp, top, offs = [], [], [], []
         for t, (lp, tops) in zip(ids, lps):
             toks.append(self.codec.token_str(t))
             tlp.append(lp)
             top.append({self.codec.token_str(i): v for i, v in tops})
-            offs.append(offset)
-            offset += len(self.codec.decode([t]))
-        return {"tokens": toks, "token_logprobs": tlp, "top_logprobs": top, "text_offset": offs}, offset
+            offs.append(at.advance(t))
+        return {"tokens": toks, "token_logprobs": tlp, "top_logprobs": top, "text_offset": offs}

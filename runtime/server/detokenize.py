@@ -2,6 +2,7 @@
 strings, and the per-token strings and bytes that logprobs report."""
 from __future__ import annotations
 
+import codecs
 import json
 
 from tokenizers import Tokenizer
@@ -65,6 +66,9 @@ class TextCodec:
             self._bytes[tid] = b
         return b
 
+    def is_special(self, tid: int) -> bool:
+        return tid in self._special
+
     def token_str(self, tid: int) -> str:
         """The text of one token; a token that is not whole UTF-8 reads 'bytes:\\xNN...' as in
         OpenAI's API."""
@@ -75,6 +79,25 @@ class TextCodec:
             return b.decode("utf-8")
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+
+class TextOffsets:
+    """Where each completion token starts in the choice's text (legacy `logprobs.text_offset`):
+    the characters completed before it. The tokens' bytes go through one incremental UTF-8
+    decoder, so a character split across tokens counts once (decoding each token alone counted
+    a U+FFFD per piece, and every later offset was one too far); special tokens, skipped in
+    the text, count nothing."""
+
+    def __init__(self, codec: TextCodec, start: int = 0):
+        self.codec, self.offset = codec, start
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, tid: int) -> int:
+        """The offset of token `tid`; moves past it."""
+        at = self.offset
+        if not self.codec.is_special(tid):
+            self.offset += len(self._utf8.decode(self.codec.token_bytes(tid)))
+        return at
 
 
 class IncrementalText:
