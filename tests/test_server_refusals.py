@@ -186,7 +186,7 @@ class TemplateStub:
     """A tokenizer whose chat template fails on 'raise' and renders anything else to ''."""
     chat_template = "stub"
 
-    def apply_chat_template(self, msgs, add_generation_prompt=True):
+    def apply_chat_template(self, msgs, add_generation_prompt=True, **options):
         if any(m["content"] == "raise" for m in msgs):
             raise ValueError("stub template error")
         return ""
@@ -206,6 +206,7 @@ class StandIn:
         self.engine = SimpleNamespace(tokenizer=tokenizer, cfg=SimpleNamespace(vocab_size=1024), max_model_len=MAX_LEN)
         self.dead = "RuntimeError: stand-in engine died" if mode == "dead" else None
         self.alive = self.dead is None
+        self.queued = 1024 if mode == "full" else 0
 
     def stalled_for(self):
         return 120.0 if self.mode == "stalled" else None
@@ -238,7 +239,8 @@ def apps():
     toy.start()
     made = {"toy": create_app(toy, ["toy"], api_key=KEY)}
     for mode, tok in [("bare", None), ("stub", TemplateStub()), ("refuse", eng.tokenizer), ("crash", eng.tokenizer),
-                      ("dead", eng.tokenizer), ("silent", eng.tokenizer), ("stalled", eng.tokenizer)]:
+                      ("dead", eng.tokenizer), ("silent", eng.tokenizer), ("stalled", eng.tokenizer),
+                      ("full", eng.tokenizer)]:
         made[mode] = create_app(StandIn(mode, tok), ["toy"])
     loop = asyncio.new_event_loop()
     yield made, loop
@@ -333,10 +335,6 @@ ROWS = [
     R("'best_of' different from n", 400, "best_of", UNS, body=C(best_of=2)),
     R("'response_format' = {}", 400, "response_format", UNS, path=CHAT,
       body=M(response_format={"type": "json_object"})),
-    R("'tools' (tool calling)", 400, "tools", UNS, path=CHAT, body=M(tools=[{"type": "function"}])),
-    R("'tool_choice' = {}", 400, "tool_choice", UNS, path=CHAT, body=M(tool_choice="required")),
-    R("'chat_template_kwargs' (non-empty)", 400, "chat_template_kwargs", UNS, path=CHAT,
-      body=M(chat_template_kwargs={"thinking": True})),
     R("'metadata' must be an object", 400, "metadata", body=C(metadata="x")),
     # protocol.check_model
     R("'model' must be a string", 400, "model", body=C(model=5)),
@@ -373,13 +371,14 @@ ROWS = [
     R(".role' must be one of", 400, "messages[0].role", path=CHAT,
       body=M(messages=[{"role": "wizard", "content": "x"}])),
     R("has unsupported fields", 400, "messages[0]", UNS, path=CHAT,
-      body=M(messages=[{"role": "user", "content": "x", "tool_calls": []}])),
+      body=M(messages=[{"role": "user", "content": "x", "audio": {"id": "a1"}}])),
     R("only text parts", 400, "messages[0].content", path=CHAT,
       body=M(messages=[{"role": "user", "content": [{"type": "image_url"}]}])),
     R(".content' must be a string or a list of text parts", 400, "messages[0].content", path=CHAT, body=M(3)),
     R("the chat template failed", 400, "messages", app="stub", path=CHAT, body=M("raise")),
     R("parse_messages: the prompt is empty", 400, "messages", "empty_prompt", app="stub", path=CHAT, body=M()),
     R("'top_logprobs' needs 'logprobs'", 400, "top_logprobs", path=CHAT, body=M(top_logprobs=2)),
+    R("Chat.parse: chat protocol: {}", 400, "reasoning_effort", path=CHAT, body=M(reasoning_effort="extreme")),
     # app.py
     R("Missing API key", 401, code="invalid_api_key", headers={}),
     R("Incorrect API key provided", 401, code="invalid_api_key", headers={"Authorization": "Bearer wrong"}),
@@ -391,6 +390,7 @@ ROWS = [
       method="GET", path="/health"),
     # serving.py
     R("the engine is not running", 503, app="dead"),
+    R("server busy: {} requests wait to be scheduled", 503, code="server_busy", app="full"),
     R("respond: {}", 400, app="refuse"),
     R("stream: {}", 400, app="refuse", body=C(stream=True)),
     R("<status 499", 499, app="silent", gone=True),

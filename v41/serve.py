@@ -43,6 +43,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
                    help="largest number of prompts x n in one request (default 256)")
     s.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
                    help="larger request bodies get 413 (default 16 MiB)")
+    s.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="choices waiting to be scheduled, over all requests; a request that would pass "
+                        "it gets 503 with Retry-After (default 1024)")
     s.add_argument("--health-stall-timeout", type=float, default=30.0,
                    help="/health answers 503 once the engine has not stepped for this many seconds "
                         "while requests are queued (default 30)")
@@ -57,6 +60,11 @@ def check_server_args(a) -> None:
         raise AdmissionError(f"port: {a.port} is not in [0, 65535]")
     if a.max_logprobs < 0:
         raise AdmissionError(f"max_logprobs: {a.max_logprobs} must be >= 0")
+    if a.max_choices_per_request < 1:
+        raise AdmissionError(f"max_choices_per_request: {a.max_choices_per_request} must be >= 1")
+    if a.max_queued_requests < a.max_choices_per_request:
+        raise AdmissionError(f"max_queued_requests: {a.max_queued_requests} is below max_choices_per_request "
+                             f"{a.max_choices_per_request}: a request of that many choices could never be queued")
     if a.api_key is not None and not a.api_key.strip():
         raise AdmissionError("api_key: empty")
     dev = getattr(a, "device", None)
@@ -125,7 +133,7 @@ def main(argv=None) -> int:
     aeng = AsyncEngine(engine, metrics)
     app = create_app(aeng, names_served, api_key=a.api_key, max_logprobs=a.max_logprobs, model_path=a.model,
                      stall_timeout=a.health_stall_timeout, max_choices=a.max_choices_per_request,
-                     max_body_bytes=a.max_request_body_bytes)
+                     max_body_bytes=a.max_request_body_bytes, max_queued=a.max_queued_requests)
     shown = f"[{host}]" if ":" in host else host
     print(f"v41 serving {names_served[0]!r} on http://{shown}:{port} (max_model_len {engine.max_model_len}, "
           f"{'API key required' if a.api_key else 'no API key'})", flush=True)

@@ -44,10 +44,11 @@ class BearerAuth:
 
 def create_app(aeng: AsyncEngine, served_model_names: list[str], api_key: str | None = None,
                max_logprobs: int = 20, model_path: str | None = None, stall_timeout: float = 30.0,
-               max_choices: int = 256, max_body_bytes: int = 16 << 20) -> FastAPI:
+               max_choices: int = 256, max_body_bytes: int = 16 << 20, max_queued: int = 1024) -> FastAPI:
     """`stall_timeout`: /health answers 503 once the engine loop has not turned for this many
-    seconds while requests are queued."""
-    fe = Frontend(aeng, served_model_names, max_logprobs, max_choices=max_choices, max_body_bytes=max_body_bytes)
+    seconds while requests are queued. `max_queued`: choices waiting to be scheduled, at most."""
+    fe = Frontend(aeng, served_model_names, max_logprobs, max_choices=max_choices, max_body_bytes=max_body_bytes,
+                  max_queued=max_queued)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -59,7 +60,7 @@ def create_app(aeng: AsyncEngine, served_model_names: list[str], api_key: str | 
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
-        return error_response(e.status, e.message, e.param, e.code)
+        return error_response(e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):

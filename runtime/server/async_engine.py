@@ -64,6 +64,8 @@ class AsyncEngine:
         self._stopping = False
         self._idle_checked = False
         self._preemptions = 0
+        self._admitted = 0                    # requests added (event loop side)
+        self._dequeued = 0                    # of those, scheduled once, refused or gone (engine thread)
         self.dead: str | None = None          # why the engine thread died, if it did
         self.heartbeat = time.monotonic()     # the engine loop's last turn (steps and idle waits)
 
@@ -90,10 +92,17 @@ class AsyncEngine:
             return None
         return time.monotonic() - self.heartbeat
 
+    @property
+    def queued(self) -> int:
+        """Requests added and not yet scheduled (nor refused, aborted or failed): the admission
+        queue `--max-queued-requests` bounds. Each counter has one writer, so no lock."""
+        return self._admitted - self._dequeued
+
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             sink: asyncio.Queue, logprobs: int | None, arrival: float) -> None:
         """Queue a request; its Deltas arrive in `sink` (called from the event loop)."""
         t = Track(request_id, sink, asyncio.get_running_loop(), arrival, len(prompt_token_ids))
+        self._admitted += 1
         self._cmds.append(("add", t, list(prompt_token_ids), params, logprobs))
         self._wake.set()
 
@@ -146,6 +155,7 @@ class AsyncEngine:
                 try:
                     t.seq = self.engine.add_request(ids, params, t.request_id, logprobs)
                 except ValueError as e:
+                    self._dequeued += 1
                     t.post(Delta(t.request_id, [], error=str(e), status=400))
                     continue
                 self._live[t.request_id] = t
@@ -155,6 +165,7 @@ class AsyncEngine:
                 self.engine.abort(rid)
                 aborted = True
                 if t is not None:
+                    self._leave_queue(t)
                     self._finished(t, reason, time.monotonic())
                     t.post(Delta(rid, [], finish_reason=reason))
         if aborted:
@@ -165,7 +176,7 @@ class AsyncEngine:
         now, m = time.monotonic(), self.metrics
         for t in self._live.values():  # requests this step scheduled first: their queue time ends
             if not t.scheduled and t.seq.status is not Status.WAITING:
-                t.scheduled = True
+                self._leave_queue(t)
                 m.queue_time.observe(max(0.0, t_step - t.arrival))
         for seq in outs:
             t = self._live.get(seq.request_id)
@@ -193,6 +204,11 @@ class AsyncEngine:
                 self._live.pop(t.request_id, None)
                 self._finished(t, fin or "stop", now)
 
+    def _leave_queue(self, t: Track) -> None:
+        if not t.scheduled:
+            t.scheduled = True
+            self._dequeued += 1
+
     def _finished(self, t: Track, reason: str, now: float) -> None:
         m = self.metrics
         m.finished(reason)
@@ -211,6 +227,7 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - the failed step may have left the engine half-updated
                 log.exception("abort after a failed step")
             t.post(Delta(rid, [], finish_reason="abort", error=msg))
+            self._leave_queue(t)
             self._finished(t, "abort", time.monotonic())
         self._live.clear()
         self._publish()

@@ -15,9 +15,11 @@ from runtime.sequence import SamplingParams
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -145,12 +147,6 @@ def refuse_unsupported(b: Body, allowed: set) -> None:
     rf = b.get("response_format")
     if rf is not None and rf != {"type": "text"}:
         no("response_format", f"= {json.dumps(rf)[:80]}")
-    if b.get("tools") not in (None, []):
-        no("tools", "(tool calling)")
-    if b.get("tool_choice") not in (None, "none", "auto"):
-        no("tool_choice", f"= {json.dumps(b['tool_choice'])[:80]}")
-    if b.get("chat_template_kwargs") not in (None, {}):
-        no("chat_template_kwargs", "(non-empty)")
     for k in ("user", "service_tier"):
         b.get_as(k, None, str)
     for k in ("store", "parallel_tool_calls"):

@@ -111,7 +111,8 @@ class Frontend:
     """The served model as the endpoints see it: names, limits, text codec, and `respond`."""
 
     def __init__(self, aeng: AsyncEngine, served_model_names: list[str], max_logprobs: int = 20,
-                 max_n: int = 128, max_choices: int = 256, max_body_bytes: int = 16 << 20):
+                 max_n: int = 128, max_choices: int = 256, max_body_bytes: int = 16 << 20,
+                 max_queued: int = 1024):
         eng = aeng.engine
         self.aeng = aeng
         self.names = list(served_model_names)
@@ -122,6 +123,7 @@ class Frontend:
         self.codec = TextCodec(self.tokenizer)
         self.max_logprobs, self.max_n = max_logprobs, max_n
         self.max_choices, self.max_body_bytes = max_choices, max_body_bytes   # per request
+        self.max_queued = max_queued                                          # over all requests
         self.created = int(time.time())
 
     async def respond(self, request: Request, job: Job):
@@ -159,6 +161,12 @@ class Frontend:
     def submit(self, rid: str, job: Job) -> tuple[list[Choice], asyncio.Queue]:
         if not self.aeng.alive:
             raise APIError(503, f"the engine is not running: {self.aeng.dead or 'stopped'}")
+        n = sum(len(row) for row in job.params)
+        queued = self.aeng.queued
+        if queued + n > self.max_queued:
+            raise APIError(503, f"server busy: {queued} requests wait to be scheduled and this one adds {n}; "
+                                f"the limit is {self.max_queued} (--max-queued-requests)", None, "server_busy",
+                           {"Retry-After": "1"})
         sink: asyncio.Queue = asyncio.Queue()
         now = time.monotonic()
         choices = []
