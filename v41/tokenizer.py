@@ -43,7 +43,9 @@ class Tokenizer:
         self.thinking_default = thinking_default
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode holds it): a big prompt tokenized in the
+        # server's worker thread then leaves the event loop free to stream
+        return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
