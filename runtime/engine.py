@@ -271,20 +271,68 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """One engine step; returns the requests that got a token (finished ones included)."""
+        """One engine step; returns the requests that got a token (finished ones included). A
+        request whose own data makes sampling or its logprobs raise finishes alone, with
+        finish_reason 'error' and `seq.error`; the rest of the batch goes on."""
         sb = self.scheduler.schedule()
         if not sb.seqs:
             return []
         logits = self.runner.run(sb)
         final = [i for i, f in enumerate(sb.is_final_chunk) if f]
-        toks = sample(logits[final], [sb.seqs[i] for i in final]) if final else []
-        self.scheduler.postprocess(sb, {sb.seqs[i].seq_id: t for i, t in zip(final, toks)})
-        out = [sb.seqs[i] for i in final]
-        for i, tok in zip(final, toks):
-            seq = sb.seqs[i]
-            if seq.logprobs is not None and len(seq.logprobs) < len(seq.completion_token_ids):
-                seq.logprobs.append(token_logprobs(logits[i:i + 1], [tok], [seq.num_logprobs])[0])
-        for s in out:
+        seqs = [sb.seqs[i] for i in final]
+        rows = logits[final] if final else logits[:0]
+        toks, errors = self._sample(rows, seqs)
+        lps = self._logprobs(rows, seqs, toks, errors)
+        for j, msg in errors.items():
+            self._fail(seqs[j], msg)
+        self.scheduler.postprocess(sb, {s.seq_id: t for j, (s, t) in enumerate(zip(seqs, toks)) if j not in errors})
+        for s, lp in zip(seqs, lps):
+            if lp is not None and len(s.logprobs) < len(s.completion_token_ids):
+                s.logprobs.append(lp)
+        for s in seqs:
             if s.status is Status.FINISHED:
                 self.seqs.pop(s.request_id, None)
         return out
+        return seqs
+
+    def _sample(self, rows: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], dict[int, str]]:
+        """The batch's tokens, and {row: error} for rows whose own data made the sampler raise:
+        a failed batch is sampled again row by row (a row's token does not depend on the batch,
+        so the others get the tokens the batch would have given them)."""
+        eos = self.cfg.eos_token_id
+        try:
+            return sample(rows, seqs, eos), {}
+        except Exception:  # noqa: BLE001 - find the rows that raise; the others go on
+            toks, errors = [], {}
+            for j, seq in enumerate(seqs):
+                try:
+                    toks += sample(rows[j:j + 1], [seq], eos)
+                except Exception as e:  # noqa: BLE001
+                    toks.append(-1)
+                    errors[j] = f"sampling failed: {type(e).__name__}: {e}"
+            return toks, errors
+
+    def _logprobs(self, rows: torch.Tensor, seqs: list[Sequence], toks: list[int],
+                  errors: dict[int, str]) -> list:
+        """Each row's (logprob, top-N) where its request asked for logprobs, else None; a row
+        whose computation raises gets an entry in `errors`."""
+        want = [j for j, s in enumerate(seqs) if s.logprobs is not None and j not in errors]
+        out = [None] * len(seqs)
+        if not want:
+            return out
+        try:
+            got = token_logprobs(rows[want], [toks[j] for j in want], [seqs[j].num_logprobs for j in want])
+            for j, lp in zip(want, got):
+                out[j] = lp
+        except Exception:  # noqa: BLE001 - again row by row
+            for j in want:
+                try:
+                    out[j] = token_logprobs(rows[j:j + 1], [toks[j]], [seqs[j].num_logprobs])[0]
+                except Exception as e:  # noqa: BLE001
+                    errors[j] = f"logprobs failed: {type(e).__name__}: {e}"
+
+    def _fail(self, seq: Sequence, msg: str) -> None:
+        """Finish one request with an error: its pages and slot return at once."""
+        log.warning("request %s failed: %s", seq.request_id, msg)
+        self.scheduler.abort(seq.request_id)
+        seq.finish_reason, seq.error = "error", msg

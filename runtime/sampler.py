@@ -1,55 +1,246 @@
-"""Sampling from the last-row logits: greedy, temperature, top-k, top-p; a request with a seed
-draws from its own generator, so its tokens do not depend on what it is batched with."""
+"""Batched sampling on the logits' device, for every request of a step at once.
+
+Per row, in vLLM's order: logit_bias and the min_tokens mask, the penalties (repetition on the
+prompt and output tokens, then frequency and presence on the output tokens), then either greedy
+(argmax) or temperature, top-k, min_p and top-p, and a draw. The draw is a Gumbel-max race whose
+uniforms come from an integer hash of (the request's seed, its number of generated tokens, the
+vocab index), computed on the device: a request's tokens depend on nothing else, so a seeded
+request gives the same tokens alone or in any batch, after a preemption, and (the hash being
+exact integer arithmetic) on any device. The chosen ids come back in one device-to-host copy."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from runtime.sequence import Sequence
 
-
 # Below this a temperature is greedy (vLLM's rule): logits / 1e-50 overflow to inf and softmax
-# turns them into NaN, which multinomial refuses, failing every request of the step.
+# turns them into NaN.
 GREEDY_BELOW = 1e-5
 
-
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    logits = logits.float()
-    out = logits.argmax(-1).tolist()
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        if p.temperature < GREEDY_BELOW:
-            continue
-        if seq.generator is None:
-            seq.generator = torch.Generator(device="cpu")
-            if p.seed is not None:
-                seq.generator.manual_seed(p.seed)
-            else:
-                seq.generator.seed()
-        out[i] = int(torch.multinomial(probs(logits[i].cpu(), p.temperature, p.top_k, p.top_p), 1,
-                                       generator=seq.generator))
-    return out
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
 
 
-def probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The distribution a token is drawn from: temperature, then the top-k and top-p filters
-    (the most likely token always stays)."""
-    x = logits / temperature
-    if top_k and top_k < x.numel():
-        kth = torch.topk(x, top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    p = torch.softmax(x, -1)
-    if top_p < 1:
-        sp, si = torch.sort(p, descending=True)
-        drop = sp.cumsum(-1) - sp > top_p
-        p = p.scatter(0, si, sp.masked_fill(drop, 0))
-        p = p / p.sum()
-    return p
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32), in int64 without overflow (16-bit halves), so the
+    result is exact and the same on every device."""
+    lo = (x & 0xFFFF) * c
+    hi = (((x >> 16) * c) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective avalanche mix of 32-bit values held in int64 (murmur3's finalizer)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+_vocab_keys: dict = {}
+
+
+def _vocab_key(vocab: int, device) -> torch.Tensor:
+    """mix32 of every vocab index (the same for every step: cached per device)."""
+    k = (vocab, str(device))
+    if k not in _vocab_keys:
+        _vocab_keys[k] = mix32((torch.arange(vocab, dtype=torch.int64, device=device) * _GOLDEN + 1) & _M32)
+    return _vocab_keys[k]
+
+
+def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] uniforms in (0, 1) (24-bit, exact in float32) from 32-bit seed halves and
+    the step of each row."""
+    row = mix32(seed_hi ^ mix32(seed_lo ^ mix32((step * _GOLDEN + 7) & _M32)))
+    bits = mix32(_vocab_key(vocab, row.device)[None, :] ^ row[:, None]) >> 8
+    return (bits.to(torch.float32) + 0.5) * 2.0 ** -24
+
+
+@dataclass
+class SamplingTensors:
+    """A batch's sampling parameters as per-row tensors on the device, built with one host-to-
+    device copy of floats and one of integers. The flags say which stages any row needs."""
+    FLOATS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
+    vocab: int
+    rows: int
+    temperature: torch.Tensor        # [B] (1 on greedy rows)
+    top_k: torch.Tensor              # [B] (vocab when off)
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    seed_lo: torch.Tensor            # [R] per random row
+    seed_hi: torch.Tensor
+    step: torch.Tensor
+    random_rows: torch.Tensor        # [R] rows that draw (the others are greedy)
+    bias_at: torch.Tensor            # flat row * vocab + token
+    bias: torch.Tensor
+    banned_at: torch.Tensor          # flat indices masked by min_tokens
+    output_at: torch.Tensor          # flat indices of output tokens (penalty rows), repeated
+    prompt_at: torch.Tensor          # flat indices of prompt tokens (repetition rows)
+    num_random: int
+    top_k_max: int                   # the largest top-k in use; 0: no row uses top-k
+    use_top_p: bool
+    use_min_p: bool
+    use_output_penalty: bool
+    use_repetition: bool
+
+    @classmethod
+    def build(cls, seqs: list[Sequence], vocab: int, device, dtype=torch.float32,
+              eos_token_id: int | None = None) -> "SamplingTensors":
+        """Raises ValueError naming the field when a request's data does not fit this vocab."""
+        B = len(seqs)
+        fl = np.empty((6, B), np.float64)
+        top_k = np.full(B, vocab, np.int64)
+        rand, seeds, steps = [], [], []
+        bias_at, bias, banned, out_at, prompt_at = [], [], [], [], []
+        for i, s in enumerate(seqs):
+            p = s.params
+            n_out = s.num_tokens - s.num_prompt_tokens
+            greedy = p.temperature < GREEDY_BELOW
+            fl[:, i] = (1.0 if greedy else p.temperature, p.top_p, p.min_p, p.presence_penalty,
+                        p.frequency_penalty, p.repetition_penalty)
+            if not greedy:
+                rand.append(i)
+                seeds.append(s.sampling_seed % 2 ** 64)
+                steps.append(n_out)
+                if 0 < p.top_k < vocab:
+                    top_k[i] = p.top_k
+            if p.logit_bias:
+                bad = [t for t in p.logit_bias if t >= vocab]
+                if bad:
+                    raise ValueError(f"logit_bias: token ids {bad[:5]} out of range [0, {vocab})")
+                bias_at += [i * vocab + t for t in p.logit_bias]
+                bias += p.logit_bias.values()
+            if n_out < p.min_tokens:
+                stops = list(p.stop_token_ids) + ([eos_token_id] if eos_token_id is not None and not p.ignore_eos else [])
+                banned += [i * vocab + t for t in stops if 0 <= t < vocab]
+            if p.penalized:
+                ids = np.asarray(s.token_ids, np.int64)
+                out_at.append(ids[s.num_prompt_tokens:] + i * vocab)
+                if p.repetition_penalty != 1:
+                    prompt_at.append(ids[:s.num_prompt_tokens] + i * vocab)
+        R = len(rand)
+        seeds = np.array(seeds, np.uint64)
+        cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)  # noqa: E731
+        ints = {"top_k": top_k, "random_rows": np.array(rand, np.int64),
+                "seed_lo": (seeds & np.uint64(_M32)).astype(np.int64),
+                "seed_hi": (seeds >> np.uint64(32)).astype(np.int64), "step": np.array(steps, np.int64),
+                "bias_at": np.array(bias_at, np.int64), "banned_at": np.array(banned, np.int64),
+                "output_at": cat(out_at), "prompt_at": cat(prompt_at)}
+        pin = torch.device(device).type == "cuda"
+        i_dev = _to(torch.from_numpy(np.concatenate(list(ints.values()))), device, pin)
+        f_dev = _to(torch.from_numpy(np.concatenate([fl.reshape(-1), np.array(bias, np.float64)])).to(dtype),
+                    device, pin)
+        cuts = np.cumsum([0] + [len(a) for a in ints.values()]).tolist()
+        views = {k: i_dev[cuts[j]:cuts[j + 1]] for j, k in enumerate(ints)}
+        views.update({k: f_dev[j * B:(j + 1) * B] for j, k in enumerate(cls.FLOATS)})
+        k_used = top_k[rand][top_k[rand] < vocab]
+        return cls(vocab=vocab, rows=B, bias=f_dev[6 * B:], num_random=R,
+                   top_k_max=int(k_used.max()) if k_used.size else 0,
+                   use_top_p=bool((fl[1, rand] < 1).any()), use_min_p=bool((fl[2, rand] > 0).any()),
+                   use_output_penalty=bool(fl[3:5].any()), use_repetition=bool(prompt_at), **views)
+
+
+def _to(t: torch.Tensor, device, pin: bool) -> torch.Tensor:
+    return t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
+
+
+def process_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """A float copy of the logits with logit_bias, the min_tokens mask and the penalties applied
+    (greedy rows take their argmax)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32)).clone()
+    flat = x.view(-1)
+    if st.bias_at.numel():
+        flat.index_put_((st.bias_at,), st.bias.to(x.dtype), accumulate=True)
+    if st.banned_at.numel():
+        flat[st.banned_at] = float("-inf")
+    if st.use_repetition:
+        seen = torch.zeros_like(flat, dtype=torch.bool)
+        seen[st.prompt_at] = True
+        seen[st.output_at] = True
+        r = st.repetition.to(x.dtype)[:, None].expand_as(x)
+        x = torch.where(seen.view_as(x), torch.where(x > 0, x / r, x * r), x)
+    if st.use_output_penalty:
+        counts = torch.zeros_like(flat).index_put_((st.output_at,), torch.ones_like(st.output_at, dtype=x.dtype),
+                                                   accumulate=True).view_as(x)
+        x = x - st.frequency.to(x.dtype)[:, None] * counts - st.presence.to(x.dtype)[:, None] * (counts > 0)
+    return x
+
+
+def filter_logits(x: torch.Tensor, temperature, top_k, top_p, min_p, top_k_max: int, use_top_p: bool,
+                  use_min_p: bool) -> torch.Tensor:
+    """Logits / temperature with the tokens outside top-k, min_p and top-p at -inf (the most
+    likely token always stays). Per-row parameters are [rows] tensors; a row's top_k >= vocab is
+    off; `top_k_max` (0: no row filters by top-k) and the flags come from the host, so nothing
+    here waits on the device."""
+    x = x / temperature.to(x.dtype)[:, None]
+    if not (top_k_max or use_top_p or use_min_p):
+        return x
+    V = x.shape[-1]
+    if use_top_p:
+        sx, si = x.sort(-1, descending=True)
+    else:
+        sx = x.topk(max(top_k_max, 1), -1).values
+    if top_k_max:
+        kth = sx.gather(1, (top_k.clamp(max=sx.shape[1]) - 1)[:, None])
+        x = x.masked_fill((x < kth) & (top_k < V)[:, None], float("-inf"))
+    if use_min_p:   # p < min_p * p_max  <=>  logit < max logit + log(min_p)
+        x = x.masked_fill(x < sx[:, :1] + torch.log(min_p.to(x.dtype))[:, None], float("-inf"))
+    if use_top_p:
+        sx = x.gather(1, si)
+        sp = torch.softmax(sx, -1)
+        drop = (sp.cumsum(-1) - sp) > top_p.to(x.dtype)[:, None]
+        x = x.scatter(1, si, sx.masked_fill(drop, float("-inf")))
+    return x
+
+
+def sample_tensors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The chosen token of every row, on the device."""
+    x = process_logits(logits, st)
+    if not st.num_random:
+        return x.argmax(-1)
+    every = st.num_random == st.rows
+    sel = (lambda t: t) if every else (lambda t: t.index_select(0, st.random_rows))  # noqa: E731
+    xr = filter_logits(sel(x), sel(st.temperature), sel(st.top_k), sel(st.top_p), sel(st.min_p),
+                       st.top_k_max, st.use_top_p, st.use_min_p)
+    gumbel = -torch.log(-torch.log(uniforms(st.seed_lo, st.seed_hi, st.step, st.vocab)))
+    drawn = (xr + gumbel.to(xr.dtype)).argmax(-1)
+    return drawn if every else x.argmax(-1).index_copy(0, st.random_rows, drawn)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None = None) -> list[int]:
+    """The next token of each request (row i of `logits` is `seqs[i]`'s last position)."""
+    if not seqs:
+        return []
+    st = SamplingTensors.build(seqs, logits.shape[-1], logits.device,
+                               torch.promote_types(logits.dtype, torch.float32), eos_token_id)
+    return sample_tensors(logits, st).tolist()
+
+
+def probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """The distribution one row's token is drawn from: temperature, then the top-k, min_p and
+    top-p filters (the most likely token always stays)."""
+    V = logits.shape[-1]
+    dt = torch.promote_types(logits.dtype, torch.float32)
+    one = lambda v, d=dt: torch.tensor([v], dtype=d, device=logits.device)  # noqa: E731
+    k = top_k if 0 < top_k < V else V
+    x = filter_logits(logits.to(dt)[None], one(temperature), one(k, torch.int64), one(top_p), one(min_p),
+                      k if k < V else 0, top_p < 1, min_p > 0)
+    return torch.softmax(x[0], -1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], num: list[int]) -> list[tuple[float, list]]:
     """Per row: the log-probability of the sampled token and the `num[i]` most likely
     (token id, log-probability) pairs, from the model's distribution (the raw logits, before
     temperature and the top-k/top-p filters), computed from the same logits the token came from."""
+    if any(n < 0 for n in num):
+        raise ValueError(f"logprobs must be >= 0, got {min(num)}")
     lp = torch.log_softmax(logits.float(), -1)
     k = min(max(num, default=0), lp.shape[-1])
     top = torch.topk(lp, k, -1) if k else None
@@ -59,3 +250,4 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], num: list[int]) -> l
         tops = list(zip(top.indices[i, :n].tolist(), top.values[i, :n].tolist())) if n else []
         out.append((chosen[i], tops))
     return out
+

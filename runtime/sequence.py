@@ -3,12 +3,36 @@ and its STATE slot."""
 from __future__ import annotations
 
 import itertools
+import math
+import random
 from dataclasses import dataclass, field
 from enum import Enum
 
 
+# OpenAI's bounds: a bias outside them is clamped, as the API documents.
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _finite(name: str, v, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number, got {v!r}")
+    if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
+        lo_s = "(" if lo_open else "["
+        raise ValueError(f"{name} must be in {lo_s}{lo}, {hi}], got {v}" if hi is not None
+                         else f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
+
+
+def _int(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+
+
 @dataclass
 class SamplingParams:
+    """How one request samples (vLLM's semantics). The penalties apply to the logits before
+    temperature: repetition to every token of the prompt and the output, presence and frequency
+    to the output's tokens. `logit_bias` {token id: bias} is clamped to [-100, 100];
+    `min_tokens` keeps EOS and `stop_token_ids` out until that many tokens were generated."""
     max_tokens: int = 16
     temperature: float = 0.0          # 0 = greedy
     top_k: int = 0                    # 0 = off
@@ -16,16 +40,50 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0     # subtracted once from each token already in the output
+    frequency_penalty: float = 0.0    # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0   # divides positive / multiplies negative logits of seen tokens
+    min_p: float = 0.0                # drop tokens below min_p x the top token's probability
+    logit_bias: dict = field(default_factory=dict)
+    min_tokens: int = 0
 
     def __post_init__(self):
+        _int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _finite("temperature", self.temperature, 0.0)
+        _int("top_k", self.top_k)
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _finite("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        if self.seed is not None:
+            _int("seed", self.seed)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        for t in self.stop_token_ids:
+            _int("stop_token_ids", t)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _finite(name, getattr(self, name), -2.0, 2.0)
+        _finite("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
+        _finite("min_p", self.min_p, 0.0, 1.0)
+        _int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict {{token id: bias}}, got {self.logit_bias!r}")
+        bias = {}
+        for t, b in self.logit_bias.items():
+            _int("logit_bias token id", t)
+            if t < 0:
+                raise ValueError(f"logit_bias token id must be >= 0, got {t}")
+            _finite(f"logit_bias[{t}]", b)
+            bias[t] = min(max(float(b), -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
+        self.logit_bias = bias
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
 
 class Status(Enum):
@@ -35,6 +93,7 @@ class Status(Enum):
 
 
 _ids = itertools.count()
+_seeds = random.Random()         # seeded from the OS: unseeded requests differ per run
 
 
 class Sequence:
@@ -52,7 +111,9 @@ class Sequence:
         self.params = params
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0       # prompt tokens served from the prefix cache (the hit)
-        self.generator = None            # per-request torch.Generator for seeded sampling
+        # the seed of this request's draws (a random one when the request has none)
+        self.sampling_seed = params.seed if params.seed is not None else _seeds.getrandbits(64)
+        self.error: str | None = None    # why the request failed, when finish_reason is 'error'
         self.num_logprobs: int | None = None   # top-N logprobs wanted per completion token
         self.logprobs: list | None = None
         self.page_hashes: list[int] = []  # chained hashes of full prompt PAGEs (memo)

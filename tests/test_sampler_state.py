@@ -3,7 +3,7 @@ without a forward. Fast, so mutation testing (docs/mutation.md) runs them for ev
 import pytest
 import torch
 
-from runtime.sampler import probs, sample, token_logprobs
+from runtime.sampler import probs, sample, token_logprobs, uniforms
 from runtime.sequence import SamplingParams, Sequence
 from runtime.state import StateTransfer
 from tests import harness as H
@@ -40,19 +40,30 @@ def test_top_k_then_top_p():
     assert torch.nonzero(p).view(-1).tolist() == [1, 3]
 
 
+def draw(logits_row, seed, step, temperature, top_k=0, top_p=1.0):
+    """The race written out for one row: argmax of log p + Gumbel noise from the hash's uniforms."""
+    u = uniforms(torch.tensor([seed % 2**32]), torch.tensor([seed >> 32]), torch.tensor([step]), logits_row.numel())
+    return int((torch.log(probs(logits_row, temperature, top_k, top_p)) - torch.log(-torch.log(u[0])).double()).argmax())
+
+
 def test_greedy_and_seeded_rows_in_one_batch():
     logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS]).float()
     greedy = Sequence([1], SamplingParams())
     seeded = lambda: Sequence([1], SamplingParams(temperature=0.7, top_k=3, seed=5))  # noqa: E731
     a, b = seeded(), seeded()
-    first = sample(logits, [greedy, a, Sequence([1], SamplingParams())])
-    assert first[0] == 1 and first[2] == 1 and greedy.generator is None
-    g = torch.Generator().manual_seed(5)
-    want = [int(torch.multinomial(probs(logits[1], 0.7, 3, 1.0), 1, generator=g)) for _ in range(6)]
-    draws = [first[1]] + [sample(logits[1:2], [a])[0] for _ in range(5)]
-    assert draws == want                       # a request's draws follow its own generator
-    assert [sample(logits[1:2], [b])[0] for _ in range(6)] == want
-    assert len(set(want)) > 1
+    draws = []
+    for step in range(12):                     # a request's draw depends on its seed and step only
+        got = sample(logits, [greedy, a, Sequence([1], SamplingParams())])
+        assert got[0] == 1 and got[2] == 1
+        assert sample(logits[1:2], [a]) == [got[1]]
+        draws.append(got[1])
+        a.token_ids.append(got[1])
+    want = [draw(logits[1].double(), 5, step, 0.7, 3) for step in range(12)]
+    assert draws == want
+    for tok in want:
+        assert sample(logits[1:2], [b]) == [tok]
+        b.token_ids.append(tok)
+    assert len(set(want)) > 1 and 3 not in want    # top_k=3 drops token 3 of the flipped row
 
 
 def test_top_k_one_samples_the_argmax():
@@ -72,13 +83,14 @@ def test_a_tiny_temperature_is_greedy_and_hurts_no_other_row(t):
     assert sample(logits[:1], [Sequence([1], SamplingParams(temperature=1e-5, seed=3))])[0] in range(4)
 
 
-def test_unseeded_requests_get_a_fresh_generator():
-    s = Sequence([1], SamplingParams(temperature=1.0))
-    sample(LOGITS.float()[None], [s])
-    assert isinstance(s.generator, torch.Generator)
-    gen = s.generator
-    sample(LOGITS.float()[None], [s])
-    assert s.generator is gen
+def test_unseeded_requests_get_a_random_seed_at_admission():
+    seqs = [Sequence([1], SamplingParams(temperature=1.0)) for _ in range(4)]
+    assert len({s.sampling_seed for s in seqs}) == 4
+    assert Sequence([1], SamplingParams(temperature=1.0, seed=9)).sampling_seed == 9
+    s = seqs[0]
+    first = sample(LOGITS.float()[None], [s])
+    assert sample(LOGITS.float()[None], [s]) == first           # the same step draws the same token
+    assert first == [draw(LOGITS, s.sampling_seed, 0, 1.0)]
 
 
 def test_token_logprobs_are_the_models_distribution():
