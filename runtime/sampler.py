@@ -2,11 +2,13 @@
 
 Per row, in vLLM's order: logit_bias and the min_tokens mask, the penalties (repetition on the
 prompt and output tokens, then frequency and presence on the output tokens), then either greedy
-(argmax) or temperature, top-k, min_p and top-p, and a draw. The draw is a Gumbel-max race whose
-uniforms come from an integer hash of (the request's seed, its number of generated tokens, the
-vocab index), computed on the device: a request's tokens depend on nothing else, so a seeded
-request gives the same tokens alone or in any batch, after a preemption, and (the hash being
-exact integer arithmetic) on any device. The chosen ids come back in one device-to-host copy."""
+(argmax) or temperature, top-k, min_p and top-p, and a draw. The draw inverts the row's CDF (in
+vocab order, float64) at one uniform from an integer hash of (the request's seed, its number of
+generated tokens), computed on the device: a request's tokens depend on nothing else, so a
+seeded request gives the same tokens alone or in any batch and after a preemption; the hash is
+exact integer arithmetic, the same on every device. Filters keep ties (top-k keeps every token
+equal to the k-th, top-p every token as likely as one it keeps), so no sort order decides a
+token. The chosen ids come back in one device-to-host copy."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,23 +43,12 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-_vocab_keys: dict = {}
-
-
-def _vocab_key(vocab: int, device) -> torch.Tensor:
-    """mix32 of every vocab index (the same for every step: cached per device)."""
-    k = (vocab, str(device))
-    if k not in _vocab_keys:
-        _vocab_keys[k] = mix32((torch.arange(vocab, dtype=torch.int64, device=device) * _GOLDEN + 1) & _M32)
-    return _vocab_keys[k]
-
-
-def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, vocab] uniforms in (0, 1) (24-bit, exact in float32) from 32-bit seed halves and
-    the step of each row."""
-    row = mix32(seed_hi ^ mix32(seed_lo ^ mix32((step * _GOLDEN + 7) & _M32)))
-    bits = mix32(_vocab_key(vocab, row.device)[None, :] ^ row[:, None]) >> 8
-    return (bits.to(torch.float32) + 0.5) * 2.0 ** -24
+def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """One float64 uniform in (0, 1) per row (53 bits, exact) from the 32-bit seed halves and
+    the row's step."""
+    h1 = mix32(seed_hi ^ mix32(seed_lo ^ mix32((step * _GOLDEN + 7) & _M32)))
+    h2 = mix32(h1 ^ 0x68E31DA4)
+    return ((h1 << 21) + (h2 >> 11)).to(torch.float64).add(0.5).mul(2.0 ** -53)
 
 
 @dataclass
@@ -86,6 +77,7 @@ class SamplingTensors:
     num_random: int
     top_k_max: int                   # the largest top-k in use; 0: no row uses top-k
     use_top_p: bool
+    top_p_sorts_all: bool            # a top-p row without top-k: top-p sorts the whole vocab
     use_min_p: bool
     use_output_penalty: bool
     use_repetition: bool
@@ -143,7 +135,8 @@ class SamplingTensors:
         k_used = top_k[rand][top_k[rand] < vocab]
         return cls(vocab=vocab, rows=B, bias=f_dev[6 * B:], num_random=R,
                    top_k_max=int(k_used.max()) if k_used.size else 0,
-                   use_top_p=bool((fl[1, rand] < 1).any()), use_min_p=bool((fl[2, rand] > 0).any()),
+                   use_top_p=bool((fl[1, rand] < 1).any()),
+                   top_p_sorts_all=bool(((fl[1, rand] < 1) & (top_k[rand] >= vocab)).any()), use_min_p=bool((fl[2, rand] > 0).any()),
                    use_output_penalty=bool(fl[3:5].any()), use_repetition=bool(prompt_at), **views)
 
 
@@ -174,30 +167,53 @@ def process_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 
 def filter_logits(x: torch.Tensor, temperature, top_k, top_p, min_p, top_k_max: int, use_top_p: bool,
-                  use_min_p: bool) -> torch.Tensor:
-    """Logits / temperature with the tokens outside top-k, min_p and top-p at -inf (the most
-    likely token always stays). Per-row parameters are [rows] tensors; a row's top_k >= vocab is
-    off; `top_k_max` (0: no row filters by top-k) and the flags come from the host, so nothing
-    here waits on the device."""
-    x = x / temperature.to(x.dtype)[:, None]
-    if not (top_k_max or use_top_p or use_min_p):
-        return x
+                  use_min_p: bool, top_p_sorts_all: bool = True) -> torch.Tensor:
+    """Logits / temperature with the tokens outside top-k, min_p and top-p at -inf. Per-row
+    parameters are [rows] tensors (top_k >= vocab: off, top_p = 1: off). Top-k keeps exactly k
+    tokens, ties at the k-th value broken by the lower token id; top-p keeps every token whose
+    strictly more likely tokens hold at most top_p of the mass (the most likely always stays).
+    `top_k_max` (0: no row uses top-k) and the flags come from the host, so nothing here waits
+    on the device; `top_p_sorts_all` False says every top-p row has a top-k, so the top
+    `top_k_max` values replace a sort of the whole vocab."""
+    x = x / temperature.to(x.dtype)[:, None]          # a new tensor: the masks below fill it in place
+    inf = float("-inf")
     V = x.shape[-1]
-    if use_top_p:
-        sx, si = x.sort(-1, descending=True)
-    else:
-        sx = x.topk(max(top_k_max, 1), -1).values
+    k = top_k.clamp(max=V)[:, None]
+    if top_k_max or use_top_p:
+        sv = x.sort(-1, descending=True).values if use_top_p and top_p_sorts_all else x.topk(min(top_k_max, V), -1).values
     if top_k_max:
-        kth = sx.gather(1, (top_k.clamp(max=sx.shape[1]) - 1)[:, None])
-        x = x.masked_fill((x < kth) & (top_k < V)[:, None], float("-inf"))
-    if use_min_p:   # p < min_p * p_max  <=>  logit < max logit + log(min_p)
-        x = x.masked_fill(x < sx[:, :1] + torch.log(min_p.to(x.dtype))[:, None], float("-inf"))
+        kth = sv.gather(1, (k.clamp(max=sv.shape[1]) - 1))
+        tied = x == kth
+        above = (x > kth).sum(-1, keepdim=True)
+        keep = (x > kth) | (tied & (tied.cumsum(-1, dtype=torch.int32) <= k - above))
+        x.masked_fill_(~keep & (k < V), inf)
+    if use_min_p:      # p < min_p * p_max  <=>  logit < max logit + log(min_p)
+        floor = x.amax(-1, keepdim=True) + torch.log(min_p.to(x.dtype))[:, None]
+        x.masked_fill_(x < floor, inf)
     if use_top_p:
-        sx = x.gather(1, si)
-        sp = torch.softmax(sx, -1)
-        drop = (sp.cumsum(-1) - sp) > top_p.to(x.dtype)[:, None]
-        x = x.scatter(1, si, sx.masked_fill(drop, float("-inf")))
+        # the kept values, in order: the first k of the sorted values (top-k's multiset), min_p
+        pos = torch.arange(sv.shape[1], device=x.device).expand_as(sv)
+        sv = sv.masked_fill(pos >= k, inf)
+        if use_min_p:
+            sv = sv.masked_fill(sv < floor, inf)
+        w = torch.exp(sv - sv[:, :1]).double()
+        cum = w.cumsum(-1)
+        before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], -1)
+        first = torch.ones_like(sv, dtype=torch.bool)        # a tie group's mass before it is
+        first[:, 1:] = sv[:, 1:] != sv[:, :-1]               # its first member's, in any order
+        start = torch.where(first, pos, torch.zeros_like(pos)).cummax(-1).values
+        kept = (before.gather(1, start) <= top_p.double()[:, None] * cum[:, -1:]).sum(-1, keepdim=True)
+        least = sv.gather(1, kept - 1)
+        x.masked_fill_((x < least) & (top_p < 1)[:, None], inf)
     return x
+
+
+def draw(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the token whose CDF interval (vocab order, float64) holds u x the row's mass."""
+    w = torch.exp(x - x.amax(-1, keepdim=True)).double()
+    cdf = w.cumsum(-1)
+    tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return tok.clamp(max=x.shape[-1] - 1)
 
 
 def sample_tensors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -208,9 +224,8 @@ def sample_tensors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     every = st.num_random == st.rows
     sel = (lambda t: t) if every else (lambda t: t.index_select(0, st.random_rows))  # noqa: E731
     xr = filter_logits(sel(x), sel(st.temperature), sel(st.top_k), sel(st.top_p), sel(st.min_p),
-                       st.top_k_max, st.use_top_p, st.use_min_p)
-    gumbel = -torch.log(-torch.log(uniforms(st.seed_lo, st.seed_hi, st.step, st.vocab)))
-    drawn = (xr + gumbel.to(xr.dtype)).argmax(-1)
+                       st.top_k_max, st.use_top_p, st.use_min_p, st.top_p_sorts_all)
+    drawn = draw(xr, uniforms(st.seed_lo, st.seed_hi, st.step))
     return drawn if every else x.argmax(-1).index_copy(0, st.random_rows, drawn)
 
 

@@ -41,9 +41,10 @@ def test_top_k_then_top_p():
 
 
 def draw(logits_row, seed, step, temperature, top_k=0, top_p=1.0):
-    """The race written out for one row: argmax of log p + Gumbel noise from the hash's uniforms."""
-    u = uniforms(torch.tensor([seed % 2**32]), torch.tensor([seed >> 32]), torch.tensor([step]), logits_row.numel())
-    return int((torch.log(probs(logits_row, temperature, top_k, top_p)) - torch.log(-torch.log(u[0])).double()).argmax())
+    """The draw written out for one row: the first token whose CDF passes the hash's uniform."""
+    u = float(uniforms(torch.tensor([seed % 2**32]), torch.tensor([seed >> 32]), torch.tensor([step]))[0])
+    cdf = probs(logits_row, temperature, top_k, top_p).double().cumsum(0)
+    return int((cdf > u * cdf[-1]).nonzero()[0])
 
 
 def test_greedy_and_seeded_rows_in_one_batch():
