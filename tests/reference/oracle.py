@@ -356,12 +356,17 @@ class Oracle:
             out[l] = hash_ids(c, self.engram, i, start=start, history=history)
         return out
 
+    def engram_rows(self, prefix, hids):
+        """Table rows of the hash ids [.., n, head_dim] in acc: FP8 × E8M0 per 32 (a trainer
+        overrides it to read rows of a float table instead)."""
+        table, tscale = self.raw[prefix + ".embed.weight"], self.raw[prefix + ".embed.scale"]
+        return Q.dequant_fp8_rows(table[hids], tscale[hids], self.acc)
+
     def engram_layer(self, l, X, hids):
         cfg, acc = self.cfg, self.acc
         p = f"layers.{l}.engram"
         S, hc, D = X.shape
-        table, tscale = self.raw[p + ".embed.weight"], self.raw[p + ".embed.scale"]
-        e = Q.dequant_fp8_rows(table[hids], tscale[hids], acc).to(self.dtype).reshape(S, -1)
+        e = self.engram_rows(p, hids).to(self.dtype).reshape(S, -1)
         kv = self.qlinear(e, p + ".wkv")                                   # [S, (hc+1)·D]
         key = kv[:, :hc * D].reshape(S, hc, D).to(acc)
         value = kv[:, hc * D:(hc + 1) * D].to(acc)

@@ -1,0 +1,134 @@
+"""Quality gates of the trained toy (issue 20, item 3): the runtime in bf16 against the oracle in
+float64, teacher-forced on the held-out slice of the training corpus, both index planes.
+
+    .venv/bin/python benchmarks/quality.py [--tokens 4096] [--compiled] [--out benchmarks/results/quality-toy.json]
+
+Per variant: nll_delta = mean NLL of the runtime minus mean NLL of the oracle (nats/token, the
+same target tokens) and top1 = the fraction of rows whose argmax agrees. The oracle runs the same
+index plane as the runtime (`index_plane=fp8` is the runtime's FP8 key plane, `fp4` the published
+model's); `nll_delta_vs_fp4_oracle` also states the fp8 plane against the published model.
+Gates (the seeds' ATOM gate): nll_delta <= +0.01 and top1 >= 0.965.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from runtime.engine import EngineArgs, LLMEngine  # noqa: E402
+from tests.reference.oracle import Oracle  # noqa: E402
+from tests.test_runtime_parity import teacher_forced  # noqa: E402
+from tools.train_toy import CORPUS, heldout_tokens  # noqa: E402
+from v41.loader import load_checkpoint  # noqa: E402
+from v41.tokenizer import load_tokenizer  # noqa: E402
+
+MODEL = ROOT / "v41" / "assets" / "toy-trained"
+NLL_DELTA_MAX = 0.01
+TOP1_MIN = 0.965
+
+
+def windows(ids: torch.Tensor, tokens: int, seq: int) -> list[list[int]]:
+    """The first `tokens` held-out tokens as requests of at most `seq` tokens (each from position
+    0, as the model was trained)."""
+    ids = ids[:tokens].tolist()
+    return [ids[s: s + seq] for s in range(0, len(ids), seq) if len(ids[s: s + seq]) > 1]
+
+
+def row_nll(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """NLL of each next token (rows 0..n-2), in float64."""
+    lp = torch.log_softmax(logits[:-1].double(), -1)
+    return -lp.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+
+
+def compare(test: list[torch.Tensor], ref: list[torch.Tensor], reqs: list[list[int]]) -> dict:
+    """nll_delta (test minus ref, nats/token) and top1 agreement over every row with a target."""
+    nt = torch.cat([row_nll(t, p) for t, p in zip(test, reqs)])
+    nr = torch.cat([row_nll(r, p) for r, p in zip(ref, reqs)])
+    agree = torch.cat([(t[:-1].argmax(-1) == r[:-1].argmax(-1)) for t, r in zip(test, ref)])
+    return {"nll_delta": (nt.mean() - nr.mean()).item(), "top1": agree.double().mean().item(),
+            "nll": nt.mean().item(), "oracle_nll": nr.mean().item(), "tokens": int(nt.numel())}
+
+
+def oracle_logits(cfg, weights, token_map, reqs, plane: str, dtype=torch.float64) -> list[torch.Tensor]:
+    o = Oracle(cfg, weights, dtype=dtype, index_plane=plane, token_map=token_map)
+    return [o.forward(torch.tensor(p)) for p in reqs]
+
+
+def runtime_logits(model: Path, weights, reqs, plane: str, eager: bool = True,
+                   dtype: str = "bfloat16") -> list[torch.Tensor]:
+    args = EngineArgs(model=str(model), dtype=dtype, device="cpu", index_cache_dtype=plane,
+                      enable_prefix_caching=False, max_num_seqs=len(reqs),
+                      max_num_batched_tokens=max(len(p) for p in reqs), enforce_eager=eager,
+                      decoder_swa_bounded_replay=False)
+    return teacher_forced(LLMEngine(args, weights=weights), reqs)
+
+
+def gates_pass(row: dict) -> bool:
+    return row["nll_delta"] <= NLL_DELTA_MAX and row["top1"] >= TOP1_MIN
+
+
+def measure(model: Path = MODEL, tokens: int = 4096, seq: int = 512, compiled: bool = False,
+            log=print) -> dict:
+    weights = load_checkpoint(model, progress=False)
+    cfg = weights.cfg
+    token_map = load_tokenizer(str(model), cfg)[1]
+    reqs = windows(heldout_tokens(), tokens, seq)
+    ref = {p: oracle_logits(cfg, weights, token_map, reqs, p) for p in ("fp4", "fp8")}
+    rows = []
+    for plane in ("fp8", "fp4"):
+        for eager in ((True, False) if compiled else (True,)):
+            t0 = time.time()
+            got = runtime_logits(model, weights, reqs, plane, eager)
+            row = {"variant": "bf16-eager" if eager else "bf16-compiled", "index_cache_dtype": plane,
+                   **compare(got, ref[plane], reqs), "oracle": f"float64, {plane} index plane",
+                   "seconds": round(time.time() - t0, 1)}
+            if plane == "fp8":
+                row["nll_delta_vs_fp4_oracle"] = compare(got, ref["fp4"], reqs)["nll_delta"]
+            row["pass"] = gates_pass(row)
+            rows.append(row)
+            log(json.dumps(row))
+    # where a difference would come from: the same arithmetic in bf16, by the oracle itself
+    diag = []
+    for plane in ("fp8", "fp4"):
+        o16 = oracle_logits(cfg, weights, token_map, reqs, plane, torch.bfloat16)
+        diag.append({"variant": "oracle-bf16", "index_cache_dtype": plane, **compare(o16, ref[plane], reqs)})
+        log(json.dumps(diag[-1]))
+    return {"benchmark": "quality", "model": str(model.relative_to(ROOT)) if model.is_relative_to(ROOT) else str(model),
+            "what": "teacher-forced runtime bf16 vs oracle float64 on held-out text",
+            "heldout": {"corpus": CORPUS, "tokens": tokens, "requests": len(reqs), "request_tokens": seq},
+            "thresholds": {"nll_delta_max": NLL_DELTA_MAX, "top1_min": TOP1_MIN},
+            "results": rows, "oracle_bf16": diag,
+            "device": f"cpu ({platform.machine()}), {torch.get_num_threads()} thread(s)",
+            "versions": {"torch": torch.__version__, "python": platform.python_version()},
+            "date": datetime.date.today().isoformat()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="benchmarks/quality.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=MODEL)
+    ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens compared")
+    ap.add_argument("--seq", type=int, default=512, help="tokens per request")
+    ap.add_argument("--compiled", action="store_true", help="also the compiled forward (slow on a CPU)")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality-toy.json")
+    a = ap.parse_args(argv)
+    if a.tokens < 2 or a.seq < 2:
+        ap.error("--tokens and --seq: at least 2")
+    torch.set_num_threads(1)
+    out = measure(a.model, a.tokens, a.seq, a.compiled)
+    a.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {a.out}: " + ", ".join(f"{r['variant']}/{r['index_cache_dtype']} "
+                                          f"{'pass' if r['pass'] else 'FAIL'}" for r in out["results"]))
+    return 0 if all(r["pass"] for r in out["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

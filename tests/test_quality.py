@@ -1,0 +1,60 @@
+"""Quality gates of the trained toy (v41/assets/toy-trained), CPU: the runtime in bf16 (eager)
+against the oracle in float64, teacher-forced on held-out text the model was not trained on,
+with both index planes: mean NLL within +0.01 nats/token and top-1 agreement >= 96.5%
+(benchmarks/quality.py measures the same on more tokens and writes quality-toy.json)."""
+import pytest
+import torch
+
+from benchmarks import quality as Qy
+from tools.train_toy import heldout_tokens
+
+TOKENS, SEQ = 384, 192     # two requests of 192 held-out tokens
+
+
+@pytest.fixture(scope="module")
+def trained():
+    from v41.loader import load_checkpoint
+    from v41.tokenizer import load_tokenizer
+    w = load_checkpoint(Qy.MODEL, progress=False)
+    reqs = Qy.windows(heldout_tokens(), TOKENS, SEQ)
+    return w, load_tokenizer(str(Qy.MODEL), w.cfg)[1], reqs
+
+
+def test_heldout_is_not_training_text():
+    from tools.train_toy import corpus_tokens, split_tokens
+    ids = corpus_tokens()
+    train, held = split_tokens(ids, 0.05)
+    assert len(train) + len(held) == len(ids) and len(held) > TOKENS
+    assert torch.equal(heldout_tokens()[:TOKENS], ids[len(train):len(train) + TOKENS])
+
+
+@pytest.mark.parametrize("plane", ["fp8", "fp4"])
+def test_bf16_runtime_meets_gates_against_f64_oracle(trained, plane):
+    w, token_map, reqs = trained
+    ref = Qy.oracle_logits(w.cfg, w, token_map, reqs, plane)
+    got = Qy.runtime_logits(Qy.MODEL, w, reqs, plane, eager=True)
+    row = Qy.compare(got, ref, reqs)
+    assert row["tokens"] == TOKENS - len(reqs)
+    assert row["nll_delta"] <= Qy.NLL_DELTA_MAX, row
+    assert row["top1"] >= Qy.TOP1_MIN, row
+
+
+def test_trained_model_beats_uniform_on_heldout(trained):
+    """The gates compare two implementations; this checks there is a trained model to compare:
+    held-out NLL far below the uniform ln(vocab)."""
+    w, token_map, reqs = trained
+    ref = Qy.oracle_logits(w.cfg, w, token_map, reqs[:1], "fp4")
+    nll = torch.cat([Qy.row_nll(r, p) for r, p in zip(ref, reqs[:1])]).mean().item()
+    assert nll < torch.log(torch.tensor(float(w.cfg.vocab_size))).item() - 2.0, nll
+
+
+def test_compare_detects_disagreement():
+    """compare() is what the gates read: a perturbed copy must show a positive delta and lost
+    top-1 rows (so the gates cannot pass on a broken comparison)."""
+    g = torch.Generator().manual_seed(0)
+    ref = [torch.randn(50, 16, generator=g, dtype=torch.float64) * 4]
+    ids = [torch.randint(0, 16, (50,), generator=g).tolist()]
+    same = Qy.compare(ref, ref, ids)
+    assert same["nll_delta"] == 0 and same["top1"] == 1.0
+    noisy = Qy.compare([ref[0] + torch.randn(50, 16, generator=g, dtype=torch.float64) * 4], ref, ids)
+    assert noisy["top1"] < 0.9 and noisy["nll_delta"] > 0.01
