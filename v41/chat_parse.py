@@ -156,10 +156,8 @@ class OutputParser:
             if s.startswith(CALLS_CLOSE):
                 self.buf, self.raw, self.state = s[len(CALLS_CLOSE):], "", "content"
                 return True
-            m = _match(INVOKE_OPEN, s)
-            if m is None and not CALLS_CLOSE.startswith(s):
-                return self._malformed(out)
-            if m is None or m == PARTIAL:
+            m = self._tag(INVOKE_OPEN, CALLS_CLOSE, s, out)
+            if m is None:
                 return False
             self.call = (m[1][0], {})
             self.raw += ws + s[:m[0]]
@@ -171,10 +169,8 @@ class OutputParser:
             self.count += 1
             self.call, self.raw, self.buf = None, "", s[len(INVOKE_CLOSE):]
             return True
-        m = _match(PARAM_OPEN, s)
-        if m is None and not INVOKE_CLOSE.startswith(s):
-            return self._malformed(out)
-        if m is None or m == PARTIAL:
+        m = self._tag(PARAM_OPEN, INVOKE_CLOSE, s, out)
+        if m is None:
             return False
         end = s.find(PARAM_CLOSE, m[0])
         if end < 0:
@@ -190,6 +186,14 @@ class OutputParser:
         self.raw += ws + s[:end + len(PARAM_CLOSE)]
         self.buf = s[end + len(PARAM_CLOSE):]
         return True
+
+    def _tag(self, pattern: tuple, close: str, s: str, out: Parsed):
+        """The match of `pattern` at the start of `s`, or None: more text is needed, or neither
+        it nor `close` can start there and the block was returned as content."""
+        m = _match(pattern, s)
+        if m is None and not close.startswith(s):
+            self._malformed(out)
+        return None if m is None or m == PARTIAL else m
 
     def _malformed(self, out: Parsed) -> bool:
         """The block does not parse: its unreturned text, and all text after it, is content."""
