@@ -684,3 +684,70 @@ def test_documented_openai_example(server):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "completion_tokens=" in r.stdout
+
+
+# ---- surface (issue 19, seventh item) and limits ----------------------------------------------
+
+def test_model_retrieve_and_system_fingerprint(server, client):
+    m = client.models.retrieve("v41-toy")
+    assert (m.id, m.object, m.owned_by) == ("v41-toy", "model", "v41")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
+    r = client.completions.create(model="toy", prompt="fingerprint", max_tokens=2, temperature=0)
+    fp = r.system_fingerprint
+    assert fp and fp.startswith("fp_")
+    chunks = list(client.chat.completions.create(model="toy", messages=[{"role": "user", "content": "x"}],
+                                                 max_tokens=3, temperature=0, stream=True))
+    assert chunks and all(ch.system_fingerprint == fp for ch in chunks)
+    assert client.chat.completions.create(model="toy", messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=1).system_fingerprint == fp
+
+
+def test_tokenize_and_detokenize(server, client, ref):
+    text = "héllo wörld ✓ 日本語"
+    r = server.http.post("/tokenize", json={"model": "toy", "prompt": text, "return_token_strs": True}).json()
+    ids = ref.tok.encode(text)
+    assert (r["tokens"], r["count"], r["max_model_len"]) == (ids, len(ids), MAX_MODEL_LEN)
+    assert len(r["token_strs"]) == len(ids)
+    assert server.http.post("/detokenize", json={"model": "toy", "tokens": ids}).json() == {"prompt": text}
+    messages = [{"role": "user", "content": "Count my tokens"}]
+    t = server.http.post("/tokenize", json={"messages": messages}).json()
+    used = client.chat.completions.create(model="toy", messages=messages, max_tokens=1).usage.prompt_tokens
+    assert t["count"] == used == len(t["tokens"]) and t["token_strs"] is None
+
+
+def test_streaming_with_token_ids_sends_a_chunk_per_token(client, ref):
+    """return_token_ids: one chunk per generated token, its id in it, even where the text does
+    not change (a token that ends inside a character)."""
+    prompt = "Stream every token"
+    for kw in ({"stream_options": {"include_usage": True}}, {}):
+        chunks = list(client.completions.create(model="toy", prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                                                extra_body={"return_token_ids": True, "ignore_eos": True}, **kw))
+        ids = [extra(c.choices[0], "token_ids") for c in chunks if c.choices and extra(c.choices[0], "token_ids")]
+        assert all(len(x) == 1 for x in ids) and [x[0] for x in ids] == ref.greedy(ref.tok.encode(prompt), 10)
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_oversize_prompts_are_refused_before_tokenizing_and_memory_returns(server):
+    """Prompts past --max-prompt-bytes (derived: max_model_len x the longest token) are 400s
+    read but never tokenized: eight 12 MB prompts leave the server's RSS within 200 MB of where
+    it was (a 50 MB prompt once took it from 0.5 to 5.1 GB, and it stayed there); a 50 MB stop
+    string is refused too."""
+    big = "the window ring " * (12 << 16)
+    rss0 = _rss_bytes(server.proc.pid)
+    for _ in range(8):
+        r = server.http.post("/v1/completions", json={"model": "toy", "prompt": big, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_too_large", r.text[:300]
+    grown = _rss_bytes(server.proc.pid) - rss0
+    assert grown < 200 << 20, grown
+    r = server.http.post("/v1/completions", json={"model": "toy", "prompt": "hi", "stop": "x" * (8 << 20)})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "stop_too_large"
+    ok = server.http.post("/v1/completions", json={"model": "toy", "prompt": "ok", "max_tokens": 1})
+    assert ok.status_code == 200

@@ -161,3 +161,86 @@ def test_the_queue_bound_must_hold_one_request():
     with pytest.raises(AdmissionError, match="max_queued_requests: 100 is below max_choices_per_request 256"):
         serve.check_server_args(ap.parse_args(["--max-queued-requests", "100"]))
     serve.check_server_args(ap.parse_args([]))
+
+
+# ---- tokenization off the event loop --------------------------------------------------------
+
+async def _asgi(app, path: str, body: dict, arrivals: list | None = None) -> tuple[int, bytes]:
+    """One POST through the ASGI app; `arrivals` gets the time of each body chunk sent."""
+    import json
+    sent = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive():
+        if sent:
+            return sent.pop()
+        await asyncio.Event().wait()
+
+    got = {"status": None, "body": b""}
+
+    async def send(m):
+        if m["type"] == "http.response.start":
+            got["status"] = m["status"]
+        elif m["type"] == "http.response.body":
+            got["body"] += m.get("body", b"")
+            if arrivals is not None and m.get("body"):
+                arrivals.append(time.monotonic())
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80)}
+    await app(scope, receive, send)
+    return got["status"], got["body"]
+
+
+def test_a_big_prompt_is_tokenized_off_the_event_loop(toy_engine):
+    """While a 1.5 MB prompt is tokenized (a second or more here; then refused: too many tokens),
+    a stream that started before keeps sending chunks and the event loop never stops for long:
+    tokenization runs in a worker thread, and the tokenizer releases the GIL meanwhile (the
+    list of ids is built holding it: ~0.1 s per million ids)."""
+    import threading
+
+    from runtime.server import create_app
+    aeng = toy_engine
+    app = create_app(aeng, ["toy"], max_prompt_bytes=64 << 20)
+    tok = aeng.engine.tokenizer
+    text = "héllo wörld the window ring 日本語 " * 37_500
+    seen = {}
+
+    async def run():
+        loop_thread = threading.get_ident()
+        arrivals: list = []
+        stream = asyncio.create_task(_asgi(app, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 40,
+                                                                     "ignore_eos": True, "stream": True}, arrivals))
+        while len(arrivals) < 2:
+            await asyncio.sleep(0.01)
+        ticks, stop = [], asyncio.Event()
+
+        async def tick():
+            while not stop.is_set():
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.01)
+        ticker = asyncio.create_task(tick())
+        t0 = time.monotonic()
+        status, body = await _asgi(app, "/v1/completions", {"prompt": text, "max_tokens": 1})
+        seen["tokenize_s"] = time.monotonic() - t0
+        stop.set()
+        await ticker
+        seen["ticks"] = [b - a for a, b in zip(ticks, ticks[1:])]
+        seen["chunks_during"] = sum(t0 <= a <= t0 + seen["tokenize_s"] for a in arrivals)
+        seen["status"], seen["count"] = status, body
+        seen["thread_is_loop"] = loop_thread
+        await stream
+
+    real = tok.encode
+    threads = []
+    tok.encode = lambda s: (threads.append(threading.get_ident()), real(s))[1]
+    try:
+        asyncio.run(run())
+    finally:
+        del tok.encode
+    assert seen["status"] == 400 and b"maximum context length" in seen["count"], seen["count"][:300]
+    assert threads and seen["thread_is_loop"] not in threads
+    assert seen["tokenize_s"] > 0.5, seen["tokenize_s"]            # long enough to have stalled the loop
+    assert max(seen["ticks"]) < 0.3, max(seen["ticks"])
+    assert seen["chunks_during"] >= 1

@@ -356,7 +356,7 @@ ROWS = [
     R(SHAPE, 400, "prompt", body=C(prompt=["a", 1])),
     R(SHAPE + " #2", 400, "prompt", body=C(prompt=[[5, "a"]])),
     R("token ids, got {}", 400, "prompt", body=C(prompt=42)),
-    R("this model has no tokenizer", 400, "prompt", app="bare", body=C(prompt="hi")),
+    R("this model has no tokenizer: send the prompt", 400, "prompt", app="bare", body=C(prompt="hi")),
     R("token ids out of range", 400, "prompt", body=C(prompt=[5, 99999])),
     R("parse_prompts: the prompt is empty", 400, "prompt", "empty_prompt", body=C(prompt="")),
     R("'prompt' is required", 400, "prompt", body={"model": "toy"}),
@@ -379,6 +379,18 @@ ROWS = [
     R("parse_messages: the prompt is empty", 400, "messages", "empty_prompt", app="stub", path=CHAT, body=M()),
     R("'top_logprobs' needs 'logprobs'", 400, "top_logprobs", path=CHAT, body=M(top_logprobs=2)),
     R("Chat.parse: chat protocol: {}", 400, "reasoning_effort", path=CHAT, body=M(reasoning_effort="extreme")),
+    # protocol.check_text_sizes (before anything is tokenized)
+    R("per prompt (--max-prompt-bytes)", 400, "prompt", "prompt_too_large", body=C(prompt=["a", "x" * 9000])),
+    R("per prompt (--max-prompt-bytes)", 400, "messages", "prompt_too_large", path=CHAT, body=M("y" * 9000)),
+    R("(--max-stop-bytes)", 400, "stop", "stop_too_large", body=C(stop=["s" * 3000, "t" * 1100])),
+    # tokens.py: /tokenize, /detokenize
+    R("nothing to tokenize or detokenize with", 400, app="bare", path="/tokenize", body={"prompt": "hi"}),
+    R("'add_special_tokens': true", 400, "add_special_tokens", UNS, path="/tokenize",
+      body={"prompt": "hi", "add_special_tokens": True}),
+    R("exactly one of 'prompt' and 'messages'", 400, "prompt", path="/tokenize", body={"model": "toy"}),
+    R("tokenize: chat protocol: {}", 400, "reasoning_effort", path="/tokenize",
+      body={"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"}),
+    R("'tokens' must be a list of token ids", 400, "tokens", path="/detokenize", body={"tokens": [1, 99999]}),
     # app.py
     R("Missing API key", 401, code="invalid_api_key", headers={}),
     R("Incorrect API key provided", 401, code="invalid_api_key", headers={"Authorization": "Bearer wrong"}),

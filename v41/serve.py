@@ -46,6 +46,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     s.add_argument("--max-queued-requests", type=int, default=1024,
                    help="choices waiting to be scheduled, over all requests; a request that would pass "
                         "it gets 503 with Retry-After (default 1024)")
+    s.add_argument("--max-prompt-bytes", type=int, default=0,
+                   help="larger prompt texts (a chat's messages together) get 400 before they are tokenized "
+                        "(default 0: max-model-len x the longest token's bytes, the most text that fits)")
+    s.add_argument("--max-stop-bytes", type=int, default=4096,
+                   help="most bytes of a request's stop strings together (default 4096)")
     s.add_argument("--health-stall-timeout", type=float, default=30.0,
                    help="/health answers 503 once the engine has not stepped for this many seconds "
                         "while requests are queued (default 30)")
@@ -60,6 +65,9 @@ def check_server_args(a) -> None:
         raise AdmissionError(f"port: {a.port} is not in [0, 65535]")
     if a.max_logprobs < 0:
         raise AdmissionError(f"max_logprobs: {a.max_logprobs} must be >= 0")
+    for name in ("max_prompt_bytes", "max_stop_bytes"):
+        if getattr(a, name) < 0:
+            raise AdmissionError(f"{name}: {getattr(a, name)} must be >= 0")
     if a.max_choices_per_request < 1:
         raise AdmissionError(f"max_choices_per_request: {a.max_choices_per_request} must be >= 1")
     if a.max_queued_requests < a.max_choices_per_request:
@@ -133,7 +141,8 @@ def main(argv=None) -> int:
     aeng = AsyncEngine(engine, metrics)
     app = create_app(aeng, names_served, api_key=a.api_key, max_logprobs=a.max_logprobs, model_path=a.model,
                      stall_timeout=a.health_stall_timeout, max_choices=a.max_choices_per_request,
-                     max_body_bytes=a.max_request_body_bytes, max_queued=a.max_queued_requests)
+                     max_body_bytes=a.max_request_body_bytes, max_queued=a.max_queued_requests,
+                     max_prompt_bytes=a.max_prompt_bytes or None, max_stop_bytes=a.max_stop_bytes)
     shown = f"[{host}]" if ":" in host else host
     print(f"v41 serving {names_served[0]!r} on http://{shown}:{port} (max_model_len {engine.max_model_len}, "
           f"{'API key required' if a.api_key else 'no API key'})", flush=True)

@@ -1,6 +1,8 @@
-"""The FastAPI app of `python -m v41.serve`: `/v1/models`, `/v1/completions`,
-`/v1/chat/completions` (both with SSE streaming), `/health`, `/metrics` (Prometheus text) and
-`/version`, behind an optional bearer key. Every refusal is an OpenAI-style JSON error."""
+"""The FastAPI app of `python -m v41.serve`: `/v1/models` (and `/v1/models/{id}`),
+`/v1/completions`, `/v1/chat/completions` (both with SSE streaming), `/tokenize`, `/detokenize`,
+`/health`, `/metrics` (Prometheus text) and `/version`, behind an optional bearer key. Every
+refusal is an OpenAI-style JSON error. Request bodies are parsed (tokenized, chat rendered) in a
+worker thread, so a big prompt does not stall the event loop that streams everyone's tokens."""
 from __future__ import annotations
 
 import hmac
@@ -10,14 +12,16 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from runtime.server.async_engine import AsyncEngine
 from runtime.server.chat import Chat
 from runtime.server.completions import Completion
-from runtime.server.protocol import APIError, error_response, read_body
+from runtime.server.protocol import APIError, Body, check_model, check_text_sizes, error_response, read_body
 from runtime.server.serving import Frontend
+from runtime.server.tokens import detokenize, tokenize
 
 log = logging.getLogger("v41.serve")
 
@@ -44,11 +48,20 @@ class BearerAuth:
 
 def create_app(aeng: AsyncEngine, served_model_names: list[str], api_key: str | None = None,
                max_logprobs: int = 20, model_path: str | None = None, stall_timeout: float = 30.0,
-               max_choices: int = 256, max_body_bytes: int = 16 << 20, max_queued: int = 1024) -> FastAPI:
+               max_choices: int = 256, max_body_bytes: int = 16 << 20, max_queued: int = 1024,
+               max_prompt_bytes: int | None = None, max_stop_bytes: int = 4096) -> FastAPI:
     """`stall_timeout`: /health answers 503 once the engine loop has not turned for this many
-    seconds while requests are queued. `max_queued`: choices waiting to be scheduled, at most."""
+    seconds while requests are queued. `max_queued`: choices waiting to be scheduled, at most.
+    The other limits as Frontend takes them."""
     fe = Frontend(aeng, served_model_names, max_logprobs, max_choices=max_choices, max_body_bytes=max_body_bytes,
-                  max_queued=max_queued)
+                  max_queued=max_queued, max_prompt_bytes=max_prompt_bytes, max_stop_bytes=max_stop_bytes)
+
+    async def parsed(request: Request, parse, keys: tuple):
+        """The body, the text sizes of its prompt `keys` checked, then `parse(fe, body)` in a
+        worker thread."""
+        b = await read_body(request, fe.max_body_bytes)
+        check_text_sizes(b, keys, fe.max_prompt_bytes, fe.max_stop_bytes)
+        return await run_in_threadpool(parse, fe, b)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -100,19 +113,33 @@ def create_app(aeng: AsyncEngine, served_model_names: list[str], api_key: str | 
                 "engine_args": {k: v for k, v in vars(eng.args).items() if k != "extra"},
                 "max_model_len": fe.max_model_len}
 
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": fe.created, "owned_by": "v41", "root": model_path or name,
+                "parent": None, "max_model_len": fe.max_model_len, "vocab_size": fe.vocab_size}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": n, "object": "model", "created": fe.created, "owned_by": "v41",
-             "root": model_path or n, "parent": None, "max_model_len": fe.max_model_len,
-             "vocab_size": fe.vocab_size} for n in fe.names]}
+        return {"object": "list", "data": [card(n) for n in fe.names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(Body(model=model_id), fe.names)
+        return card(model_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await fe.respond(request, Completion.parse(fe, await read_body(request, fe.max_body_bytes)))
+        return await fe.respond(request, await parsed(request, Completion.parse, ("prompt",)))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await fe.respond(request, Chat.parse(fe, await read_body(request, fe.max_body_bytes)))
+        return await fe.respond(request, await parsed(request, Chat.parse, ("messages",)))
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await parsed(request, tokenize, ("prompt", "messages"))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await parsed(request, detokenize, ())
 
     return BearerAuth(app, api_key) if api_key else app  # type: ignore[return-value]

@@ -66,6 +66,16 @@ class TextCodec:
             self._bytes[tid] = b
         return b
 
+    def max_token_bytes(self) -> int:
+        """The longest token's bytes (0 without a `tokenizers.Tokenizer` to read it from): a text
+        longer than max_model_len times this has more than max_model_len tokens."""
+        raw = getattr(self.tok, "tok", None)
+        if not isinstance(raw, Tokenizer):
+            return 0
+        vocab = raw.get_vocab(with_added_tokens=True)
+        return max((len(p) if self._byte_level and i not in self._special else len(p.encode())
+                    for p, i in vocab.items()), default=0)
+
     def is_special(self, tid: int) -> bool:
         return tid in self._special
 

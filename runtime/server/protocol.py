@@ -155,6 +155,37 @@ def refuse_unsupported(b: Body, allowed: set) -> None:
         raise bad(f"'metadata' must be an object, got {type_name(b['metadata'])}", "metadata")
 
 
+def text_bytes(value) -> int:
+    """UTF-8 bytes of every string in a JSON value (iterative: a deep value is no recursion)."""
+    n, todo = 0, [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            n += len(v) if v.isascii() else len(v.encode())
+        elif isinstance(v, dict):
+            todo += v.values()
+        elif isinstance(v, list):
+            todo += v
+    return n
+
+
+def check_text_sizes(b: Body, keys: tuple, max_prompt_bytes: int | None, max_stop_bytes: int) -> None:
+    """Byte caps, checked before anything is tokenized: each prompt string (of 'prompt', or all
+    the text of 'messages' together) and all 'stop' strings together."""
+    for key in keys if max_prompt_bytes else ():
+        v = b.get(key)
+        many = key == "prompt" and isinstance(v, list)
+        for i, p in enumerate(v if many else [v]):
+            n = text_bytes(p)
+            if n > max_prompt_bytes:
+                raise bad(f"'{key}{f'[{i}]' if many else ''}' holds {n} bytes of text; this server takes at most "
+                          f"{max_prompt_bytes} per prompt (--max-prompt-bytes)", key, "prompt_too_large")
+    n = text_bytes(b.get("stop"))
+    if n > max_stop_bytes:
+        raise bad(f"'stop' strings hold {n} bytes; this server takes at most {max_stop_bytes} (--max-stop-bytes)",
+                  "stop", "stop_too_large")
+
+
 def check_model(b: Body, names: list[str]) -> None:
     m = b.get("model")
     if m is None:

@@ -6,6 +6,7 @@ write it."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 import uuid
@@ -107,12 +108,29 @@ def usage(job: Job, choices: list[Choice]) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+def fingerprint(engine) -> str:
+    """`system_fingerprint`: the same for every response of one configuration (v41 and torch
+    versions, the engine arguments), another when any of them changes."""
+    import importlib.metadata
+
+    import torch
+    try:
+        version = importlib.metadata.version("v41")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    args = getattr(engine, "args", None)
+    args = sorted((k, repr(v)) for k, v in vars(args).items()) if args is not None else None
+    return "fp_" + hashlib.sha256(repr((version, torch.__version__, args)).encode()).hexdigest()[:10]
+
+
 class Frontend:
     """The served model as the endpoints see it: names, limits, text codec, and `respond`."""
 
     def __init__(self, aeng: AsyncEngine, served_model_names: list[str], max_logprobs: int = 20,
                  max_n: int = 128, max_choices: int = 256, max_body_bytes: int = 16 << 20,
-                 max_queued: int = 1024):
+                 max_queued: int = 1024, max_prompt_bytes: int | None = None, max_stop_bytes: int = 4096):
+        """`max_prompt_bytes` None: max_model_len x the longest token's bytes, the most text that
+        can fit max_model_len tokens."""
         eng = aeng.engine
         self.aeng = aeng
         self.names = list(served_model_names)
@@ -124,11 +142,15 @@ class Frontend:
         self.max_logprobs, self.max_n = max_logprobs, max_n
         self.max_choices, self.max_body_bytes = max_choices, max_body_bytes   # per request
         self.max_queued = max_queued                                          # over all requests
+        self.max_prompt_bytes = max_prompt_bytes or self.max_model_len * self.codec.max_token_bytes()
+        self.max_stop_bytes = max_stop_bytes
         self.created = int(time.time())
+        self.fingerprint = fingerprint(eng)
 
     async def respond(self, request: Request, job: Job):
         rid = f"{job.prefix}-{uuid.uuid4().hex}"
-        head = {"id": rid, "object": job.object, "created": int(time.time()), "model": self.model_name, **job.head}
+        head = {"id": rid, "object": job.object, "created": int(time.time()), "model": self.model_name,
+                "system_fingerprint": self.fingerprint, **job.head}
         choices, sink = self.submit(rid, job)
         if job.stream:
             return StreamingResponse(self.stream(request, job, choices, sink, dict(head, object=job.chunk_object)),
