@@ -199,7 +199,8 @@ class AsyncEngine:
                     m.itl.observe(now - t.last_token)
                 t.last_token = now
             fin = seq.finish_reason if seq.is_finished else None
-            t.post(Delta(t.request_id, new, lps, fin))
+            err = seq.error if fin == "error" else None      # its own data failed it: 400, the batch went on
+            t.post(Delta(t.request_id, new, lps, fin, error=err, status=400))
             if seq.is_finished:
                 self._live.pop(t.request_id, None)
                 self._finished(t, fin or "stop", now)

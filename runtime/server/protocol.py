@@ -125,21 +125,6 @@ def refuse_unsupported(b: Body, allowed: set) -> None:
 
     def no(k, why):
         raise bad(f"'{k}' {why} is not supported by this server", k, "unsupported_parameter")
-    for k in ("presence_penalty", "frequency_penalty"):
-        if b.get(k) is not None:
-            v = b.get_num(k, 0.0, -2.0, 2.0)
-            if v != 0:
-                no(k, f"= {v}")
-    if b.get("repetition_penalty") is not None and b.get_num("repetition_penalty", 1.0, 0, lo_open=True) != 1:
-        no("repetition_penalty", f"= {b['repetition_penalty']}")
-    if b.get("min_p") is not None and b.get_num("min_p", 0.0, 0.0, 1.0) != 0:
-        no("min_p", f"= {b['min_p']}")
-    if b.get("min_tokens") is not None and b.get_int("min_tokens", 0, 0) != 0:
-        no("min_tokens", f"= {b['min_tokens']}")
-    if b.get("logit_bias") not in (None, {}):
-        if not isinstance(b["logit_bias"], dict):
-            raise bad(f"'logit_bias' must be an object, got {type_name(b['logit_bias'])}", "logit_bias")
-        no("logit_bias", "(non-empty)")
     if b.get("suffix") not in (None, ""):
         no("suffix", "(non-empty)")
     if b.get("best_of") is not None and b.get_int("best_of", 1, 1) != b.get_int("n", 1, 1):
@@ -214,6 +199,27 @@ def stream_options(b: Body, stream: bool) -> bool:
     return so.get_bool("include_usage", False)
 
 
+LOGIT_BIAS_MAX_ENTRIES = 300      # OpenAI's limit
+
+
+def _logit_bias(lb, vocab_size: int) -> dict:
+    """{token id string: bias} -> {token id: bias}; SamplingParams clamps the bias to [-100, 100]."""
+    if lb is None:
+        return {}
+    if not isinstance(lb, dict):
+        raise bad(f"'logit_bias' must be an object, got {type_name(lb)}", "logit_bias")
+    if len(lb) > LOGIT_BIAS_MAX_ENTRIES:
+        raise bad(f"'logit_bias' has {len(lb)} entries; at most {LOGIT_BIAS_MAX_ENTRIES} are allowed", "logit_bias")
+    out = {}
+    for k, v in lb.items():
+        if not (k.isascii() and k.isdigit() and len(k) <= 12 and int(k) < vocab_size):
+            raise bad(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {k[:40]!r}", "logit_bias")
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+            raise bad(f"'logit_bias' values must be finite numbers, got {type_name(v)} for {k!r}", "logit_bias")
+        out[int(k)] = float(v)
+    return out
+
+
 def sampling(b: Body, fe, prompt_lens: list[int], prompt_key: str, max_tokens_keys: tuple,
              default_max: int | None) -> tuple[list[list[SamplingParams]], list[str], set]:
     """SamplingParams for each prompt's n choices (seeded choices get seed + j), the stop
@@ -233,6 +239,12 @@ def sampling(b: Body, fe, prompt_lens: list[int], prompt_key: str, max_tokens_ke
     top_k = 0 if top_k == -1 else top_k
     seed = b.get_int("seed", None, -(2 ** 63), 2 ** 64 - 1)
     ignore_eos = b.get_bool("ignore_eos", False)
+    # the penalties, min_p, min_tokens and logit_bias: vLLM's and OpenAI's ranges
+    penalties = {k: b.get_num(k, 0.0, -2.0, 2.0) for k in ("presence_penalty", "frequency_penalty")}
+    penalties["repetition_penalty"] = b.get_num("repetition_penalty", 1.0, 0.0, lo_open=True)
+    min_p = b.get_num("min_p", 0.0, 0.0, 1.0)
+    min_tokens = b.get_int("min_tokens", 0, 0)
+    logit_bias = _logit_bias(b.get("logit_bias"), fe.vocab_size)
     stop = b.get("stop")
     if stop is None:
         stops = []
@@ -267,10 +279,13 @@ def sampling(b: Body, fe, prompt_lens: list[int], prompt_key: str, max_tokens_ke
     for plen in prompt_lens:
         room = limit - plen
         mt = max_tokens or (room if default_max is None else min(default_max, room))
+        if min_tokens > mt:
+            raise bad(f"'min_tokens' ({min_tokens}) must be <= max_tokens ({mt})", "min_tokens")
         try:
             per_prompt.append([SamplingParams(max_tokens=mt, temperature=temperature, top_k=top_k, top_p=top_p,
                                               seed=None if seed is None else (seed + j) % 2 ** 64,
-                                              stop_token_ids=list(sti), ignore_eos=ignore_eos)
+                                              stop_token_ids=list(sti), ignore_eos=ignore_eos, min_p=min_p,
+                                              min_tokens=min_tokens, logit_bias=logit_bias, **penalties)
                                for j in range(n)])
         except ValueError as e:
             raise bad(str(e)) from None
