@@ -166,31 +166,10 @@ def test_the_queue_bound_must_hold_one_request():
 # ---- tokenization off the event loop --------------------------------------------------------
 
 async def _asgi(app, path: str, body: dict, arrivals: list | None = None) -> tuple[int, bytes]:
-    """One POST through the ASGI app; `arrivals` gets the time of each body chunk sent."""
     import json
-    sent = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
 
-    async def receive():
-        if sent:
-            return sent.pop()
-        await asyncio.Event().wait()
-
-    got = {"status": None, "body": b""}
-
-    async def send(m):
-        if m["type"] == "http.response.start":
-            got["status"] = m["status"]
-        elif m["type"] == "http.response.body":
-            got["body"] += m.get("body", b"")
-            if arrivals is not None and m.get("body"):
-                arrivals.append(time.monotonic())
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 80)}
-    await app(scope, receive, send)
-    return got["status"], got["body"]
+    from tests.test_server_refusals import call
+    return await call(app, "POST", path, json.dumps(body).encode(), {}, False, arrivals)
 
 
 def test_a_big_prompt_is_tokenized_off_the_event_loop(toy_engine):
