@@ -145,10 +145,18 @@ def _to(t: torch.Tensor, device, pin: bool) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """A float copy of the logits with logit_bias, the min_tokens mask and the penalties applied
-    (greedy rows take their argmax)."""
-    x = logits.to(torch.promote_types(logits.dtype, torch.float32)).clone()
-    flat = x.view(-1)
+    """The logits in float (at least float32) with logit_bias, the min_tokens mask and the
+    penalties applied (greedy rows take their argmax); the caller's tensor is never modified."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if not (st.bias_at.numel() or st.banned_at.numel()):
+        return _penalize(x, st) if st.use_repetition or st.use_output_penalty else x
+    # filled in place below: never the caller's tensor, and contiguous so `flat` is a view of it
+    x = x.clone(memory_format=torch.contiguous_format) if x is logits else x.contiguous()
+    return _penalize(x, st)
+
+
+def _penalize(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    flat = x.reshape(-1)
     if st.bias_at.numel():
         flat.index_put_((st.bias_at,), st.bias.to(x.dtype), accumulate=True)
     if st.banned_at.numel():
@@ -210,8 +218,7 @@ def filter_logits(x: torch.Tensor, temperature, top_k, top_p, min_p, top_k_max: 
 
 def draw(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row, the token whose CDF interval (vocab order, float64) holds u x the row's mass."""
-    w = torch.exp(x - x.amax(-1, keepdim=True)).double()
-    cdf = w.cumsum(-1)
+    cdf = torch.exp(x - x.amax(-1, keepdim=True)).cumsum(-1, dtype=torch.float64)
     tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     return tok.clamp(max=x.shape[-1] - 1)
 
