@@ -292,7 +292,6 @@ class LLMEngine:
         for s in seqs:
             if s.status is Status.FINISHED:
                 self.seqs.pop(s.request_id, None)
-        return out
         return seqs
 
     def _sample(self, rows: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], dict[int, str]]:
@@ -330,6 +329,7 @@ class LLMEngine:
                     out[j] = token_logprobs(rows[j:j + 1], [toks[j]], [seqs[j].num_logprobs])[0]
                 except Exception as e:  # noqa: BLE001
                     errors[j] = f"logprobs failed: {type(e).__name__}: {e}"
+        return out
 
     def _fail(self, seq: Sequence, msg: str) -> None:
         """Finish one request with an error: its pages and slot return at once."""
