@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from runtime import replay
 from runtime.block_manager import BlockManager
 from runtime.geometry import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, AdmissionError, PoolGeometry
 from runtime.model_runner import ModelRunner
@@ -227,7 +228,8 @@ class LLMEngine:
         num_images = (args.num_images if args.num_images is not None else 4 * args.max_num_seqs) if copy else 0
         self.runner = ModelRunner(cfg, weights, geo, num_pages, args.max_num_seqs, args.max_num_seqs,
                                   args.max_num_batched_tokens, self.max_model_len, token_map, device,
-                                  DTYPES[args.dtype], "copy" if copy else "replay", num_images)
+                                  DTYPES[args.dtype], "copy" if copy else "replay", num_images,
+                                  args.decoder_swa_bounded_replay)
         log.info("model %s ready on %s in %.1fs: %d pages of %d tokens, %d slots, cache %.1f MiB",
                  cfg.name, device, time.perf_counter() - t0, num_pages, geo.page_tokens,
                  args.max_num_seqs, self.runner.cache.nbytes / 2**20)
@@ -254,6 +256,8 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
         seq = Sequence(prompt_token_ids, params, request_id)
+        seq.decoder_start = replay.decoder_start(seq.num_prompt_tokens, self.cfg.sliding_window,
+                                                 self.args.decoder_swa_bounded_replay)
         seq.num_logprobs, seq.logprobs = logprobs, [] if logprobs is not None else None
         if seq.request_id in self.seqs:
             raise ValueError(f"request id {seq.request_id!r} is already running")

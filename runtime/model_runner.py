@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from runtime import replay
 from runtime.cache import KVCache
 from runtime.geometry import PoolGeometry
 from runtime.scheduler import ScheduledBatch
@@ -37,13 +38,17 @@ class Batch:
     tail_dst: torch.Tensor         # [T] tail slot that keeps the row for the next step, or -1
     engram_rows: dict              # layer -> [T, width] gathered table rows
     image_dest: torch.Tensor | None = None  # [T] checkpoint-image ring row, or -1 (copy mode)
+    decoder: object = None         # runtime.replay.DecoderRows, or None: every row runs every layer
 
 
 class ModelRunner:
     def __init__(self, cfg, weights, geo: PoolGeometry, num_pages: int, num_slots: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, token_map,
-                 device, dtype, transfer: str, num_images: int):
+                 device, dtype, transfer: str, num_images: int, decoder_replay: bool = False):
+        """`decoder_replay`: decoder SWA bounded replay (runtime.replay); each request's
+        Sequence.decoder_start says where its decoder rows begin."""
         self.cfg, self.geo, self.device, self.dtype = cfg, geo, torch.device(device), dtype
+        self.decoder_replay = decoder_replay
         self.model = Transformer(cfg, weights, dtype, device, max_pos=max_model_len)
         self.cache = KVCache(geo, num_pages, num_slots, num_images, device)
         self.state = StateTransfer(self.cache, transfer)
@@ -62,6 +67,7 @@ class ModelRunner:
         width = cfg.engram_width
         self.engram_buf = {l: torch.zeros(T, width, dtype=dtype, device=self.device)
                            for l in cfg.engram_layer_ids}
+        self.rows_run = {"encoder": 0, "decoder": 0}    # rows each part of the model has run
         self.use_forward(self.model, static_shapes=False)
 
     # a padding row's value in each per-token buffer: it reads and writes nothing (DESIGN §5
@@ -140,7 +146,17 @@ class ModelRunner:
         if hi > len(n):
             self.buf["block_table"][len(n):hi].fill_(0)
         self._committed = (slots, starts + n)
-        return self.batch_view(Tr, Br, self.prepare_engram(ids, n, starts, slots, T, Tr), sb.captures)
+        batch = self.batch_view(Tr, Br, self.prepare_engram(ids, n, starts, slots, T, Tr), sb.captures)
+        tails = np.fromiter((s.decoder_start or 0 for s in sb.seqs), dtype=np.int64, count=len(n))
+        last = np.where(sb.is_final_chunk, np.cumsum(n) - 1, -1)
+        dec = replay.plan(pos, bid, starts, tails, slots, last, W, S) if self.decoder_replay else None
+        if dec is not None:
+            batch.decoder = replay.decoder_rows(batch, *dec, Batch)
+            self.rows_run["decoder"] += len(dec[0])
+        else:
+            self.rows_run["decoder"] += T
+        self.rows_run["encoder"] += T
+        return batch
 
     def padding_batch(self, tokens: int) -> Batch:
         """A step of `tokens` padding rows and no request: reads and writes nothing; it traces and
@@ -226,11 +242,20 @@ class ModelRunner:
         """Forward one step. Returns logits of each request's last row (the sampling rows), or of
         every row when `all_rows` (teacher forcing)."""
         batch = self.prepare(sb, **width)
+        if all_rows and batch.decoder is not None:
+            raise ValueError("every row's logits (teacher forcing) need the decoder on every row: "
+                             "--no-decoder-swa-bounded-replay")
         h = self.forward(batch, self.cache)
         self.commit(sb)
         for _, end, img in sb.captures:
             self.state.seal(img, end)
         T = sb.scheduled_tokens
+        if batch.decoder is not None:
+            # only the rows the step samples left the decoder; the other requests' rows are NaN
+            out = torch.full((len(sb.seqs), self.cfg.vocab_size), float("nan"), device=h.device)
+            final = torch.as_tensor(np.flatnonzero(sb.is_final_chunk), device=h.device)
+            lg = self.model.logits(h)
+            return out.to(lg.dtype).index_copy_(0, final, lg)
         if all_rows:
             return self.model.logits(h[:T])
         last = torch.as_tensor(np.cumsum(sb.num_new) - 1, device=h.device)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime import replay
 from runtime.block_manager import BlockManager
 from runtime.sequence import Sequence, Status
 
@@ -106,7 +107,7 @@ class Scheduler:
         n = len(seq.token_ids) - seq.num_computed
         if n > 1:  # a prompt (or a recompute): chunked
             n = min(n, self.max_prefill_chunk)
-        return min(n, budget)
+        return replay.cut_chunk(seq.num_computed, min(n, budget), len(seq.token_ids), seq.decoder_start)
 
     def schedule(self) -> ScheduledBatch:
         seqs, num_new, budget = [], [], self.max_tokens
@@ -161,9 +162,13 @@ class Scheduler:
             start, seq.resume = self.bm.replay_start(hit), ("replay",)
             seq.swa_floor = start
         else:
+            # an image above the decoder's tail start holds decoder rings of another request's
+            # tail: resume at or below it (runtime.replay)
             start = 0
             for i in reversed(range(len(pages))):
                 img = self.bm.image_of.get(pages[i])
+                if seq.decoder_start is not None and (i + 1) * P > seq.decoder_start:
+                    continue
                 if img is not None and self.state.valid(img, (i + 1) * P):
                     start, seq.resume = (i + 1) * P, ("image", img)
                     break

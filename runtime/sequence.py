@@ -120,6 +120,8 @@ class Sequence:
         self.resume = None               # how a prefix hit resumes, until its first forward
         self.write_from = 0              # global rows of groups ending below this are cached
         self.swa_floor = 0               # no window reads below this position (encoder replay)
+        self.decoder_start = None        # first position the decoder runs on (runtime.replay), or
+                                         # None: every position (decoder bounded replay off)
 
     @property
     def num_tokens(self) -> int:

@@ -31,18 +31,20 @@ MINI_REQS = H.prompts((5, 17, 40), seed=4)
 
 
 def step_logits(eng, reqs, max_tokens=4, prefix="q"):
-    """Every step's logits of all rows; greedy continuation on the engine's own argmax."""
+    """Every step's logits of all rows (of the sampled rows under decoder bounded replay, which
+    computes no others); greedy continuation on the engine's own argmax."""
     p = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i, r in enumerate(reqs):
         eng.add_request(r, p, f"{prefix}{i}")
     out = []
+    replay = eng.args.decoder_swa_bounded_replay
     while eng.has_unfinished():
         sb = eng.scheduler.schedule()
-        lg = eng.runner.run(sb, all_rows=True)
-        out.append(lg)
-        last = np.cumsum(sb.num_new) - 1
-        eng.scheduler.postprocess(sb, {sb.seqs[i].seq_id: int(lg[last[i]].argmax())
-                                       for i, f in enumerate(sb.is_final_chunk) if f})
+        final = np.flatnonzero(sb.is_final_chunk)
+        lg = eng.runner.run(sb, all_rows=not replay)
+        last = final if replay else (np.cumsum(sb.num_new) - 1)[final]
+        out.append(lg[torch.as_tensor(last)] if replay else lg)
+        eng.scheduler.postprocess(sb, {sb.seqs[i].seq_id: int(lg[j].argmax()) for i, j in zip(final, last)})
     return out
 
 
@@ -103,7 +105,7 @@ class ToyPrefix:
 def toy_prefix(toy_weights, n_layers) -> ToyPrefix:
     """The toy with its first `n_layers` layers and the final norm, and one prefill batch (5, 17,
     40 tokens)."""
-    eng = H.make_engine(toy_weights, "float32")
+    eng = H.make_engine(toy_weights, "float32", decoder_swa_bounded_replay=False)   # no decoder to replay
     runner = eng.runner
     runner.use_forward(runner.model, static_shapes=True)
     runner.model.layers = runner.model.layers[:n_layers]

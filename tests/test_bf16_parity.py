@@ -83,7 +83,8 @@ def test_sparse_attn_blocks_float64_as_one_pass():
 def test_teacher_forced_bf16_logits_equal_oracle(toy_cfg, toy_weights, toy_token_map, fmt):
     """Each prompt alone and in one chunk, so the runtime's GEMMs and elementwise kernels see
     the oracle's shapes; 600 tokens span many windows, owner rows and top-k selections."""
-    eng = H.make_engine(toy_weights, dtype="bfloat16", index_cache_dtype=fmt, max_num_batched_tokens=700)
+    eng = H.make_engine(toy_weights, dtype="bfloat16", index_cache_dtype=fmt, max_num_batched_tokens=700,
+                        decoder_swa_bounded_replay=False)
     oracle = Oracle(toy_cfg, toy_weights, dtype=BF16, index_plane=fmt, token_map=toy_token_map)
     for p in H.prompts((1, 10, 33, 150, 600), seed=1):
         (got,) = teacher_forced(eng, [p])

@@ -103,6 +103,35 @@ def check_step(runner, sb, batch) -> None:
     for i, l in enumerate(runner.cfg.engram_layer_ids):
         assert batch.engram_rows[l].shape[0] == Tr
         assert torch.equal(batch.engram_rows[l][:T], expected_engram(runner, sb, i, l)), f"Engram layer {l}"
+    check_decoder(runner, sb, batch)
+
+
+def check_decoder(runner, sb, batch) -> None:
+    """Decoder bounded replay: the rows from each request's tail start, their windows (nothing
+    below the tail start; this step's decoder rows, else the ring) and the sampled rows."""
+    W, S = runner.W, runner.cache.num_slots
+    rows, win, queries, first = [], [], [], 0
+    for i, (seq, n) in enumerate(zip(sb.seqs, sb.num_new)):
+        a, s, slot = seq.num_computed, seq.decoder_start or 0, int(sb.slots[i])
+        lo = max(a, s)
+        base = len(rows)
+        for p in range(lo, a + n):
+            rows.append(first + p - a)
+            win.append([-1 if q < s else S * W + base + q - lo if q >= lo else slot * W + q % W
+                        for q in range(p - W + 1, p + 1)])
+        if a + n == seq.num_tokens:
+            queries.append(len(rows) - 1)
+        first += n
+    dec = batch.decoder
+    if not runner.decoder_replay or (len(rows) == first == len(queries)):
+        assert dec is None
+        return
+    assert dec.rows.tolist() == rows and dec.batch.win_idx.tolist() == win
+    assert dec.queries.rows.tolist() == queries
+    assert dec.queries.win_idx.tolist() == [win[q] for q in queries]
+    assert dec.batch.positions.tolist() == batch.positions[rows].tolist()
+    assert dec.batch.ring_dest.tolist() == batch.ring_dest[rows].tolist()
+    assert all((d == -1).all() for d in (*dec.batch.owner_dest.values(), dec.batch.tail_src, dec.batch.tail_dst))
 
 
 def run_checked(weights, reqs, engine: dict, arrivals=None, hook=None, max_tokens=3):
@@ -116,8 +145,10 @@ def run_checked(weights, reqs, engine: dict, arrivals=None, hook=None, max_token
     width = runner.cfg.hidden_size
     g = torch.Generator().manual_seed(0)   # distinct ring rows, so a misplaced image copy shows
     runner.cache.ring.copy_(torch.randn(runner.cache.ring.shape, generator=g, dtype=torch.float64))
-    runner.use_forward(lambda batch, cache: torch.zeros(batch.input_ids.shape[0], width, dtype=runner.dtype),
-                       static_shapes=False)
+    def stub(batch, cache):   # rows out: every row, or the decoder's query rows (bounded replay)
+        rows = batch.input_ids if batch.decoder is None else batch.decoder.queries.rows
+        return torch.zeros(rows.shape[0], width, dtype=runner.dtype)
+    runner.use_forward(stub, static_shapes=False)
 
     def checked(sb, **width):
         Tr, Br = widths(runner, sb)
@@ -187,16 +218,17 @@ def test_every_row_and_the_sampled_rows_match_the_oracle(toy_cfg, toy_weights, t
     greedy tokens through chunks and decode equal the oracle's (float64)."""
     from tests.reference.oracle import Oracle
     from tests.test_runtime_parity import rel_err, teacher_forced
+    from tests.reference.replay import bounded_replay
     reqs = H.prompts((3, 20), seed=9)
     oracle = Oracle(toy_cfg, toy_weights, dtype=torch.float64, index_plane="fp8", token_map=toy_token_map)
-    got = teacher_forced(H.make_engine(toy_weights, max_prefill_chunk=7), reqs)
+    got = teacher_forced(H.make_engine(toy_weights, max_prefill_chunk=7, decoder_swa_bounded_replay=False), reqs)
     for p, g in zip(reqs, got):
         assert rel_err(g, oracle.forward(torch.tensor(p))) < 1e-6
     out = H.run(toy_weights, reqs, max_tokens=3, scenario=H.Scenario("chunks", engine={"max_prefill_chunk": 7}))
     for i, p in enumerate(reqs):
         ids = list(p)
         for _ in range(3):
-            ids.append(int(oracle.forward(torch.tensor(ids))[-1].argmax()))
+            ids.append(int(oracle.forward(torch.tensor(ids), window_start=bounded_replay(toy_cfg, len(p)))[-1].argmax()))
         assert out[i] == ids[len(p):]
 
 

@@ -44,7 +44,7 @@ def test_padding_rows_and_requests_are_inert(toy_weights):
     reqs = H.prompts((20, 3), seed=5)
     outs, written = [], []
     for pad in (False, True):
-        eng = H.make_engine(toy_weights, max_num_seqs=4, max_num_batched_tokens=64)
+        eng = H.make_engine(toy_weights, max_num_seqs=4, max_num_batched_tokens=64, decoder_swa_bounded_replay=False)
         c = eng.runner.cache
         planes = [c.ring] + [t for o in c.owners.values() for t in (o.main, o.tail_v, o.tail_g) if t is not None]
         for t in planes:

@@ -6,7 +6,7 @@ import torch
 
 from runtime.sequence import SamplingParams
 from tests import harness as H
-from tests.reference.oracle import Oracle
+from tests.reference.oracle import Oracle, replay_window
 
 
 def teacher_forced(eng, reqs):
@@ -35,7 +35,7 @@ def test_teacher_forced_logits_match_oracle(toy_cfg, toy_weights, toy_token_map,
     lens = (1, 2, 15, 16, 17, 33, 64, 127, 301, 600)
     reqs = H.prompts(lens, seed=1)
     eng = H.make_engine(toy_weights, index_cache_dtype=fmt, max_prefill_chunk=chunk,
-                        max_num_batched_tokens=700 if chunk is None else 64)
+                        max_num_batched_tokens=700 if chunk is None else 64, decoder_swa_bounded_replay=False)
     got = teacher_forced(eng, reqs)
     oracle = Oracle(toy_cfg, toy_weights, dtype=torch.float64, index_plane=fmt, token_map=toy_token_map)
     for p, g in zip(reqs, got):
@@ -46,11 +46,14 @@ def test_teacher_forced_logits_match_oracle(toy_cfg, toy_weights, toy_token_map,
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_greedy_generation_matches_oracle(toy_cfg, toy_weights, toy_token_map, fmt):
+    """Greedy decoding (decoder bounded replay on, the default) against the oracle truncating
+    the decoder's windows at each prompt's tail start."""
     reqs = H.prompts((7, 40), seed=2)
     out = H.run(toy_weights, reqs, max_tokens=64, scenario=H.Scenario("fmt", engine={"index_cache_dtype": fmt}))
     oracle = Oracle(toy_cfg, toy_weights, dtype=torch.float64, index_plane=fmt, token_map=toy_token_map)
     for i, p in enumerate(reqs):
         ids = list(p)
+        tail = replay_window(max(0, len(p) - toy_cfg.sliding_window), toy_cfg.topology.boundary)
         for _ in range(64):
-            ids.append(int(oracle.forward(torch.tensor(ids))[-1].argmax()))
+            ids.append(int(oracle.forward(torch.tensor(ids), window_start=tail)[-1].argmax()))
         assert out[i] == ids[len(p):]

@@ -7,6 +7,8 @@ The irregular steps are `torch.ops.v41` ops; the rest is plain PyTorch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -19,13 +21,24 @@ from v41.layers import Linear, RMSNorm, Rope, acc_dtype
 ops = torch.ops.v41
 
 
+@dataclass
+class QueryRows:
+    """Queries on some of a layer's rows (the last layer under decoder bounded replay): every
+    row still writes its window KV, only `rows` attend. Fields are per query row, as in Batch."""
+    rows: torch.Tensor            # [Q] index into the layer's rows
+    positions: torch.Tensor
+    batch_ids: torch.Tensor
+    win_idx: torch.Tensor         # [Q, W] window rows (ring rows, or ring rows + a KV row)
+    block_table: torch.Tensor
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: V41Config, spec: LayerSpec, w: dict, rope: Rope):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.spec, self.rope = spec, rope
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
-        self.o_groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
+        self.o_groups, self.o_rank, self.o_group_in = cfg.o_groups, cfg.o_lora_rank, cfg.o_group_in
         self.scale = cfg.head_dim ** -0.5
         self.wq_a, self.wq_b = Linear(w["wq_a"], "fp8"), Linear(w["wq_b"], "fp8")
         self.wkv, self.wo_b = Linear(w["wkv"], "fp8"), Linear(w["wo_b"], "fp8")
@@ -47,31 +60,34 @@ class Attention(nn.Module):
             self.topk, self.n_cand = cfg.index_topk, cfg.candidate_topk_blocks
             self.cand_block = cfg.candidate_block_size
 
-    def forward(self, x, batch, cache, sel: dict):
-        T, l, spec = x.shape[0], self.spec.layer, self.spec
-        pos = batch.positions
-        qr = self.q_norm(self.wq_a(x))
-        q = self.rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), pos)
-        kv = quant.fp8_qat(self.rope(self.kv_norm(self.wkv(x)), pos))
+    def forward(self, x, batch, cache, sel: dict, queries: QueryRows | None = None):
+        """The attention output of every row, or of the `queries` rows only."""
+        l, spec = self.spec.layer, self.spec
+        xq, qb = (x, batch) if queries is None else (x[queries.rows], queries)
+        qr = self.q_norm(self.wq_a(xq))
+        q = self.rope(self.wq_b(qr).view(xq.shape[0], self.n_heads, self.head_dim), qb.positions)
+        kv = quant.fp8_qat(self.rope(self.kv_norm(self.wkv(x)), batch.positions))
         if spec.role is Role.FULL:
             self.compress(x, batch, cache)
         if spec.scores:
-            self.select(x, qr, batch, cache, sel)
+            self.select(xq, qr, qb, cache, sel)
         ring = cache.ring[l]
         o = torch.empty_like(q)
         if spec.ratio:
             owner = cache.owner(spec.kv_owner)
-            ops.sparse_attn(q, kv, ring, batch.win_idx, owner.main, sel["topk", spec.topk_owner],
-                            batch.block_table, batch.batch_ids, spec.ratio, owner.rows_per_page,
-                            self.sink, self.scale, o)
+            topk = sel["topk", spec.topk_owner]
+            if queries is not None and not spec.scores:   # published for every row by its scorer
+                topk = topk[queries.rows]
+            ops.sparse_attn(q, kv, ring, qb.win_idx, owner.main, topk, qb.block_table, qb.batch_ids,
+                            spec.ratio, owner.rows_per_page, self.sink, self.scale, o)
         else:
-            ops.sparse_attn(q, kv, ring, batch.win_idx, None, None, batch.block_table,
-                            batch.batch_ids, 1, 1, self.sink, self.scale, o)
+            ops.sparse_attn(q, kv, ring, qb.win_idx, None, None, qb.block_table, qb.batch_ids, 1, 1,
+                            self.sink, self.scale, o)
         # every query of the batch has read its window: only now may the ring move on
         ops.scatter_rows(ring, kv, batch.ring_dest)
         if batch.image_dest is not None:  # checkpoint images at PAGE boundaries (copy mode)
             ops.scatter_rows(cache.image_ring[l], kv, batch.image_dest)
-        o = self.rope(o, pos, inverse=True).view(T, self.o_groups, -1)
+        o = self.rope(o, qb.positions, inverse=True).view(xq.shape[0], self.o_groups, self.o_group_in)
         z = torch.einsum("tgi,goi->tgo", o, self.wo_a).flatten(1)
         return self.wo_b(z)
 

@@ -34,14 +34,24 @@ class Block(nn.Module):
                        cfg.dspark_num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit)
         self.engram = Engram(w, cfg.hc_mult, eps) if "engram.wkv" in w else None
 
-    def forward(self, X, pre, batch, cache, sel):
+    def forward(self, X, pre, batch, cache, sel, queries=None):
+        """The block on every row, or (`queries`, v41.attention.QueryRows) every row's window KV
+        and the rest on the query rows alone: the output has their rows."""
         if self.engram is not None:
             X = self.engram(X, batch.engram_rows[self.layer])
+        x = self.attn_norm(collapse(X, pre))
+        if queries is not None:
+            X = X[queries.rows]
         pa, post, comb = self.mix_attn(X)
-        X = expand(self.attn(self.attn_norm(collapse(X, pre)), batch, cache, sel), X, post, comb)
+        X = expand(self.attn(x, batch, cache, sel, queries), X, post, comb)
         pf, post, comb = self.mix_ffn(X)
         X = expand(self.ffn(self.ffn_norm(collapse(X, pa))), X, post, comb)
         return X, pf
+
+    def compress(self, X, pre, batch, cache) -> None:
+        """This layer's compression alone (a FULL owner's global rows and index keys): under
+        decoder bounded replay the boundary layer compresses every row, the rest runs on the tail."""
+        self.attn.compress(self.attn_norm(collapse(X, pre)), batch, cache)
 
 
 class Transformer(nn.Module):
@@ -61,12 +71,27 @@ class Transformer(nn.Module):
         self.hc = cfg.hc_mult
 
     def forward(self, batch, cache):
-        """Hidden state of every token after the final collapse and norm, [T, D]."""
+        """Hidden state after the final collapse and norm, [T, D]: of every token, or under
+        decoder bounded replay (`batch.decoder`) of the rows the step samples."""
         X, pre = self.embed(batch)
         sel: dict = {}
-        for block in self.layers:
-            X, pre = block(X, pre, batch, cache, sel)
+        queries, last = None, len(self.layers) - 1
+        for i, block in enumerate(self.layers):
+            if i == self.cfg.topology.boundary and batch.decoder is not None:
+                X, pre, batch, sel, queries = self.enter_decoder(X, pre, batch, cache, sel)
+                if not X.shape[0]:
+                    break
+            X, pre = block(X, pre, batch, cache, sel, queries if i == last else None)
         return self.final(X, pre)
+
+    def enter_decoder(self, X, pre, batch, cache, sel):
+        """Decoder bounded replay (batch.decoder: runtime.replay.DecoderRows): the boundary layer
+        compresses every row (the global KV all later rows read), then the decoder goes on with
+        its own rows. Returns the decoder's X, pre, batch, selections and last-layer queries."""
+        dec = batch.decoder
+        self.layers[self.cfg.topology.boundary].compress(X, pre, batch, cache)
+        r = dec.rows
+        return X[r], pre[r], dec.batch, {k: v[r] for k, v in sel.items()}, dec.queries
 
     # the head and the tail of the forward, also run by the compiled segments (runtime/compile/)
     def embed(self, batch):

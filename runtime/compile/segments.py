@@ -80,11 +80,17 @@ def split_forward(model, batch, cache, early: Callable, late: Callable | None, p
     """The forward as segments: `early`/`late` are the (compiled or eager) segment callables."""
     sel: dict = {}
     X, pre = early(batch, cache, sel)
-    X, pre = model.layers[points.boundary](X, pre, batch, cache, sel)
+    queries = None
+    if batch.decoder is not None:     # bounded replay: the decoder runs on its rows alone
+        X, pre, batch, sel, queries = model.enter_decoder(X, pre, batch, cache, sel)
+        if not X.shape[0]:
+            return model.final(X, pre)
+    X, pre = model.layers[points.boundary](X, pre, batch, cache, sel,
+                                           queries if points.last == points.boundary else None)
     if late is not None:
         X, pre = late(X, pre, batch, cache, sel)
     if points.last != points.boundary:
-        X, pre = model.layers[points.last](X, pre, batch, cache, sel)
+        X, pre = model.layers[points.last](X, pre, batch, cache, sel, queries)
     return model.final(X, pre)
 
 

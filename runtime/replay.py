@@ -1,0 +1,85 @@
+"""Decoder SWA bounded replay (DESIGN.md §5): which rows of a forward run the decoder.
+
+With W the window and L a request's prompt length, the decoder (the boundary layer's attention
+and FFN through the last layer) runs on the request's positions from its tail start
+s = max(0, L - W) on, and every decoder window starts there: a row at position p reads
+[max(s, p - W + 1), p]. Rows below s run the encoder and the boundary layer's compression
+(the global KV every later row reads) and nothing else; the last layer's query, attention and
+FFN run only on the row each finishing request samples from.
+
+A finishing prompt's forward therefore runs the decoder on its last W rows (the scheduler never
+ends a chunk past s, so the forward that finishes the prompt starts at or below s), decode rows
+run it on their one row, and a recompute after preemption rebuilds exactly the decoder rows
+the uninterrupted run computed (positions from s on). Rows below s never reach the decoder, so
+no decoder ring row below s is ever written or read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from v41.attention import QueryRows
+
+
+def decoder_start(num_prompt_tokens: int, window: int, replay: bool) -> int | None:
+    """The first position of a request that runs the decoder (its tail start); None with
+    replay off (every position)."""
+    return max(0, num_prompt_tokens - window) if replay else None
+
+
+def cut_chunk(start: int, n: int, num_tokens: int, tail_start: int | None) -> int:
+    """A chunk that does not finish the request ends at its tail start rather than past it, so
+    the forward that finishes the prompt holds the whole tail."""
+    if tail_start is not None and start + n < num_tokens and start < tail_start < start + n:
+        return tail_start - start
+    return n
+
+
+@dataclass
+class DecoderRows:
+    """The decoder's part of a forward: its rows (index into the batch), their Batch (windows
+    from the tail start, no compression destinations) and the last layer's query rows."""
+    rows: torch.Tensor
+    batch: object
+    queries: QueryRows
+
+
+def plan(pos, bid, starts, tails, slots, n_final_last, W: int, S: int):
+    """Host arrays of the decoder rows of a step (None: every row runs every layer).
+
+    pos, bid: position and request of each row; starts, tails, slots: per request, the forward's
+    first position, the tail start, the STATE slot; n_final_last: per request, its last row's
+    index in the batch if the step samples it, else -1. Returns (rows, win_idx, query rows in the
+    decoder's numbering), win_idx as Batch.win_idx over the decoder's rows."""
+    dec = pos >= tails[bid]
+    last = n_final_last[n_final_last >= 0]
+    if dec.all() and len(last) == len(pos):     # decode rows only: the whole model on every row
+        return None
+    rows = np.flatnonzero(dec)
+    p, b = pos[rows], bid[rows]
+    count = np.bincount(b, minlength=len(starts))
+    first_row = np.cumsum(count) - count                     # each request's first decoder row
+    first_pos = np.maximum(starts, tails)                    # ... and its position
+    q = p[:, None] - (W - 1) + np.arange(W)
+    in_batch = q >= first_pos[b][:, None]
+    row = np.where(in_batch, S * W + first_row[b][:, None] + q - first_pos[b][:, None],
+                   slots[b][:, None] * W + q % W)
+    win = np.where(q >= tails[b][:, None], row, -1)
+    queries = np.searchsorted(rows, last)
+    return rows, win, queries
+
+
+def decoder_rows(batch, rows: np.ndarray, win: np.ndarray, queries: np.ndarray, batch_cls) -> DecoderRows:
+    """The DecoderRows of `batch` (device tensors gathered from it)."""
+    dev = batch.positions.device
+    r = torch.from_numpy(rows).to(dev)
+    none = lambda: torch.full((len(rows),), -1, dtype=torch.long, device=dev)  # noqa: E731
+    w = torch.from_numpy(win).to(dev)
+    sub = batch_cls(batch.input_ids[r], batch.positions[r], batch.batch_ids[r], batch.block_table, w,
+                    batch.ring_dest[r], {k: none() for k in batch.owner_dest}, none(), none(),
+                    {l: e[r] for l, e in batch.engram_rows.items()},
+                    None if batch.image_dest is None else batch.image_dest[r])
+    qr = torch.from_numpy(queries).to(dev)
+    return DecoderRows(r, sub, QueryRows(qr, sub.positions[qr], sub.batch_ids[qr], w[qr], batch.block_table))
