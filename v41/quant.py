@@ -276,3 +276,45 @@ def quant_fp4_expert(w: torch.Tensor):
     [..., n, k/32]), quantized exactly like fp4_act_quant with group 32."""
     q, s = fp4_act_quant(w, FP4_WEIGHT_GROUP)
     return pack_fp4(e2m1_encode(q)), e8m0_encode(s)
+
+
+# ---------------------------------------------------------------------------------------------
+# native resident weights
+
+class BlockScaled:
+    """A weight kept in its checkpoint format on the device: `q` (float8_e4m3fn [..., n, k], or
+    FP4 packed int8 [..., n, k/2]) and its E8M0 `scale` (FP8: per 32x32 block; FP4: per 1x32).
+    The native GEMM ops read it as is; `dequant` gives what the reference path multiplies."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        if q.dtype not in (torch.float8_e4m3fn, torch.int8):
+            raise TypeError(f"BlockScaled.q: float8_e4m3fn or packed-FP4 int8, got {q.dtype}")
+        if scale.dtype != torch.float8_e8m0fnu:
+            raise TypeError(f"BlockScaled.scale: float8_e8m0fnu, got {scale.dtype}")
+        self.q, self.scale = q, scale
+
+    @property
+    def fmt(self) -> str:
+        return "fp8" if self.q.dtype == torch.float8_e4m3fn else "fp4"
+
+    @property
+    def shape(self) -> torch.Size:
+        """The logical (dequantized) shape."""
+        s = self.q.shape
+        return s if self.fmt == "fp8" else s[:-1] + (2 * s[-1],)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+    def to(self, device) -> "BlockScaled":
+        return BlockScaled(self.q.to(device), self.scale.to(device))
+
+    def dequant(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.fmt == "fp8":
+            return dequant_fp8_block(self.q, self.scale, dtype)
+        return dequant_fp4_expert(self.q, self.scale, dtype)
+
+    @staticmethod
+    def stack(ws: list["BlockScaled"]) -> "BlockScaled":
+        return BlockScaled(torch.stack([w.q for w in ws]), torch.stack([w.scale for w in ws]))

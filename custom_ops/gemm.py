@@ -1,0 +1,67 @@
+"""Native-format GEMMs (spec §2.5, §3.4): weights stay FP8 / FP4 on the device and the GEMM reads
+them as stored. The reference impls dequantize and multiply in the accumulation dtype (FP32 for
+bf16/fp32 activations), which is what the dequantized path computes: every product of an
+E4M3·2^a activation and an E4M3·2^b or E2M1·2^b weight is exact in FP32, so any impl differs
+from it only in the order of the FP32 sums.
+
+- `fp8_act_quant`: the A8 activation quant of spec §2.4 (per 32 along K, UE8M0 scale) as
+  E4M3 codes plus FP32 scales, the form the W8A8 GEMM takes.
+- `fp8_block_gemm`: out = (q_x·s_x) · (q_w·s_w)ᵀ, W8A8 with 32x32 E8M0 weight blocks.
+- `moe_experts_w4a8`: `v41::moe_experts` with FP4 E2M1 expert weights and E8M0 per-32 scales.
+
+`native_weights` is the one place that decides, at load, whether weights stay native.
+"""
+from __future__ import annotations
+
+import torch
+
+from custom_ops import moe as _moe
+from custom_ops.registry import define, selected
+from v41 import quant
+
+FP8_GROUP = 32
+NATIVE_OPS = ("fp8_act_quant", "fp8_block_gemm", "moe_experts_w4a8")
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@define("fp8_act_quant(Tensor x, Tensor(a!) q, Tensor(b!) s) -> ()")
+def fp8_act_quant(x, q, s) -> None:
+    """x [M, K] (K a multiple of 32); q [M, K] float8_e4m3fn, s [M, K/32] float32 <-
+    quant.fp8_act_quant(x, 32) (q·s is quant.fp8_qat(x))."""
+    qv, sv = quant.fp8_act_quant(x, FP8_GROUP)
+    q.copy_(qv.to(torch.float32).to(torch.float8_e4m3fn))   # E4M3 values: the cast is exact
+    s.copy_(sv)
+
+
+@define("fp8_block_gemm(Tensor xq, Tensor xs, Tensor w, Tensor ws, Tensor(a!) out) -> ()")
+def fp8_block_gemm(xq, xs, w, ws, out) -> None:
+    """xq [M, K] float8_e4m3fn, xs [M, K/32] float32; w [N, K] float8_e4m3fn, ws [⌈N/32⌉, ⌈K/32⌉]
+    float8_e8m0fnu; out [M, N] <- (xq·xs) @ (w·ws)ᵀ accumulated in FP32 (FP64 for a float64
+    out), rounded once to out's dtype."""
+    acc = _acc(out.dtype)
+    x = xq.to(acc) * xs.to(acc).repeat_interleave(FP8_GROUP, -1)
+    out.copy_(x @ quant.dequant_fp8_block(w, ws, acc).T)
+
+
+@define("moe_experts_w4a8(Tensor x, Tensor ids, Tensor weights, Tensor w1, Tensor s1, Tensor w3, "
+        "Tensor s3, Tensor w2, Tensor s2, float limit, Tensor(a!) out) -> ()")
+def moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out) -> None:
+    """`v41::moe_experts` on FP4 experts: w1/w3 [E, I, D/2], w2 [E, D, I/2] packed E2M1 (int8),
+    s1/s3 [E, I, D/32], s2 [E, D, I/32] float8_e8m0fnu; the experts dequantized to x's dtype
+    (exact) and run by the moe_experts reference."""
+    deq = [quant.dequant_fp4_expert(w, s, x.dtype) for w, s in ((w1, s1), (w3, s3), (w2, s2))]
+    _moe.moe_experts(x, ids, weights, *deq, limit, out)
+
+
+def native_weights(device, dtype: torch.dtype) -> bool:
+    """Whether weights stay FP8/FP4 on `device`: on CUDA, when the op registry runs a non-
+    reference impl of every native op (custom_ops.triton imported, V41_OP_BACKEND not forcing
+    the reference) and the activations are not float64 (the oracle multiplies dequantized)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type != "cuda" or dtype == torch.float64:
+        return False
+    sel = selected()
+    return all(sel[f"v41::{n}"].get("cuda", "reference") != "reference" for n in NATIVE_OPS)

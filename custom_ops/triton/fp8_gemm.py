@@ -1,0 +1,127 @@
+"""Triton impls of `v41::fp8_act_quant` and `v41::fp8_block_gemm` (custom_ops/gemm.py is the
+definition), and the pieces the W4A8 expert kernels share with them.
+
+Activation quant, grid (row tiles, group tiles): per group of 32, the scale 2^k and the E4M3
+codes of common.py's FP8 QAT (bit-exact with v41.quant), stored as float8_e4m3fn codes plus
+FP32 scales instead of their product.
+
+W8A8 GEMM, grid (M / BLOCK_M, N / BLOCK_N): the K loop walks 32-wide blocks, the width of both
+the activation groups and the weight's 32x32 scale blocks. Each block is one FP8 x FP8 dot into
+a fresh FP32 tile, then promoted: acc += tile · s_x[m] · s_w[n] (DeepGEMM's per-block scale
+promotion; both scales are powers of two, so the promotion is exact and only the order of the
+FP32 sums differs from the reference). The E8M0 weight scales are decoded from their bits.
+Output rounded once to out's dtype. FP64 outputs and K not a multiple of 32 run the reference.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops import gemm as _ref
+from custom_ops.registry import register_impl
+from custom_ops.triton.common import TL_DTYPES, ceil_log2, pow2, round_e4m3, rows2d
+
+GROUP = 32
+BLOCK_M_MAX = 64
+BLOCK_N = 64
+
+
+@triton.jit
+def e8m0_to_f32(c):
+    """2^(c-127) as FP32 for int32 E8M0 codes c: 1..254 from the bits, 0 the subnormal 2^-127,
+    255 NaN."""
+    v = tl.where(c == 0, 0x400000, c << 23).to(tl.float32, bitcast=True)
+    return tl.where(c == 255, float("nan"), v)
+
+
+@triton.jit
+def fp8_quant_groups(y, AXIS: tl.constexpr):
+    """(E4M3 values q, scales 2^k) of FP32 `y` whose axis AXIS is one group of 32: q·2^k is
+    common.fp8_qat_groups(y), i.e. v41.quant.fp8_qat; the scales keep AXIS with size 1."""
+    amax = tl.maximum(tl.max(tl.abs(y), axis=AXIS, keep_dims=True), 1e-4)
+    k = ceil_log2(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+    return round_e4m3(y * pow2(-k)), pow2(k)
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, N, NG, stride_x, stride_q, stride_s,
+                      BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    j = tl.arange(0, GROUP)
+    r = rows.to(tl.int64)[:, None, None]
+    col = gs[None, :, None] * GROUP + j[None, None, :]
+    rg = (rows < N)[:, None] & (gs < NG)[None, :]
+    mask = rg[:, :, None] & (j < GROUP)[None, None, :]
+    y = tl.load(x_ptr + r * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+    q, s = fp8_quant_groups(y, 2)
+    tl.store(q_ptr + r * stride_q + col, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rows.to(tl.int64)[:, None] * stride_s + gs[None, :], tl.reshape(s, [BLOCK_R, BLOCK_G]),
+             mask=rg)
+
+
+def triton_fp8_act_quant(x, q, s) -> None:
+    """`v41::fp8_act_quant` (same signature)."""
+    K = x.shape[-1]
+    x2, q2, s2 = rows2d(x, K), rows2d(q, K), rows2d(s, K // GROUP)
+    if K % GROUP or x.dtype not in TL_DTYPES or None in (x2, q2, s2) or s.dtype != torch.float32:
+        return _ref.fp8_act_quant(x, q, s)
+    N, NG = x2.shape[0], K // GROUP
+    if N:
+        BLOCK_G = min(triton.next_power_of_2(NG), 32)
+        BLOCK_R = max(1, 64 // BLOCK_G)
+        _act_quant_kernel[(triton.cdiv(N, BLOCK_R), triton.cdiv(NG, BLOCK_G))](
+            x2, q2, s2, N, NG, x2.stride(0), q2.stride(0), s2.stride(0),
+            BLOCK_R=BLOCK_R, BLOCK_G=BLOCK_G, num_warps=4)
+
+
+@triton.jit
+def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, KB,
+                     stride_xm, stride_sm, stride_wn, stride_wsn, stride_om,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, GROUP)
+    mmask = rm < M
+    nmask = rn < N
+    a_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    b_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
+    sa_ptrs = xs_ptr + rm.to(tl.int64) * stride_sm
+    sb_ptrs = ws_ptr + (rn // GROUP).to(tl.int64) * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(KB):
+        a = tl.load(a_ptrs + kb * GROUP, mask=mmask[:, None], other=0.0)
+        b = tl.load(b_ptrs + kb * GROUP, mask=nmask[None, :], other=0.0)
+        part = tl.dot(a, b, out_dtype=tl.float32)
+        sa = tl.load(sa_ptrs + kb, mask=mmask, other=0.0)
+        sb = e8m0_to_f32(tl.load(sb_ptrs + kb, mask=nmask, other=127).to(tl.int32))
+        acc += part * sa[:, None] * sb[None, :]
+    tl.store(o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(o_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+def _block_m(M: int) -> int:
+    return min(BLOCK_M_MAX, max(16, triton.next_power_of_2(M)))
+
+
+def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None,
+                          block_n: int | None = None, num_warps: int = 4, num_stages: int = 3) -> None:
+    """`v41::fp8_block_gemm` (same signature); keyword knobs: tile sizes, warps, stages."""
+    M, K = xq.shape
+    N = w.shape[0]
+    if K % GROUP or out.dtype not in TL_DTYPES or xs.dtype != torch.float32 or \
+            xq.stride(-1) != 1 or w.stride(-1) != 1 or xs.stride(-1) != 1 or out.stride(-1) != 1:
+        return _ref.fp8_block_gemm(xq, xs, w, ws, out)
+    if M == 0 or N == 0:
+        return
+    bm, bn = block_m or _block_m(M), block_n or BLOCK_N
+    wsc = ws.view(torch.uint8)
+    _fp8_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+        xq, xs, w, wsc, out, M, N, K // GROUP, xq.stride(0), xs.stride(0), w.stride(0),
+        wsc.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
+        num_stages=num_stages)
+
+
+register_impl("fp8_act_quant", "triton", triton_fp8_act_quant, device_type="cuda")
+register_impl("fp8_block_gemm", "triton", triton_fp8_block_gemm, device_type="cuda")
