@@ -281,10 +281,13 @@ class LLMEngine:
         sb = self.scheduler.schedule()
         if not sb.seqs:
             return []
-        logits = self.runner.run(sb)
-        final = [i for i, f in enumerate(sb.is_final_chunk) if f]
-        seqs = [sb.seqs[i] for i in final]
-        rows = logits[final] if final else logits[:0]
+        before = dict(self.runner.rows_run)
+        # the final chunks' logits only: indexing by a host list would copy it to the device
+        rows = self.runner.run(sb, final_only=True)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step: %d requests, %d rows; encoder %d rows, decoder %d", len(sb.seqs), sb.scheduled_tokens,
+                      *(self.runner.rows_run[k] - before[k] for k in ("encoder", "decoder")))
+        seqs = [s for s, f in zip(sb.seqs, sb.is_final_chunk) if f]
         toks, errors = self._sample(rows, seqs)
         lps = self._logprobs(rows, seqs, toks, errors)
         for j, msg in errors.items():

@@ -65,6 +65,9 @@ class ServingMetrics:
                                 "Images refused (another geometry, position or altered bytes).")
         self.replayed_rows = g("v41:prefix_replayed_rows",
                                "Rows recomputed below prefix hits (replay start or image boundary).")
+        self.encoder_rows = g("v41:encoder_rows", "Rows the encoder has run (every scheduled row), since start.")
+        self.decoder_rows = g("v41:decoder_rows", "Rows the decoder has run, since start: under decoder bounded "
+                                                  "replay each prompt's tail and the decode rows.")
         self.prompt_tokens = c("v41:prompt_tokens_total", "Prefill tokens processed.")
         self.generation_tokens = c("v41:generation_tokens_total", "Generated tokens.")
         self.preemptions = c("v41:num_preemptions_total", "Requests preempted.")

@@ -548,10 +548,13 @@ def test_metrics_exposition(server):
                        ("v41:prefix_cache_hit_rate", "gauge"), ("v41:prompt_tokens_total", "counter"),
                        ("v41:generation_tokens_total", "counter"), ("v41:time_to_first_token_seconds", "histogram"),
                        ("v41:time_per_output_token_seconds", "histogram"),
-                       ("v41:e2e_request_latency_seconds", "histogram")]:
+                       ("v41:e2e_request_latency_seconds", "histogram"), ("v41:encoder_rows", "gauge"),
+                       ("v41:decoder_rows", "gauge")]:
         assert f"# TYPE {name} {kind}" in text
     ms = parse_metrics(text)
     assert ms['v41:generation_tokens_total{model_name="toy"}'] > 0
+    # decoder bounded replay: the decoder runs fewer rows than the encoder once a prompt is longer than W
+    assert 0 < ms['v41:decoder_rows{model_name="toy"}'] <= ms['v41:encoder_rows{model_name="toy"}']
     assert ms['v41:time_to_first_token_seconds_count{model_name="toy"}'] > 0
     assert ms['v41:e2e_request_latency_seconds_bucket{le="+Inf",model_name="toy"}'] == \
         ms['v41:e2e_request_latency_seconds_count{model_name="toy"}']

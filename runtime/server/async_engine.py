@@ -257,6 +257,8 @@ class AsyncEngine:
         m.images_restored.set(st["images_restored"])
         m.images_refused.set(st["images_refused"])
         m.replayed_rows.set(sch.stats["replayed_rows"])
+        m.encoder_rows.set(self.engine.runner.rows_run["encoder"])
+        m.decoder_rows.set(self.engine.runner.rows_run["decoder"])
         m.cached_pages.set(len(bm.evictable))
         if sch.num_preemptions > self._preemptions:
             m.preemptions.inc(sch.num_preemptions - self._preemptions)
