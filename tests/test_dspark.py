@@ -1,6 +1,6 @@
 """The runtime's DSpark draft (v41/dspark.py) against the oracle's (`Oracle.draft`, spec §3.6) in
 float64 on the toy: logits, proposed tokens and confidence for anchors with a short context,
-a context longer than the window, every ring offset, a decoder-replay context floor, several
+a context longer than the window, every ring offset, context floors (decoder tail start, inside the window), several
 requests in one flat draft batch, and context rings written in prefill chunks and decode steps.
 The taps come from the oracle's forward, so nothing here depends on the runner."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.reference.oracle import Oracle, replay_window
-from v41.config import preset
+from tests.test_oracle import cfg, one_thread  # noqa: F401  (the toy config; one intra-op thread)
 from v41.dspark import DSpark, prepare_draft_weights
 from v41.loader import dummy_weights
 from v41.model import prepare_weights
@@ -18,19 +18,6 @@ RTOL = 1e-6
 SLOTS = 6
 L_FULL = 64          # > 3 windows of the toy (W = 16)
 L_REPLAY = 50        # a prompt under decoder replay: tail start 34
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def cfg():
-    return preset("toy")
 
 
 @pytest.fixture(scope="module")
