@@ -148,3 +148,74 @@ def flash_width_case(g, dtype, T: int = 6, H: int = 8, d: int = 512, W: int = 12
     L = max(len(x) for x in lists)
     idx = torch.stack([torch.cat([x, x.new_full((L - len(x),), -1)]) for x in lists])
     return args, (q, torch.cat([ring, pool]), idx, sink, d ** -0.5)
+
+
+def rne_bf16_casts(monkeypatch):
+    """The Triton interpreter casts FP32 to BF16 by truncation; a GPU (cvt.rn) rounds to nearest
+    even. Patch the interpreter to cast as the GPU does, so a bf16 comparison measures the
+    kernel, not the interpreter."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+    cast = interp.InterpreterBuilder.cast_impl
+
+    def rne(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            b = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
+            return interp.TensorHandle(((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16),
+                                       dst_type.scalar)
+        return cast(self, src, dst_type)
+    monkeypatch.setattr(interp.InterpreterBuilder, "cast_impl", rne)
+
+
+# ---- native GEMMs (custom_ops/gemm.py) ----------------------------------------------------------
+
+def pow2_blocks(g, shape, lo: int, hi: int, block: tuple) -> torch.Tensor:
+    """2^b per block of `block` elements of the last two dims, b uniform in [lo, hi]."""
+    n, k = shape[-2:]
+    nb, kb = -(-n // block[0]), -(-k // block[1])
+    b = torch.randint(lo, hi + 1, tuple(shape[:-2]) + (nb, kb), generator=g).double()
+    return torch.exp2(b).repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :n, :k]
+
+
+def fp8_gemm_case(g, M: int, N: int, K: int, exact: bool = False, device="cpu"):
+    """Inputs of `v41::fp8_block_gemm`: (xq, xs, w, ws) from a quantized activation [M, K] and a
+    block-quantized weight [N, K]. With `exact`, integer activations in [-15, 15] and weights
+    that are integers in [-15, 15] times 2^b per 32x32 block (b in [-2, 1]): both survive the
+    quantizers unchanged, every partial sum of K <= 1024 products is a multiple of 1/4 below
+    2^19 (and a 32-term block of codes sums below 2^13 of its unit), so every FP32 summation
+    order gives the same, exact, result."""
+    if exact:
+        x = torch.randint(-15, 16, (M, K), generator=g).float()
+        w = (torch.randint(-15, 16, (N, K), generator=g) * pow2_blocks(g, (N, K), -2, 1, (32, 32))).float()
+    else:
+        x = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-3, 4, (M, 1), generator=g).float())
+        w = torch.randn(N, K, generator=g) * pow2_blocks(g, (N, K), -6, -2, (32, 32)).float()
+    q, s = quant.fp8_act_quant(x, 32)
+    wq, ws = quant.quant_fp8_block(w)
+    return (q.to(torch.float8_e4m3fn).to(device), s.float().to(device), wq.to(device), ws.to(device))
+
+
+def fp4_experts(g, E: int, n: int, k: int, exact: bool = False):
+    """FP4 expert weights (packed [E, n, k/2], scale [E, n, k/32]); with `exact`, E2M1 values
+    times 2^b per 1x32 group, b in [-1, 1], which quant_fp4_expert keeps unchanged."""
+    if exact:
+        codes = torch.randint(0, 16, (E, n, k), generator=g, dtype=torch.uint8)
+        w = quant.e2m1_decode(codes, torch.float32) * pow2_blocks(g, (E, n, k), -1, 1, (1, 32)).float()
+    else:
+        w = torch.randn(E, n, k, generator=g) * 0.2
+    return quant.quant_fp4_expert(w)
+
+
+def w4a8_case(g, T: int, E: int, D: int, I: int, k: int, exact: bool = False, dtype=torch.float32,
+              pad_token: bool = True):
+    """Inputs of `v41::moe_experts_w4a8` but `limit`: ragged expert groups (random top-k ids),
+    some padding slots, expert E-1 without tokens and (`pad_token`) token 0 all padding."""
+    x = torch.randint(-15, 16, (T, D), generator=g).float() if exact else torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(T)])
+    ids[torch.rand(T, k, generator=g) < 0.15] = -1
+    if pad_token:
+        ids[0] = -1
+    weights = torch.rand(T, k, generator=g)
+    (w1, s1), (w3, s3), (w2, s2) = (fp4_experts(g, E, a, b, exact) for a, b in ((I, D), (I, D), (D, I)))
+    return x.to(dtype), ids, weights, w1, s1, w3, s3, w2, s2

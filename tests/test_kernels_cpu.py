@@ -46,7 +46,7 @@ else:
     from custom_ops.triton import (triton_compress_pool, triton_index_topk, triton_scatter_rows,
                                    triton_sparse_attn)
     from tests.kernel_cases import (flash_width_case, index_plane, make_step, random_candidates,
-                                    random_topk)
+                                    random_topk, rne_bf16_casts)
 
     SEED = int(os.environ.get("V41_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
 
@@ -118,22 +118,6 @@ else:
             out = torch.full((T, H, d), float("nan"))
             triton_sparse_attn(*args, out, split_k=sk, block_n=4, qk_split=qs)
             assert rel(out, ref) < 1e-5
-
-    def rne_bf16_casts(monkeypatch):
-        """The interpreter casts FP32 to BF16 by truncation; a GPU (cvt.rn) rounds to nearest
-        even. Cast as the GPU does, so a bf16 comparison measures the kernel, not the interpreter."""
-        import numpy as np
-        import triton.language as tl
-        from triton.runtime import interpreter as interp
-        cast = interp.InterpreterBuilder.cast_impl
-
-        def rne(self, src, dst_type):
-            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-                b = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
-                return interp.TensorHandle(((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16),
-                                           dst_type.scalar)
-            return cast(self, src, dst_type)
-        monkeypatch.setattr(interp.InterpreterBuilder, "cast_impl", rne)
 
     def test_sparse_attn_bf16_flash_width(g, monkeypatch):
         """bf16 at Flash list widths (128 window + 512 selected rows, d 512, sink), against the

@@ -1,0 +1,225 @@
+"""The native-format GEMMs (custom_ops/gemm.py) under the Triton interpreter: the Triton impls
+against the reference (dequantize, multiply in FP32) on the same quantized inputs, FP8 loads and
+FP8 dots included (the interpreter runs them), outputs poisoned with NaN first.
+
+The bound. Every product of an E4M3·2^a activation and an E4M3·2^b or E2M1·2^b weight is exact
+in FP32 (at most 4 x 4 significant bits), and the power-of-two scale promotion is exact, so the
+kernel and the reference are two FP32 summations of the same K exact products. A summation of
+K terms in any order (any tree) is within γ_K·S of the exact sum, S = Σ|products|, γ_K =
+K·u/(1-K·u), u = 2^-24 (Higham, Accuracy and Stability, §4.2). So each is within γ_K·S of the
+float64 product and the two within 2·γ_K·S; a bf16 output adds one rounding, 2^-8 of |exact|.
+Inputs whose partial sums are all exact (tests/kernel_cases.py, `exact`) must match bitwise.
+
+As in test_kernels_cpu.py, unless this process runs with TRITON_INTERPRET=1 the module reruns
+itself in a subprocess with it set, programs in order and reversed.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+if not INTERPRETED:
+    @pytest.mark.parametrize("order", ["forward", "reversed"])
+    def test_native_gemm_under_triton_interpreter(order):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, TRITON_INTERPRET="1", V41_PROGRAM_ORDER=order)
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            os.path.abspath(__file__)], cwd=root, env=env, capture_output=True,
+                           text=True, timeout=900)
+        print(r.stdout[-4000:])
+        assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
+
+else:
+    import torch
+
+    from tests import program_order
+    program_order.apply()
+
+    import custom_ops  # noqa: F401
+    from custom_ops import gemm as ref
+    from custom_ops import registry
+    from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_moe_experts_w4a8
+    from custom_ops.triton.moe_w4a8 import w4a8_expert_gemms
+    from tests.kernel_cases import fp8_gemm_case, rne_bf16_casts, w4a8_case
+    from v41 import quant
+
+    SEED = int(os.environ.get("V41_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    U = 2.0**-24
+
+    @pytest.fixture
+    def g(request):
+        seed = SEED + sum(map(ord, request.node.name))
+        print(f"seed {seed} (V41_TEST_SEED={SEED})")
+        return torch.Generator().manual_seed(seed)
+
+    def gamma(k: int) -> float:
+        return k * U / (1 - k * U)
+
+    def dequant_act(q, s):
+        return q.double() * s.double().repeat_interleave(32, -1)
+
+    def exact_and_abs(xq, xs, w, ws):
+        """(float64 product, Σ|products|) of the dequantized operands."""
+        x, wd = dequant_act(xq, xs), quant.dequant_fp8_block(w, ws, torch.float64)
+        return x @ wd.T, x.abs() @ wd.abs().T
+
+    # ---- fp8_act_quant ---------------------------------------------------------------------
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_fp8_act_quant(g, dtype):
+        x = (torch.randn(37, 160, generator=g) * torch.exp2(torch.randint(-12, 8, (37, 5), generator=g))
+             .repeat_interleave(32, -1)).to(dtype)
+        x[3, :32] = 0                                                 # the amax floor
+        q, s = torch.empty(37, 160, dtype=torch.float8_e4m3fn), torch.empty(37, 5)
+        ref.fp8_act_quant(x, q, s)
+        assert torch.equal(dequant_act(q, s).to(dtype), quant.fp8_qat(x))
+        q2, s2 = torch.full_like(q, float("nan")), torch.full_like(s, float("nan"))
+        triton_fp8_act_quant(x, q2, s2)
+        assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
+
+    # ---- fp8_block_gemm --------------------------------------------------------------------
+    @pytest.mark.parametrize("M", [1, 2, 7, 16, 33, 64, 2048])
+    def test_fp8_block_gemm_exact(g, M):
+        """Exactly summable inputs: kernel == reference == float64, bitwise (N ragged: 80 is not
+        a multiple of the 64-wide tile, 40 not of the 32-row scale block)."""
+        for N, K in ((80, 256), (40, 64)):
+            if M == 2048 and N == 80:
+                continue
+            xq, xs, w, ws = fp8_gemm_case(g, M, N, K, exact=True)
+            exact, _ = exact_and_abs(xq, xs, w, ws)
+            r = torch.empty(M, N)
+            ref.fp8_block_gemm(xq, xs, w, ws, r)
+            out = torch.full((M, N), float("nan"))
+            triton_fp8_block_gemm(xq, xs, w, ws, out)
+            assert torch.equal(r.double(), exact) and torch.equal(out, r)
+
+    @pytest.mark.parametrize("M,kw", [(1, {}), (5, {"block_n": 32}), (16, {"block_m": 16}),
+                                      (64, {"block_n": 128}), (64, {"block_m": 32, "block_n": 32})])
+    def test_fp8_block_gemm_bound(g, M, kw):
+        N, K = 96, 320
+        xq, xs, w, ws = fp8_gemm_case(g, M, N, K)
+        exact, S = exact_and_abs(xq, xs, w, ws)
+        r, out = torch.empty(M, N), torch.full((M, N), float("nan"))
+        ref.fp8_block_gemm(xq, xs, w, ws, r)
+        triton_fp8_block_gemm(xq, xs, w, ws, out, **kw)
+        assert not out.isnan().any()
+        bound = gamma(K) * S
+        assert ((out.double() - exact).abs() <= bound).all()
+        assert ((out.double() - r.double()).abs() <= 2 * bound).all()
+
+    def test_fp8_block_gemm_bf16_out(g, monkeypatch):
+        """bf16 output (the activation dtype of the model): one RNE rounding past the FP32 bound."""
+        rne_bf16_casts(monkeypatch)
+        M, N, K = 24, 72, 192
+        xq, xs, w, ws = fp8_gemm_case(g, M, N, K)
+        exact, S = exact_and_abs(xq, xs, w, ws)
+        r = torch.empty(M, N, dtype=torch.bfloat16)
+        out = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
+        ref.fp8_block_gemm(xq, xs, w, ws, r)
+        triton_fp8_block_gemm(xq, xs, w, ws, out)
+        bound = gamma(K) * S + 2.0**-8 * exact.abs()
+        assert ((out.double() - exact).abs() <= bound).all()
+        assert (out != r).float().mean() < 0.02
+
+    def test_fp8_block_gemm_scale_codes(g):
+        """E8M0 edge codes: 0 (2^-127, subnormal) and 255 (NaN) decode like quant.e8m0_decode."""
+        xq, xs, w, ws = fp8_gemm_case(g, 4, 64, 64)
+        codes = ws.view(torch.uint8).clone()
+        codes[0, 0], codes[1, 1] = 0, 255
+        ws2 = codes.view(torch.float8_e8m0fnu)
+        r, out = torch.empty(4, 64), torch.empty(4, 64)
+        ref.fp8_block_gemm(xq, xs, w, ws2, r)
+        triton_fp8_block_gemm(xq, xs, w, ws2, out)
+        assert out[:, 32:].isnan().all() and not out[:, :32].isnan().any()
+        assert torch.allclose(out[:, :32], r[:, :32], rtol=1e-6, atol=0)
+
+    # ---- moe_experts_w4a8 ------------------------------------------------------------------
+    def pair_experts(ids, order):
+        return ids.reshape(-1)[order.long()]
+
+    @pytest.mark.parametrize("T,kw", [(1, {}), (6, {"block_m": 16, "block_n_up": 32, "block_n_down": 32}),
+                                      (64, {}), (300, {"block_m": 64})])
+    def test_w4a8_down_gemm_bound(g, T, kw):
+        """The down GEMM alone: each pair's y against its own h codes · w2[e] in float64."""
+        E, D, I, k = 5, 96, 64, 3
+        args = w4a8_case(g, T, E, D, I, k)
+        x, ids, wts, w1, s1, w3, s3, w2, s2 = args
+        hq, hs, y, order = w4a8_expert_gemms(*args, 1.0, **kw)
+        valid = (ids.reshape(-1) >= 0).nonzero().squeeze(1)
+        e = ids.reshape(-1)[valid]
+        w2d = quant.dequant_fp4_expert(w2, s2, torch.float64)[e]          # [P, D, I]
+        sorted_row = torch.empty_like(order)
+        sorted_row[order.long()] = torch.arange(order.numel(), dtype=order.dtype)
+        h = dequant_act(hq, hs)[sorted_row[valid].long()]                  # [P, I]
+        exact = torch.einsum("pi,pdi->pd", h, w2d)
+        S = torch.einsum("pi,pdi->pd", h.abs(), w2d.abs())
+        assert not y[valid].isnan().any()
+        assert ((y[valid].double() - exact).abs() <= gamma(I) * S).all()
+
+    def test_w4a8_up_gemm_exact_inputs(g):
+        """Exactly summable inputs: the kernel's h (w2's quantized input) equals the reference's
+        (fp8_qat of silu(g)·u·w with g, u exact), except where the pre-quant value sits within a
+        few FP32 ulps of an FP8 rounding point (silu's exp may differ by an ulp): at most one
+        element in a thousand, and then by one E4M3 step."""
+        T, E, D, I, k, limit = 40, 6, 64, 96, 2, 1.0e4
+        args = w4a8_case(g, T, E, D, I, k, exact=True)
+        x, ids, wts, w1, s1, w3, s3, w2, s2 = args
+        hq, hs, _, order = w4a8_expert_gemms(*args, limit)
+        h = dequant_act(hq, hs)
+        pe = pair_experts(ids, order)
+        live = pe >= 0
+        tok = (order.long() // k)[live]
+        e = pe[live]
+        w1d, w3d = (quant.dequant_fp4_expert(w, s, torch.float32)[e] for w, s in ((w1, s1), (w3, s3)))
+        gg = torch.einsum("pd,pid->pi", x[tok], w1d).clamp(max=limit)
+        uu = torch.einsum("pd,pid->pi", x[tok], w3d).clamp(-limit, limit)
+        pre = torch.nn.functional.silu(gg) * uu * wts.reshape(-1)[order.long()][live, None]
+        want = quant.fp8_qat(pre).double()
+        diff = (h[live] != want)
+        assert diff.float().mean() <= 1e-3
+        assert ((h[live] - want).abs()[diff] <= want.abs()[diff] * 2.0**-3 + 1e-30).all()
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("T", [1, 5, 64, 256])
+    def test_moe_experts_w4a8(g, monkeypatch, dtype, T):
+        """The whole op against the reference: token 0 all padding (its row exactly 0; not at
+        T = 1), expert E-1 empty, ragged groups. An FP32 reordering can move w2's pre-quant input across an FP8
+        rounding point, which moves that token's row by one E4M3 step of one element; most rows
+        match to FP32 rounding."""
+        rne_bf16_casts(monkeypatch)
+        E, D, I, k = 7, 64, 96, 3
+        pad = T > 1
+        args = w4a8_case(g, T, E, D, I, k, dtype=dtype, pad_token=pad)
+        r = torch.empty(T, D)
+        out = torch.full((T, D), float("nan"))
+        ref.moe_experts_w4a8(*args, 1.5, r)
+        triton_moe_experts_w4a8(*args, 1.5, out)
+        assert not out.isnan().any() and (out[0] == 0).all() == pad
+        row_err = (out - r).double().norm(dim=1) / r.double().norm(dim=1).clamp(min=1e-30)
+        tight = 1e-5 if dtype == torch.float32 else 1e-2
+        assert (row_err[int(pad):] <= tight).float().mean() >= 0.75
+        assert float((out - r).double().norm() / r.double().norm()) < 2e-2
+
+    def test_moe_experts_w4a8_no_tokens(g):
+        args = w4a8_case(g, 4, 3, 32, 32, 2)
+        ids = torch.full_like(args[1], -1)
+        out = torch.full((4, 32), float("nan"))
+        triton_moe_experts_w4a8(args[0], ids, *args[2:], 1.0, out)
+        assert (out == 0).all()
+
+    # ---- registry --------------------------------------------------------------------------
+    def test_native_ops_registered():
+        sel = registry.selected()
+        for name in ref.NATIVE_OPS:
+            assert sel[f"v41::{name}"] == {"cpu": "reference", "cuda": "triton"}
+        assert not ref.native_weights("cpu", torch.bfloat16)
+        assert not ref.native_weights("cuda", torch.float64)
+        assert ref.native_weights("cuda", torch.bfloat16)
+        with registry.using("reference", "cuda", names=("fp8_block_gemm",)):
+            assert not ref.native_weights("cuda", torch.bfloat16)
