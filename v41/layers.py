@@ -36,19 +36,39 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """`fp8`: FP8 block weight, the input is FP8-quantized per 32 (A8) first; `bf16`: plain;
     `f32`: input and weight in the accumulation dtype, FP32 output. The weight arrives
-    dequantized to the compute dtype (weights are prepared once at load)."""
+    dequantized to the compute dtype, or (`fp8` only) native as a quant.BlockScaled, which runs
+    the W8A8 ops (weights are prepared once at load: v41.model.prepare_weights)."""
 
-    def __init__(self, weight: torch.Tensor, kind: str):
+    def __init__(self, weight, kind: str):
         super().__init__()
         assert kind in ("fp8", "bf16", "f32")
-        self.weight, self.kind = weight, kind
+        self.kind, self.scale = kind, None
+        if isinstance(weight, quant.BlockScaled):
+            if kind != "fp8" or weight.fmt != "fp8":
+                raise ValueError(f"Linear: a native {weight.fmt} weight needs kind 'fp8', got {kind!r}")
+            weight, self.scale = weight.q, weight.scale
+        self.weight = weight
 
     def forward(self, x):
+        if self.scale is not None:
+            return fp8_linear(x, self.weight, self.scale)
         if self.kind == "f32":
             return x.to(self.weight.dtype) @ self.weight.T
         if self.kind == "fp8":
             x = quant.fp8_qat(x)
         return x @ self.weight.T
+
+
+def fp8_linear(x, w, scale):
+    """x @ dequant(w, scale)ᵀ with x FP8-quantized per 32 first, on the native weight: the
+    `v41::fp8_act_quant` and `v41::fp8_block_gemm` ops (custom_ops/gemm.py); in x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(x2.shape[0], x2.shape[1] // 32, dtype=torch.float32, device=x.device)
+    torch.ops.v41.fp8_act_quant(x2, q, s)
+    out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    torch.ops.v41.fp8_block_gemm(q, s, w, scale, out)
+    return out.view(*x.shape[:-1], w.shape[0])
 
 
 # ---- RoPE -------------------------------------------------------------------------------

@@ -7,9 +7,12 @@ run over all tokens, and the ops that need request boundaries take all of them i
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
+from custom_ops.gemm import native_weights
 from v41 import quant
 from v41.attention import Attention
 from v41.config import V41Config
@@ -17,6 +20,8 @@ from v41.engram.device import Engram
 from v41.layers import RMSNorm, Rope, acc_dtype
 from v41.mhc import MHC, collapse, expand
 from v41.moe import MoE
+
+log = logging.getLogger("v41.model")
 
 
 class Block(nn.Module):
@@ -112,22 +117,23 @@ class Transformer(nn.Module):
 
 # ---- weights ----------------------------------------------------------------------------
 
-def prepare_weights(cfg: V41Config, weights: dict, dtype, device) -> dict:
+def prepare_weights(cfg: V41Config, weights: dict, dtype, device, native: bool | None = None) -> dict:
     """Native checkpoint tensors (after post-load processing) -> compute tensors: global ones by
     name, layer ones grouped under `layers.L` with the prefix and the `.weight` suffix stripped.
-    FP8/FP4 weights are dequantized once here; activation quantization stays in the forward.
-    Tensors the spec keeps in FP32 (mHC, sink, router, ratio-2 compressor, Engram's q/k
-    weights, whose product is formed in FP32) take the accumulation dtype."""
+    FP8/FP4 weights stay native (quant.BlockScaled: codes and E8M0 scales) where the op registry
+    runs native GEMMs (custom_ops.gemm.native_weights: CUDA with the Triton impls; `native`
+    overrides), else they are dequantized once here; activation quantization stays in the
+    forward. Tensors the spec keeps in FP32 (mHC, sink, router, ratio-2 compressor, Engram's
+    q/k weights, whose product is formed in FP32) take the accumulation dtype."""
     acc = acc_dtype(dtype)
+    native = native_weights(device, dtype) if native is None else native
     out: dict = {}
     for name, t in weights.items():
         if name.endswith(".scale") or ".engram.embed." in name or name.startswith("mtp."):
             continue
-        scale = weights.get(name[: -len("weight")] + "scale")
-        if t.dtype == torch.float8_e4m3fn:
-            t = quant.dequant_fp8_block(t, scale, dtype)
-        elif t.dtype == torch.int8:
-            t = quant.dequant_fp4_expert(t, scale, dtype)
+        if t.dtype in (torch.float8_e4m3fn, torch.int8):      # FP8 block / packed FP4 expert
+            t = quant.BlockScaled(t, weights[name[: -len("weight")] + "scale"])
+            t = t.to(device) if native else t.dequant(dtype)
         if not name.startswith("layers."):
             out[name] = t.to(device=device, dtype=acc if name == "head.weight" else dtype)
             continue
@@ -135,14 +141,38 @@ def prepare_weights(cfg: V41Config, weights: dict, dtype, device) -> dict:
         rest = rest.removesuffix(".weight")
         f32 = rest.startswith(("hc_", "attn.attn_sink", "ffn.gate", "engram.q_weight", "engram.k_weight")) \
             or (rest.startswith("attn.compressor.w") and cfg.compress_ratios[int(idx)] == 2)
-        out.setdefault(f"layers.{idx}", {})[rest] = t.to(device=device, dtype=acc if f32 else dtype)
+        if not isinstance(t, quant.BlockScaled):
+            t = t.to(device=device, dtype=acc if f32 else dtype)
+        out.setdefault(f"layers.{idx}", {})[rest] = t
     for layer in out.values():
         if isinstance(layer, dict):
             _stack_experts(layer)
+    log.info("weights on %s: %s", device, ", ".join(
+        f"{fmt} {n / 2**20:.1f} MiB" for fmt, n in weight_bytes(out).items()))
     return out
 
 
 def _stack_experts(layer: dict) -> None:
     n = sum(1 for k in layer if k.startswith("ffn.experts.") and k.endswith(".w1"))
     for p in ("w1", "w3", "w2"):
-        layer[f"ffn.experts.{p}"] = torch.stack([layer.pop(f"ffn.experts.{e}.{p}") for e in range(n)])
+        ws = [layer.pop(f"ffn.experts.{e}.{p}") for e in range(n)]
+        layer[f"ffn.experts.{p}"] = quant.BlockScaled.stack(ws) if ws and \
+            isinstance(ws[0], quant.BlockScaled) else torch.stack(ws)
+
+
+def weight_bytes(prepared: dict) -> dict[str, int]:
+    """Bytes of the prepared weights by storage format (fp8, fp4 and their e8m0 scales; the
+    plain tensors by dtype): the startup memory report."""
+    out: dict[str, int] = {}
+
+    def add(key, n):
+        out[key] = out.get(key, 0) + n
+
+    for t in prepared.values():
+        for v in (t.values() if isinstance(t, dict) else (t,)):
+            if isinstance(v, quant.BlockScaled):
+                add(v.fmt, v.q.nbytes)
+                add("e8m0", v.scale.nbytes)
+            else:
+                add(str(v.dtype).removeprefix("torch."), v.nbytes)
+    return out

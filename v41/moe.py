@@ -1,5 +1,6 @@
 """Mixture of experts (spec §3.4): sqrt-softplus router with a selection bias (v41.moe_route),
-W4A8 routed experts (the `v41::moe_experts` op) and one FP8 shared expert."""
+W4A8 routed experts (the `v41::moe_experts` op on dequantized experts, `v41::moe_experts_w4a8`
+on native FP4 ones) and one FP8 shared expert."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import custom_ops  # noqa: F401
+from v41 import quant
 from v41.layers import Linear, acc_dtype
 from v41.moe_route import route
 
@@ -19,6 +21,10 @@ class MoE(nn.Module):
         self.gate = w["gate"]                      # accumulation dtype (FP32 router)
         self.bias = w["gate.bias"]
         self.w1, self.w3, self.w2 = w["experts.w1"], w["experts.w3"], w["experts.w2"]
+        self.native = isinstance(self.w1, quant.BlockScaled)
+        if self.native:   # plain tensors on the module: packed E2M1 codes and their E8M0 scales
+            (self.w1, self.s1), (self.w3, self.s3), (self.w2, self.s2) = (
+                (t.q, t.scale) for t in (self.w1, self.w3, self.w2))
         self.s_w1, self.s_w3 = Linear(w["shared_experts.w1"], "fp8"), Linear(w["shared_experts.w3"], "fp8")
         self.s_w2 = Linear(w["shared_experts.w2"], "fp8")
         self.top_k, self.route_scale, self.limit = top_k, route_scale, limit
@@ -31,7 +37,11 @@ class MoE(nn.Module):
         acc = acc_dtype(x.dtype)
         ids, w = self.route(x)
         y = torch.empty(x.shape, dtype=acc, device=x.device)
-        ops.moe_experts(x, ids, w, self.w1, self.w3, self.w2, self.limit, y)
+        if self.native:
+            ops.moe_experts_w4a8(x, ids, w, self.w1, self.s1, self.w3, self.s3, self.w2, self.s2,
+                                 self.limit, y)
+        else:
+            ops.moe_experts(x, ids, w, self.w1, self.w3, self.w2, self.limit, y)
         g = self.s_w1(x).to(acc).clamp(max=self.limit)
         u = self.s_w3(x).to(acc).clamp(-self.limit, self.limit)
         y = y + self.s_w2((F.silu(g) * u).to(x.dtype)).to(acc)

@@ -1,0 +1,82 @@
+"""The native weight path (issue 16): `prepare_weights` keeps FP8/FP4 weights as stored where the
+op registry runs native GEMMs (CUDA with the Triton impls), and `Linear` / `MoE` then call the
+native ops. On a CPU the registry says no, so nothing changes; forcing the native layout on a CPU
+runs the native ops' reference impls, which must give what the dequantized path gives."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import custom_ops  # noqa: F401
+from custom_ops import gemm
+from tests import harness as H
+from v41 import model as v41_model
+from v41 import quant
+from v41.layers import Linear
+from v41.model import prepare_weights, weight_bytes
+from v41.moe import MoE
+
+
+def test_cpu_keeps_the_dequantized_path(toy_cfg, toy_weights):
+    assert not gemm.native_weights("cpu", torch.bfloat16)
+    w = prepare_weights(toy_cfg, toy_weights, torch.bfloat16, "cpu")
+    layer = w["layers.0"]
+    assert not any(isinstance(v, quant.BlockScaled) for v in layer.values())
+    want = quant.dequant_fp8_block(toy_weights["layers.0.attn.wq_a.weight"],
+                                   toy_weights["layers.0.attn.wq_a.scale"], torch.bfloat16)
+    assert torch.equal(layer["attn.wq_a"], want)
+    assert set(weight_bytes(w)) <= {"bfloat16", "float32"}
+
+
+def test_native_layout_and_memory_report(toy_cfg, toy_weights, caplog):
+    caplog.set_level("INFO", logger="v41.model")
+    nat = prepare_weights(toy_cfg, toy_weights, torch.bfloat16, "cpu", native=True)
+    deq = prepare_weights(toy_cfg, toy_weights, torch.bfloat16, "cpu", native=False)
+    layer = nat["layers.0"]
+    assert layer["attn.wq_a"].fmt == "fp8" and layer["ffn.shared_experts.w2"].fmt == "fp8"
+    w1 = layer["ffn.experts.w1"]
+    assert w1.fmt == "fp4" and w1.shape == deq["layers.0"]["ffn.experts.w1"].shape
+    assert torch.equal(w1.dequant(torch.bfloat16), deq["layers.0"]["ffn.experts.w1"])
+    assert not isinstance(layer["attn.wo_a"], quant.BlockScaled)      # BF16 after loading (§5.4)
+    nb, db = weight_bytes(nat), weight_bytes(deq)
+    assert nb["fp8"] and nb["fp4"] and nb["e8m0"]
+    assert sum(nb.values()) < sum(db.values())
+    assert any("fp4" in r.getMessage() and "MiB" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_linear_matches_dequantized(dtype):
+    g = torch.Generator().manual_seed(3)
+    q, s = quant.quant_fp8_block(torch.randn(72, 96, generator=g) * 0.05)
+    x = torch.randn(2, 5, 96, generator=g).to(dtype)
+    deq = Linear(quant.dequant_fp8_block(q, s, dtype), "fp8")(x)
+    nat = Linear(quant.BlockScaled(q, s), "fp8")(x)
+    assert nat.shape == deq.shape == (2, 5, 72) and nat.dtype == dtype
+    exact = quant.fp8_qat(x.double()) @ quant.dequant_fp8_block(q, s, torch.float64).T
+    S = quant.fp8_qat(x.double()).abs() @ quant.dequant_fp8_block(q, s, torch.float64).abs().T
+    bound = 96 * 2.0**-24 * S + (2.0**-8 * exact.abs() if dtype == torch.bfloat16 else 0)
+    assert ((nat.double() - exact).abs() <= bound).all()
+    with pytest.raises(ValueError, match="kind 'fp8'"):
+        Linear(quant.BlockScaled(q, s), "bf16")
+
+
+def test_native_moe_matches_dequantized(toy_cfg, toy_weights):
+    nat = prepare_weights(toy_cfg, toy_weights, torch.float32, "cpu", native=True)["layers.3"]
+    deq = prepare_weights(toy_cfg, toy_weights, torch.float32, "cpu", native=False)["layers.3"]
+    sub = lambda w: {k[4:]: v for k, v in w.items() if k.startswith("ffn.")}  # noqa: E731
+    args = (toy_cfg.num_experts_per_tok, toy_cfg.routed_scaling_factor, toy_cfg.swiglu_limit)
+    m_nat, m_deq = MoE(sub(nat), *args), MoE(sub(deq), *args)
+    assert m_nat.native and not m_deq.native
+    x = torch.randn(11, toy_cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(m_nat(x), m_deq(x))     # the reference of the W4A8 op is the dequantized op
+
+
+def test_native_engine_on_cpu_matches(toy_weights, monkeypatch):
+    """The toy engine with the native layout forced (the native ops' reference impls on the CPU)
+    generates what the dequantized engine generates, greedy, float32."""
+    reqs = H.prompts((9, 23), seed=2)
+    want = H.run(toy_weights, reqs, max_tokens=4, dtype="float32")
+    monkeypatch.setattr(v41_model, "native_weights", lambda device, dtype: True)
+    block = H.make_engine(toy_weights, "float32").runner.model.layers[3]
+    assert block.attn.wq_a.scale is not None and block.ffn.native     # the native ops do run
+    assert H.run(toy_weights, reqs, max_tokens=4, dtype="float32") == want
