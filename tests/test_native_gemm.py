@@ -36,6 +36,22 @@ if not INTERPRETED:
         print(r.stdout[-4000:])
         assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
 
+    def test_bench_dry_run(tmp_path):
+        """benchmarks/native_gemm_bench.py --dry-run runs every timed path (both GEMMs, cuBLAS
+        bf16, _scaled_mm, the copy) on tiny CPU shapes, prints its JSON and writes no file."""
+        import json
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        dest = tmp_path / "native-gemm.json"
+        r = subprocess.run([sys.executable, "benchmarks/native_gemm_bench.py", "--dry-run", "--out",
+                            str(dest)], cwd=root, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+        res = json.loads(r.stdout)
+        assert not dest.exists()
+        assert [row["M"] for row in res["dense"]] == [1, 3, 40]
+        assert [row["M"] for row in res["experts"]] == [1, 3, 40]
+        assert "scaled_mm_us" in res["dense"][-1] and res["fp8_peak_TFLOPs"] > 0
+        assert all(row["us"] > 0 and row["weight_bytes"] > 0 for row in res["dense"] + res["experts"])
+
 else:
     import torch
 

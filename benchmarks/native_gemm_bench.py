@@ -1,0 +1,174 @@
+"""The native-format GEMMs on a GPU (issue 16): `v41::fp8_block_gemm` (W8A8, FP8 32x32 block
+weights) at Flash's dense projection shapes and `v41::moe_experts_w4a8` (FP4 experts, 384
+experts top-6) at decode widths 1-64 and prefill widths >= 2048, beside cuBLAS bf16 on the same
+shapes and `torch._scaled_mm` (FP8, per-tensor scales) as the FP8 dense peak.
+
+    python benchmarks/native_gemm_bench.py            # H200: writes benchmarks/results/native-gemm-h200.json
+    python benchmarks/native_gemm_bench.py --dry-run  # CPU, Triton interpreter, tiny shapes, prints only
+
+Figures per case: device time (CUDA graph of `copies` calls, each on its own weight copy, so
+the weights come from HBM and not from the 50 MB L2; CUDA events around 20 replays, median of
+9), weight bytes read (codes + scales; for the experts, those of the experts the routing hits),
+their rate and its share of the copy rate (a device-to-device copy measured in the same run,
+bytes read + written per second), and at prefill widths TFLOP/s against the measured FP8 peak.
+Targets (issue 16): >= 70% of the copy rate at decode widths, >= 60% of the FP8 peak at prefill.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+DENSE = {   # name: (N, K) of Flash's FP8 projections (spec §6), plus the issue's cuBLAS reference
+    "wq_a": (1280, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192), "shared_w1": (2304, 5120),
+    "ref_4096x16384": (16384, 4096)}
+DECODE = (1, 2, 4, 8, 16, 32, 64)
+PREFILL = (2048, 4096)
+EXPERTS = (384, 6, 5120, 2304)     # E, top-k, D, I (Flash)
+TINY_DENSE = {"tiny": (96, 64)}
+TINY_EXPERTS = (6, 2, 64, 64)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU under the Triton interpreter on tiny shapes; prints, writes nothing")
+    p.add_argument("--out", default="benchmarks/results/native-gemm-h200.json")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"       # before triton is first imported
+    import torch
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("error: needs a CUDA device (or --dry-run)")
+    dev = "cpu" if args.dry_run else "cuda"
+    res = run(dev, TINY_DENSE if args.dry_run else DENSE, (1, 3) if args.dry_run else DECODE,
+              (40,) if args.dry_run else PREFILL, TINY_EXPERTS if args.dry_run else EXPERTS)
+    text = json.dumps(res, indent=1)
+    if args.dry_run:
+        print(text)
+    else:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+        print(f"wrote {args.out}")
+    return res
+
+
+def timer(dev: str):
+    """fn -> microseconds per call of fn (fn makes `calls` calls)."""
+    import torch
+    if dev == "cpu":
+        def cpu(fn, calls):
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) / calls * 1e6
+        return cpu
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kernel_bench import time_graph
+
+    def cuda(fn, calls):
+        torch.cuda.synchronize()
+        return time_graph(fn, reps=20, repeats=9) / calls
+    return cuda
+
+
+def run(dev, dense, decode, prefill, experts) -> dict:
+    import torch
+
+    import custom_ops  # noqa: F401
+    import custom_ops.triton  # noqa: F401  (registers the CUDA impls)
+    from custom_ops.triton import triton_fp8_block_gemm, triton_moe_experts_w4a8
+    from tests.kernel_cases import fp8_gemm_case, w4a8_case
+
+    timed = timer(dev)
+    g = torch.Generator().manual_seed(0)
+    copy_rate = measure_copy(dev, timed)
+    fp8_peak, bf16_peak = measure_peaks(dev, timed, 256 if dev == "cpu" else 8192)
+    out = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)",
+           "torch": torch.__version__, "triton": __import__("triton").__version__,
+           "date": datetime.date.today().isoformat(), "copy_rate_TBps": copy_rate / 1e12,
+           "fp8_peak_TFLOPs": fp8_peak / 1e12, "bf16_peak_TFLOPs": bf16_peak / 1e12, "dense": [],
+           "experts": []}
+    budget = 256 * 2**20 if dev == "cuda" else 1
+    for name, (N, K) in dense.items():
+        for M in decode + prefill:
+            xq, xs, w, ws = fp8_gemm_case(g, M, N, K, device=dev)
+            wbytes = w.nbytes + ws.nbytes
+            copies = max(1, min(8, math.ceil(budget / wbytes)))
+            ws_ = [(w.clone(), ws.clone()) for _ in range(copies)]
+            o = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+            us = timed(lambda: [triton_fp8_block_gemm(xq, xs, a, b, o) for a, b in ws_], copies)
+            xb = (xq.float() * xs.repeat_interleave(32, -1)).bfloat16()
+            wb = [a.float().bfloat16() for a, _ in ws_]
+            us_bf16 = timed(lambda: [torch.mm(xb, b.T, out=o) for b in wb], copies)
+            row = case_row(name, M, N, K, us, wbytes, copy_rate, fp8_peak)
+            row.update(cublas_bf16_us=us_bf16, cublas_bf16_pct_copy=100 * 2 * N * K / (us_bf16 * 1e-6) / copy_rate)
+            if M in prefill:
+                one = torch.ones((), dtype=torch.float32, device=dev)
+                row["scaled_mm_us"] = timed(lambda: torch._scaled_mm(xq, w.T, scale_a=one, scale_b=one,
+                                                                     out_dtype=torch.bfloat16), 1)
+            out["dense"].append(row)
+    E, k, D, I = experts
+    for T in decode + prefill:
+        x, ids, wts = (t.to(dev) for t in w4a8_case(g, T, E, 32, 32, k, pad_token=False)[:3])
+        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+        (w1, s1), (w3, s3), (w2, s2) = experts_native(E, I, D, dev), experts_native(E, I, D, dev), \
+            experts_native(E, D, I, dev)
+        o = torch.empty(T, D, dtype=torch.float32, device=dev)
+        us = timed(lambda: triton_moe_experts_w4a8(x, ids, wts, w1, s1, w3, s3, w2, s2, 10.0, o), 1)
+        hit = int(torch.unique(ids[ids >= 0]).numel())
+        per_expert = sum(t[0].nbytes + t[1].nbytes for t in ((w1, s1), (w3, s3), (w2, s2))) // E
+        row = case_row("experts_w4a8", T, 3 * I, D, us, hit * per_expert, copy_rate, fp8_peak,
+                       flops=2 * 3 * T * k * D * I)
+        row["experts_hit"] = hit
+        out["experts"].append(row)
+    return out
+
+
+def experts_native(E: int, n: int, k: int, dev):
+    """Random packed FP4 experts [E, n, k/2] and E8M0 scales [E, n, k/32] (2^-4..2^-1), made on
+    the device: Flash's experts are 9 GB in FP4, too many to quantize on the host."""
+    import torch
+    packed = torch.randint(-128, 128, (E, n, k // 2), dtype=torch.int8, device=dev)
+    scale = torch.randint(123, 127, (E, n, k // 32), dtype=torch.uint8, device=dev)
+    return packed, scale.view(torch.float8_e8m0fnu)
+
+
+def case_row(name, M, N, K, us, wbytes, copy_rate, fp8_peak, flops=None) -> dict:
+    flops = flops if flops is not None else 2 * M * N * K
+    rate = wbytes / (us * 1e-6)
+    return {"gemm": name, "M": M, "N": N, "K": K, "us": us, "weight_bytes": wbytes,
+            "weight_TBps": rate / 1e12, "pct_copy": 100 * rate / copy_rate,
+            "TFLOPs": flops / (us * 1e-6) / 1e12, "pct_fp8_peak": 100 * flops / (us * 1e-6) / fp8_peak}
+
+
+def measure_copy(dev, timed) -> float:
+    """Bytes read + written per second by a device-to-device copy of 2 GiB (1 MiB dry run)."""
+    import torch
+    n = 2**31 if dev == "cuda" else 2**20
+    a, b = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
+    return 2 * n / (timed(lambda: b.copy_(a), 1) * 1e-6)
+
+
+def measure_peaks(dev, timed, n: int):
+    """(FP8 FLOP/s of torch._scaled_mm, bf16 FLOP/s of torch.mm) on n x n x n."""
+    import torch
+    a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+    one = torch.ones((), dtype=torch.float32, device=dev)
+    fp8 = timed(lambda: torch._scaled_mm(a, b.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 1)
+    ab, bb = a.bfloat16(), b.bfloat16()
+    bf16 = timed(lambda: torch.mm(ab, bb.T), 1)
+    return 2 * n**3 / (fp8 * 1e-6), 2 * n**3 / (bf16 * 1e-6)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()
