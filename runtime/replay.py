@@ -71,15 +71,18 @@ def plan(pos, bid, starts, tails, slots, n_final_last, W: int, S: int):
     return rows, win, queries
 
 
-def decoder_rows(batch, rows: np.ndarray, win: np.ndarray, queries: np.ndarray, batch_cls) -> DecoderRows:
-    """The DecoderRows of `batch` (device tensors gathered from it)."""
+def decoder_rows(batch, rows: np.ndarray, win: np.ndarray, queries: np.ndarray, batch_cls,
+                 put=None) -> DecoderRows:
+    """The DecoderRows of `batch` (device tensors gathered from it). `put(name, array)` puts
+    "rows", "win" and "queries" on the device (default: a blocking copy each)."""
     dev = batch.positions.device
-    r = torch.from_numpy(rows).to(dev)
+    put = put or (lambda k, a: torch.from_numpy(a).to(dev))  # noqa: E731
+    r = put("rows", rows)
     none = lambda: torch.full((len(rows),), -1, dtype=torch.long, device=dev)  # noqa: E731
-    w = torch.from_numpy(win).to(dev)
+    w = put("win", win)
     sub = batch_cls(batch.input_ids[r], batch.positions[r], batch.batch_ids[r], batch.block_table, w,
                     batch.ring_dest[r], {k: none() for k in batch.owner_dest}, none(), none(),
                     {l: e[r] for l, e in batch.engram_rows.items()},
                     None if batch.image_dest is None else batch.image_dest[r])
-    qr = torch.from_numpy(queries).to(dev)
+    qr = put("queries", queries)
     return DecoderRows(r, sub, QueryRows(qr, sub.positions[qr], sub.batch_ids[qr], w[qr], batch.block_table))

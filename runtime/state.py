@@ -32,18 +32,25 @@ class StateTransfer:
     def _rows(self, i: int) -> slice:
         return slice(i * self.W, (i + 1) * self.W)
 
-    def checksum(self, img: int) -> int:
+    def checksum(self, img: int) -> torch.Tensor:
+        """The image's checksum as a 0-dim int64 tensor on the cache's device (sums wrap mod
+        2**64, the same on every device). Computing it reads nothing back to the host."""
         rows = self.cache.image_ring[:, self._rows(img)]
         ints = rows.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[rows.element_size()])
-        return int(ints.to(torch.int64).sum()) * 1_000_003 + int(self.cache.image_cursor[img].sum())
+        return ints.to(torch.int64).sum() * 1_000_003 + self.cache.image_cursor[img].sum()
 
     def seal(self, img: int, position: int) -> None:
-        """The forward has written the image: record what it is."""
+        """The forward has written the image: record what it is. The checksum stays on the
+        device (no read inside a step); `valid` reads it when a hit wants the image."""
         self.meta[img] = (self.cache.geo.layout_id, position, self.checksum(img))
         self.stats["images_stored"] += 1
 
     def valid(self, img: int, position: int) -> bool:
-        ok = self.meta.get(img) == (self.cache.geo.layout_id, position, self.checksum(img))
+        """Same geometry, same position and an intact checksum (read back here: a restore is
+        decided in `schedule`, before a step's device work)."""
+        meta = self.meta.get(img)
+        ok = (meta is not None and meta[:2] == (self.cache.geo.layout_id, position)
+              and int(meta[2]) == int(self.checksum(img)))
         if not ok:
             self.stats["images_refused"] += 1
         return ok

@@ -1,0 +1,99 @@
+"""The step's tensors. `Batch` is the forward's view of one step; `StepBuffers` owns every tensor
+a step sends to the device: a persistent device buffer per field (fixed addresses, which a
+captured CUDA graph reads), a host mirror of each (pinned on CUDA, plain on the CPU) that the
+runner fills with numpy, and one non-blocking host-to-device copy per field and step. Nothing
+here reads the device.
+
+A pinned mirror may be rewritten only after the copy that read it has run. A step that samples
+ends with the sampler's device-to-host copy, which follows the step's copies on the stream, so
+the next step finds them done; after a step that samples nothing `host` waits on the event
+recorded behind the last copies (`begin`; an event query first, so finished copies cost no
+wait).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# A padding row's value in each per-token field: it reads and writes nothing (DESIGN §5
+# "Padding is inert"); block-table rows past the step's requests are 0 and only padding rows
+# (batch id -1) point there.
+PAD = {"input_ids": 0, "positions": 0, "batch_ids": -1, "win_idx": -1, "ring_dest": -1, "tail_src": -1,
+       "tail_dst": -1, "dest1": -1, "dest2": -1, "image_dest": -1}
+
+
+@dataclass
+class Batch:
+    """The forward's view of one step: tensors of `running_tokens` rows / `running_bs` requests."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    batch_ids: torch.Tensor        # request of each row, -1 for padding
+    block_table: torch.Tensor      # [running_bs, max_pages]
+    win_idx: torch.Tensor          # [T, W] window rows: ring row, ring rows + batch row, or -1
+    ring_dest: torch.Tensor        # [T] ring row each row is kept in after the step, or -1
+    owner_dest: dict               # ratio -> [T] owner plane row of the group a row completes
+    tail_src: torch.Tensor         # [T] tail slot a row's group starts in, or -1
+    tail_dst: torch.Tensor         # [T] tail slot that keeps the row for the next step, or -1
+    engram_rows: dict              # layer -> [T, width] gathered table rows
+    image_dest: torch.Tensor | None = None  # [T] checkpoint-image ring row, or -1 (copy mode)
+    decoder: object = None         # runtime.replay.DecoderRows, or None: every row runs every layer
+
+
+def step_fields(T: int, B: int, W: int, max_pages: int, engram_ids: dict, page: int) -> dict:
+    """Shape of every int64 field a step publishes. Per token: the Batch fields (dest1/dest2 are
+    owner_dest[1]/[2]); per request: the block table, each request's last row, the requests
+    that sample and their last rows, the cursor each slot commits after the step, the cursor a
+    replay resume sets; the checkpoint images a step captures and their cursors; the decoder's
+    rows, windows and query rows (bounded replay); the Engram hash ids of each Engram layer
+    (`engram_ids`: layer -> ids per token)."""
+    C = T // page + B            # image captures: the PAGE boundaries T rows of B requests cross
+    f = {k: (T,) for k in PAD if k != "win_idx"}
+    f.update(win_idx=(T, W), block_table=(B, max_pages), sample_rows=(B,), final_rows=(B,), final_last=(B,),
+             commit_slots=(B,),
+             commit_cursor=(B, 4), resume_slots=(B,), resume_cursor=(B, 4), image_ids=(C,),
+             image_cursor=(C, 4), dec_rows=(T,), dec_win=(T, W), dec_queries=(B,))
+    f.update({f"engram_ids.{l}": (T, k) for l, k in engram_ids.items()})
+    return f
+
+
+class StepBuffers:
+    """Device buffers and their host mirrors, one int64 pair per field (`step_fields`)."""
+
+    def __init__(self, shapes: dict, device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.dev = {k: torch.zeros(s, dtype=torch.long, device=self.device) for k, s in shapes.items()}
+        self._host = {k: torch.zeros(s, dtype=torch.long, pin_memory=self.cuda) for k, s in shapes.items()}
+        self._np = {k: t.numpy() for k, t in self._host.items()}
+        self._copied = None            # CUDA event behind the last step's copies
+
+    def begin(self) -> dict:
+        """The host mirrors as numpy arrays, safe to write for one step: waits for the copies of
+        the step before if they have not run (see the module docstring). Each field is written
+        at most once per step."""
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()
+        self._copied = None
+        return self._np
+
+    def publish(self, rows: dict) -> dict:
+        """Copy the first `rows[k]` rows of each named mirror to its device buffer (non-blocking);
+        returns the device views of those rows."""
+        out = {}
+        for k, n in rows.items():
+            d = self.dev[k][:n]
+            if n:
+                d.copy_(self._host[k][:n], non_blocking=True)
+            out[k] = d
+        if self.cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return out
+
+    def put(self, name: str, a: np.ndarray) -> torch.Tensor:
+        """`a` (its first dim at most the field's) on the device, through the mirror."""
+        n = len(a)
+        self._np[name][:n] = a
+        return self.publish({name: n})[name]
