@@ -278,6 +278,13 @@ def triton_moe_experts(x, ids, weights, w1, w3, w2, limit, out, *, block_m: int 
     _moe_down_kernel[(n_tiles, triton.cdiv(D, bnd))](
         h, w2, order, meta, y, n_tiles, D, I, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         BLOCK_M=bm, BLOCK_N=bnd, BLOCK_K=bk, DOT_F32=f32, PREC=prec, num_warps=4)
+    reduce_pairs(y, ids, E, out)
+
+
+def reduce_pairs(y: torch.Tensor, ids: torch.Tensor, E: int, out: torch.Tensor) -> None:
+    """Step 3: out [T, D] <- Σ over each token's valid slots of y [T·k, D] (row t·k + slot), in
+    ascending expert id, FP32 from 0."""
+    T, D = out.shape
     key = torch.where(ids < 0, E, ids.to(torch.int64))
     slots = torch.sort(key, dim=1, stable=True).indices.to(torch.int32).contiguous()
     ids_c = ids if ids.stride(1) == 1 else ids.contiguous()
@@ -286,7 +293,7 @@ def triton_moe_experts(x, ids, weights, w1, w3, w2, limit, out, *, block_m: int 
     bt = max(1, min(triton.next_power_of_2(T), 2048 // bd))
     _moe_reduce_kernel[(triton.cdiv(T, bt), triton.cdiv(D, bd))](
         y, ids_c, slots, dst, T, D, y.stride(0), ids_c.stride(0), slots.stride(0), dst.stride(0),
-        K=k, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
+        K=ids.shape[1], BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
     if dst is not out:
         out.copy_(dst)
 

@@ -26,7 +26,7 @@ from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES
 from custom_ops.triton.fp8_gemm import GROUP, e8m0_to_f32, fp8_quant_groups, triton_fp8_act_quant
-from custom_ops.triton.moe import REDUCE_BLOCK_D, _block_m, _moe_reduce_kernel, expert_tiles
+from custom_ops.triton.moe import _block_m, expert_tiles, reduce_pairs
 
 BLOCK_N_UP = 64
 BLOCK_N_DOWN = 64
@@ -47,21 +47,28 @@ def e2m1_tile(w_rows, kb, nmask, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M: tl.constexpr):
+    """This program's tile of expert_tiles: (first row, end row, expert, sorted rows, their mask,
+    their (token, slot) pair ids); end <= first for a tile past the real count."""
+    tile = tl.program_id(0)
+    r0 = tl.load(meta_ptr + n_tiles + tile)
+    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
+    e = tl.load(meta_ptr + tile).to(tl.int64)
+    rows = r0 + tl.arange(0, BLOCK_M)
+    rmask = rows < r1
+    return r0, r1, e, rows, rmask, tl.load(order_ptr + rows, mask=rmask, other=0)
+
+
+@triton.jit
 def _w4a8_up_kernel(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, wts_ptr, meta_ptr,
                     hq_ptr, hs_ptr, n_tiles, I, KB, k, limit,
                     stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn,
                     stride_h, stride_hs,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
-    tile = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    r0 = tl.load(meta_ptr + n_tiles + tile)
-    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
+    r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
-    e = tl.load(meta_ptr + tile).to(tl.int64)
-    rows = r0 + tl.arange(0, BLOCK_M)
-    rmask = rows < r1
-    pair = tl.load(order_ptr + rows, mask=rmask, other=0)
+    pid_n = tl.program_id(1)
     tok = (pair // k).to(tl.int64)
     wt = tl.load(wts_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,17 +107,12 @@ def _w4a8_up_kernel(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, w
 def _w4a8_down_kernel(hq_ptr, hs_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles, D, KB,
                       stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_y,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    tile = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    r0 = tl.load(meta_ptr + n_tiles + tile)
-    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
+    r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
-    e = tl.load(meta_ptr + tile).to(tl.int64)
-    rows = r0 + tl.arange(0, BLOCK_M)
-    rmask = rows < r1
+    pid_n = tl.program_id(1)
     r64 = rows.to(tl.int64)
-    pair = tl.load(order_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    pair = pair.to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < D
     rk = tl.arange(0, GROUP)
@@ -173,18 +175,7 @@ def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out,
         return
     x = x if x.stride(1) == 1 else x.contiguous()
     _, _, y, _ = w4a8_expert_gemms(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, **knobs)
-    E, k = w1.shape[0], ids.shape[1]
-    key = torch.where(ids < 0, E, ids.to(torch.int64))
-    slots = torch.sort(key, dim=1, stable=True).indices.to(torch.int32).contiguous()
-    ids_c = ids if ids.stride(1) == 1 else ids.contiguous()
-    dst = out if out.stride(1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
-    bd = min(REDUCE_BLOCK_D, triton.next_power_of_2(D))
-    bt = max(1, min(triton.next_power_of_2(T), 2048 // bd))
-    _moe_reduce_kernel[(triton.cdiv(T, bt), triton.cdiv(D, bd))](
-        y, ids_c, slots, dst, T, D, y.stride(0), ids_c.stride(0), slots.stride(0), dst.stride(0),
-        K=k, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
-    if dst is not out:
-        out.copy_(dst)
+    reduce_pairs(y, ids, w1.shape[0], out)
 
 
 register_impl("moe_experts_w4a8", "triton", triton_moe_experts_w4a8, device_type="cuda")

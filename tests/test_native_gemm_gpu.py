@@ -1,0 +1,93 @@
+"""The native-format GEMMs compiled for the GPU (run on the H200 with
+`pytest -m gpu tests/test_native_gemm_gpu.py`): real FP8 MMA, Flash shapes, decode widths 1..64
+and a prefill width, outputs NaN-poisoned, against the reference on the same quantized inputs.
+
+The bound is tests/test_native_gemm.py's, γ_K·S from the float64 product (S = Σ|products|),
+plus an allowance for the FP8 MMA itself: Hopper's FP8 tensor cores are reported to keep fewer
+accumulator bits inside one instruction (DeepGEMM's reason for promoting every 128 K); the
+kernel promotes to FP32 every 32 K, so one instruction's sum is at most 32 products, taken
+here as good to 2^-13 of its Σ|products|. This allowance is an assumption the first GPU run
+checks: if it fails, the printed worst ratio is the measured one.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1: the GPU tests need compiled kernels", allow_module_level=True)
+pytest.importorskip("triton")
+
+import custom_ops  # noqa: E402,F401
+import custom_ops.triton  # noqa: E402,F401  (registers the CUDA impls)
+from custom_ops import gemm as ref  # noqa: E402
+from custom_ops import registry  # noqa: E402
+from tests.kernel_cases import fp8_gemm_case, w4a8_case  # noqa: E402
+from v41 import quant  # noqa: E402
+
+DEV = "cuda"
+U = 2.0**-24
+MMA_REL = 2.0**-13
+
+
+def test_registry_picks_triton():
+    sel = registry.selected()
+    assert all(sel[f"v41::{n}"]["cuda"] == "triton" for n in ref.NATIVE_OPS)
+    assert ref.native_weights(DEV, torch.bfloat16)
+
+
+@pytest.mark.parametrize("M", [1, 8, 33, 64, 2048])
+@pytest.mark.parametrize("N,K", [(1280, 5120), (5120, 8192), (2304, 5120)])
+def test_fp8_block_gemm(M, N, K):
+    g = torch.Generator().manual_seed(M * 7 + N)
+    xq, xs, w, ws = fp8_gemm_case(g, M, N, K, device=DEV)
+    x = xq.double() * xs.double().repeat_interleave(32, -1)
+    wd = quant.dequant_fp8_block(w, ws, torch.float64)
+    exact, S = x @ wd.T, x.abs() @ wd.abs().T
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.full((M, N), float("nan"), dtype=dtype, device=DEV)
+        torch.ops.v41.fp8_block_gemm(xq, xs, w, ws, out)
+        r = torch.empty_like(out)
+        with registry.using("reference", "cuda", names=("fp8_block_gemm",)):
+            torch.ops.v41.fp8_block_gemm(xq, xs, w, ws, r)
+        bound = (K * U + MMA_REL) * S + (2.0**-8 * exact.abs() if dtype == torch.bfloat16 else 0)
+        err = (out.double() - exact).abs()
+        assert not out.isnan().any()
+        assert (err <= bound).all(), float((err / bound.clamp(min=1e-300)).max())
+        assert ((r.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("T", [1, 16, 64, 2048])
+def test_moe_experts_w4a8(T):
+    g = torch.Generator().manual_seed(T)
+    E, D, I, k = 32, 1024, 512, 6
+    args = [t.to(DEV) for t in w4a8_case(g, T, E, D, I, k, dtype=torch.bfloat16, pad_token=T > 1)]
+    out = torch.full((T, D), float("nan"), device=DEV)
+    torch.ops.v41.moe_experts_w4a8(*args, 10.0, out)
+    r = torch.empty(T, D, device=DEV)
+    with registry.using("reference", "cuda", names=("moe_experts_w4a8",)):
+        torch.ops.v41.moe_experts_w4a8(*args, 10.0, r)
+    assert not out.isnan().any()
+    if T > 1:
+        assert (out[0] == 0).all()
+    row = (out - r).double().norm(dim=1) / r.double().norm(dim=1).clamp(min=1e-30)
+    live = slice(int(T > 1), None)
+    assert (row[live] <= 1e-2).float().mean() >= 0.75       # bf16 roundings of g, u, h, y
+    assert float((out - r).double().norm() / r.double().norm()) < 2e-2
+
+
+def test_native_linear_in_the_model():
+    """Linear on a native weight (what prepare_weights builds on CUDA) vs the dequantized one."""
+    from v41.layers import Linear
+    g = torch.Generator().manual_seed(1)
+    q, s = quant.quant_fp8_block(torch.randn(2304, 5120, generator=g) * 0.02)
+    x = torch.randn(16, 5120, generator=g).to(DEV, torch.bfloat16)
+    nat = Linear(quant.BlockScaled(q, s).to(DEV), "fp8")(x)
+    deq = Linear(quant.dequant_fp8_block(q, s, torch.bfloat16).to(DEV), "fp8")(x)
+    assert float((nat.double() - deq.double()).norm() / deq.double().norm()) < 4e-3
