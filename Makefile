@@ -23,8 +23,10 @@ setup: $(VENV)/.installed
 run: setup
 	$(BIN)/python -m v41.generate --prompt "$(PROMPT)" --max-tokens 32
 
+# the trained toy (tools/train_toy.py); SERVE_MODEL=toy serves the random-weight preset
+SERVE_MODEL ?= v41/assets/toy-trained
 serve: setup
-	$(BIN)/python -m v41.serve
+	$(BIN)/python -m v41.serve --model $(SERVE_MODEL) --served-model-name $(notdir $(SERVE_MODEL)) $(filter-out $(notdir $(SERVE_MODEL)),toy)
 
 # one worker per core, whole files per worker (a file's tests share their compiles)
 test: setup
@@ -38,3 +40,8 @@ mutation: setup
 	$(BIN)/python -m pip install -q -e ".[mutation]"
 	$(BIN)/mutmut run --max-children 2
 	$(BIN)/mutmut results
+
+# lm-eval for benchmarks/lm_eval_serve.py and tests/test_lm_eval.py (the `eval` extra, not a runtime dependency)
+.PHONY: eval-setup
+eval-setup: setup
+	$(BIN)/python -m pip install -q -e ".[eval]"

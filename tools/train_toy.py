@@ -47,7 +47,6 @@ from tests.reference import quant as RQ  # noqa: E402
 from v41 import quant as VQ  # noqa: E402
 from v41.config import TOY_TOKENIZER_DIR, preset  # noqa: E402
 from v41.loader import INDEX_FILE, checkpoint_schema, dummy_weights, shard_plan  # noqa: E402
-from v41.loader.io import COMPLETE_MARKER  # noqa: E402
 from v41.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 
 CORPUS = "pydoc_data.topics (CPython documentation topics, PSF License 2.0)"
@@ -243,7 +242,6 @@ def export(cfg, masters: Masters, out: Path) -> Path:
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(TOY_TOKENIZER_DIR / f, out / f)
-    (out / COMPLETE_MARKER).unlink(missing_ok=True)
     return out
 
 
