@@ -1,7 +1,8 @@
 """The step's tensors. `Batch` is the forward's view of one step; `StepBuffers` owns every tensor
 a step sends to the device: a persistent device buffer per field (fixed addresses, which a
-captured CUDA graph reads), a host mirror of each (pinned on CUDA, plain on the CPU) that the
-runner fills with numpy, and one non-blocking host-to-device copy per field and step. Nothing
+captured CUDA graph reads), a host mirror of each (pinned on CUDA; on the CPU the device buffer
+is host memory and serves as its own mirror) that the runner fills with numpy, and one
+non-blocking host-to-device copy per field and step (none on the CPU). Nothing
 here reads the device.
 
 A pinned mirror may be rewritten only after the copy that read it has run. A step that samples
@@ -65,7 +66,9 @@ class StepBuffers:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.dev = {k: torch.zeros(s, dtype=torch.long, device=self.device) for k, s in shapes.items()}
-        self._host = {k: torch.zeros(s, dtype=torch.long, pin_memory=self.cuda) for k, s in shapes.items()}
+        # on the CPU the device buffer is host memory already: it is its own mirror
+        self._host = ({k: torch.zeros(s, dtype=torch.long, pin_memory=True) for k, s in shapes.items()}
+                      if self.cuda else self.dev)
         self._np = {k: t.numpy() for k, t in self._host.items()}
         self._copied = None            # CUDA event behind the last step's copies
 
@@ -84,7 +87,7 @@ class StepBuffers:
         out = {}
         for k, n in rows.items():
             d = self.dev[k][:n]
-            if n:
+            if n and self.cuda:
                 d.copy_(self._host[k][:n], non_blocking=True)
             out[k] = d
         if self.cuda:

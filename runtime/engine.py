@@ -26,6 +26,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
 # PAGE: so PAGE >= 16 * the largest owner ratio (32 tokens with the ratio-2 owners of V4.1).
 INDEX_ROWS_PER_BLOCK_ID = 16
 
+CUDAGRAPH_MODES = ("NONE", "FULL", "TR_HYBRID")
+
 # Seed flags whose features are not built: every CLI takes them (so they are not "unrecognized
 # arguments") and refuses them by name before a weight is read. Not EngineArgs fields: a field
 # would enter the compile cache key (runtime/compile/cache.py keys every field it does not list).
@@ -34,7 +36,6 @@ NOT_BUILT = {
     "--kv-transfer-config": "KV transfer (disaggregated prefill/decode)",
     "--enable-dp-attention": "DP attention",
     "--enable-tbo": "two-batch overlap",
-    "--cudagraph-mode": "CUDA-graph capture",
     "--num-speculative-tokens": "speculative decoding",
     "--attn-prefill-chunk-size": "a separate attention prefill chunk",
 }
@@ -108,6 +109,15 @@ class _EngineFields:
                                                "~/.cache/v41/compile; python -m v41.prebuild fills it)")
     capture_sizes: str | None = _opt(None, "token counts warmed up after compiling, e.g. 1,2,4,8,512 "
                                            "(default: 1,2,4,8 and max-num-batched-tokens)")
+    cudagraph_mode: str | None = _opt(None, "NONE, FULL or TR_HYBRID (not built yet): FULL replays a captured "
+                                            "CUDA graph of the compiled forward for decode steps that fit a "
+                                            "captured batch size (default: FULL on CUDA when compiled, else NONE)")
+    cudagraph_capture_sizes: str | None = _opt(None, "decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8 "
+                                                     "(default: 1, 2, 4, 8, then every 8 up to max-num-seqs, "
+                                                     "at most 512)")
+    gpu_memory_utilization: float = _opt(0.9, "share of the GPU's memory the engine may use: the KV pool gets "
+                                              "what weights, activations, the graph pool and scratch leave "
+                                              "(CUDA only; --num-pages wins)")
     dump_dir: str | None = _opt(None, "write graphs, each pass's graph before/after, match counts, "
                                       "Inductor output code and depyf's decompiled bytecode here")
     speculative_method: str | None = _opt(None, "speculative decoding method: none is built in v41 yet "
@@ -201,7 +211,53 @@ class EngineArgs(_EngineFields):
                 parse_sizes(self.capture_sizes, self.max_num_batched_tokens)
             except ValueError as e:
                 raise AdmissionError(str(e)) from None
+        self.graph_sizes()
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise AdmissionError(f"gpu_memory_utilization: {self.gpu_memory_utilization} is not in (0, 1] "
+                                 f"(--gpu-memory-utilization)")
         return cfg, geo
+
+    def resolved_device(self) -> str:
+        return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    def graph_mode(self) -> str:
+        """The CUDA-graph mode this engine runs: the flag, or FULL on CUDA when compiled, else
+        NONE. Graphs on the CPU, of the eager model, or TR_HYBRID are refused by name."""
+        mode = self.cudagraph_mode
+        cuda = torch.device(self.resolved_device()).type == "cuda"
+        if mode is None:
+            return "FULL" if cuda and not self.enforce_eager else "NONE"
+        if mode not in CUDAGRAPH_MODES:
+            raise AdmissionError(f"cudagraph_mode: {mode!r} (--cudagraph-mode) is not one of "
+                                 f"{', '.join(CUDAGRAPH_MODES)}")
+        if mode == "TR_HYBRID":
+            raise _not_built("--cudagraph-mode", mode, "TR_HYBRID (token graphs with eager attention)")
+        if mode == "FULL" and not cuda:
+            raise AdmissionError(f"cudagraph_mode='FULL' (--cudagraph-mode): CUDA graphs need a CUDA device; "
+                                 f"this engine runs on {self.resolved_device()} (use NONE)")
+        if mode == "FULL" and self.enforce_eager:
+            raise AdmissionError("cudagraph_mode='FULL' (--cudagraph-mode) captures the compiled forward: "
+                                 "add --no-enforce-eager (-O3)")
+        return mode
+
+    def graph_sizes(self) -> tuple:
+        """Decode batch sizes captured under FULL (validated even when graphs are off)."""
+        mode = self.graph_mode()
+        top = min(self.max_num_seqs, self.max_num_batched_tokens, 512)
+        spec = self.cudagraph_capture_sizes
+        if spec:
+            try:
+                sizes = sorted({int(s) for s in spec.split(",") if s.strip()})
+            except ValueError:
+                raise AdmissionError(f"cudagraph_capture_sizes: {spec!r} (--cudagraph-capture-sizes) is not a "
+                                     f"list of integers") from None
+            bad = [s for s in sizes if not 1 <= s <= min(self.max_num_seqs, self.max_num_batched_tokens)]
+            if bad or not sizes:
+                raise AdmissionError(f"cudagraph_capture_sizes: {bad or spec!r} (--cudagraph-capture-sizes) not in [1, min(max_num_seqs, "
+                                     f"max_num_batched_tokens) = {min(self.max_num_seqs, self.max_num_batched_tokens)}]")
+        else:
+            sizes = sorted({s for s in (1, 2, 4, 8) if s <= top} | set(range(8, top + 1, 8)) | {top})
+        return tuple(sizes) if mode == "FULL" else ()
 
 
 class LLMEngine:
@@ -211,7 +267,7 @@ class LLMEngine:
         from v41.loader import load_weights
         from v41.tokenizer import load_tokenizer
         self.args, self.cfg, self.geo = args, cfg, geo
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = args.resolved_device()
         if torch.device(device).type == "cuda":
             import custom_ops.triton  # noqa: F401  (registers the CUDA kernels)
         from custom_ops import registry
@@ -223,24 +279,55 @@ class LLMEngine:
             weights = load_weights(args.model, cfg, device=device, load_format=args.load_format,
                                    seed=args.seed)
         pages_per_seq = -(-self.max_model_len // geo.page_tokens)
-        num_pages = args.num_pages or args.max_num_seqs * pages_per_seq
+        # on CUDA without --num-pages the pool is sized from memory after a profiling forward on
+        # a one-request pool; on the CPU every running request gets max_model_len
+        sized = torch.device(device).type == "cuda" and args.num_pages is None
+        num_pages = args.num_pages or (pages_per_seq if sized else args.max_num_seqs * pages_per_seq)
         copy = args.enable_prefix_caching and not args.encoder_swa_bounded_replay
         num_images = (args.num_images if args.num_images is not None else 4 * args.max_num_seqs) if copy else 0
+        transfer = "copy" if copy else "replay"
         self.runner = ModelRunner(cfg, weights, geo, num_pages, args.max_num_seqs, args.max_num_seqs,
                                   args.max_num_batched_tokens, self.max_model_len, token_map, device,
-                                  DTYPES[args.dtype], "copy" if copy else "replay", num_images,
-                                  args.decoder_swa_bounded_replay)
-        log.info("model %s ready on %s in %.1fs: %d pages of %d tokens, %d slots, cache %.1f MiB",
+                                  DTYPES[args.dtype], transfer, num_images, args.decoder_swa_bounded_replay)
+        graph_sizes = args.graph_sizes()
+        self.pool_plan = None
+        if sized:
+            num_pages = self._size_pool(args, geo, graph_sizes, num_images, transfer)
+        log.info("model %s ready on %s in %.1fs: num_pages %d of %d tokens%s, %d slots, cache %.1f MiB",
                  cfg.name, device, time.perf_counter() - t0, num_pages, geo.page_tokens,
-                 args.max_num_seqs, self.runner.cache.nbytes / 2**20)
+                 " (sized from memory)" if sized else "", args.max_num_seqs, self.runner.cache.nbytes / 2**20)
         from runtime.compile import CompileConfig, compile_runner
         ccfg = CompileConfig.from_engine_args(args, args.max_num_batched_tokens)
         self.compile_report = compile_runner(self.runner, args, ccfg) if ccfg is not None else None
+        self.graph_report = None
+        if graph_sizes:
+            from runtime.cuda_graph import CUDAGraphRunner
+            graphs = CUDAGraphRunner(self.runner, graph_sizes)
+            self.graph_report = graphs.capture()
+            self.runner.graphs = graphs
         self.bm = BlockManager(num_pages, args.max_num_seqs, geo.page_tokens, pages_per_seq,
                                args.enable_prefix_caching, num_images)
         self.scheduler = Scheduler(self.bm, args.max_num_seqs, args.max_num_batched_tokens,
                                    cfg.eos_token_id, args.max_prefill_chunk, self.runner.state)
         self.seqs: dict[str, Sequence] = {}
+
+    def _size_pool(self, args, geo, graph_sizes, num_images: int, transfer: str) -> int:
+        """CUDA: measure weights and activation peaks on the one-request pool, plan the pool
+        (runtime.memory.plan_pool) and allocate it; returns num_pages."""
+        from custom_ops.triton.index import SCORE_BUDGET
+        from runtime.memory import plan_pool, profile_cuda
+        prof = profile_cuda(self.runner, args.max_num_batched_tokens, max(graph_sizes, default=1))
+        if not graph_sizes:
+            prof["graph_pool_bytes"] = 0
+        # the index scorer's FP32 score tile: padding rows score nothing, so the profile misses it
+        plan = plan_pool(**prof, utilization=args.gpu_memory_utilization, scorer_scratch=4 * SCORE_BUDGET,
+                         bytes_per_page=geo.bytes_per_page, bytes_per_state=geo.bytes_per_state,
+                         max_model_len=self.max_model_len, page_tokens=geo.page_tokens,
+                         num_slots=args.max_num_seqs, bytes_per_image=geo.bytes_per_image, num_images=num_images)
+        self.pool_plan = plan
+        log.info("KV pool sized from memory: %s", {k: v for k, v in plan.summary().items()} | prof)
+        self.runner.use_cache(plan.num_pages, args.max_num_seqs, num_images, transfer)
+        return plan.num_pages
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,

@@ -33,7 +33,7 @@ class Scenario:
 
 def make_engine(weights, dtype="float64", **kw) -> LLMEngine:
     # prefix caching is a scenario of its own (under replay a hit is approximate by design)
-    args = EngineArgs(model="toy", dtype=dtype, device="cpu", **{"max_num_seqs": 8, "max_num_batched_tokens": 512,
+    args = EngineArgs(model="toy", dtype=dtype, **{"device": "cpu", "max_num_seqs": 8, "max_num_batched_tokens": 512,
                                                                   "enable_prefix_caching": False, **kw})
     return LLMEngine(args, weights=weights)
 

@@ -40,6 +40,11 @@ REFUSED = [
     (["--context-parallel-size", "2"], "--context-parallel-size", "not built in v41 yet"),
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size", "not built in v41 yet"),
     (["--speculative-method", "dspark"], "--speculative-method", "not built in v41 yet"),
+    (["--cudagraph-mode", "TR_HYBRID"], "--cudagraph-mode", "not built in v41 yet"),
+    (["--cudagraph-mode", "FULL"], "--cudagraph-mode", "CUDA graphs need a CUDA device"),
+    (["--cudagraph-mode", "PIECEWISE"], "--cudagraph-mode", "is not one of NONE, FULL, TR_HYBRID"),
+    (["--cudagraph-capture-sizes", "1,4,9999"], "--cudagraph-capture-sizes", "[9999]"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization", "is not in (0, 1]"),
 ] + [([flag], flag, "not built in v41 yet") for flag in NOT_BUILT
      if flag not in ("--enable-expert-parallel", "--kv-transfer-config")]
 

@@ -35,7 +35,8 @@ TRACED_SOURCES = ("v41/model.py", "v41/attention.py", "v41/moe.py", "v41/moe_rou
 # config, the device by its arch, the compile settings by CompileConfig.
 NOT_KEYED = {"model", "device", "seed", "load_format", "max_prefill_chunk", "speculative_method",
              "enforce_eager", "compilation_level", "decoder_swa_bounded_replay", "compile_cache_dir",
-             "capture_sizes", "dump_dir", "extra"}
+             "capture_sizes", "dump_dir", "extra", "cudagraph_mode", "cudagraph_capture_sizes",
+             "gpu_memory_utilization"}
 
 
 def _file_hash(paths) -> str:

@@ -1,0 +1,73 @@
+"""FULL CUDA graphs (`--cudagraph-mode FULL`): the runner's compiled forward captured once per
+decode batch size, largest first, into one shared memory pool. The graphs read the runner's
+persistent step buffers (runtime.batch.StepBuffers) and the KV cache, so a replay is what
+`ModelRunner.prepare` already does (host mirrors, one copy per field, padding rows to the
+captured width) plus `graph.replay()`; no Python runs in the forward. Prefill and mixed steps
+run the compiled forward without graphs.
+
+Not yet run on a GPU: tests/test_cuda_graph_gpu.py holds the checks for the first H200 run.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+from tqdm import tqdm
+
+log = logging.getLogger("v41")
+
+
+class CUDAGraphRunner:
+    def __init__(self, runner, sizes):
+        """`sizes`: the decode batch sizes to capture (each at most the runner's capacities)."""
+        if runner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the runner is on {runner.device}")
+        sizes = tuple(sorted(set(sizes)))
+        if not sizes or sizes[0] < 1 or sizes[-1] > min(runner.max_seqs, runner.max_tokens):
+            raise ValueError(f"capture sizes {sizes} not in [1, {min(runner.max_seqs, runner.max_tokens)}]")
+        self.runner, self.sizes = runner, sizes
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def width_for(self, sb) -> int | None:
+        """The captured batch size a step replays at: the smallest one holding it when every
+        request computes one token and samples it (decode), else None."""
+        B = len(sb.seqs)
+        if not B or B > self.sizes[-1] or sb.scheduled_tokens != B or sb.resumes or sb.captures:
+            return None
+        if not all(sb.is_final_chunk):       # a 1-token prompt chunk runs the decoder plan
+            return None
+        return self.sizes[bisect.bisect_left(self.sizes, B)]
+
+    def capture(self, progress: bool = True) -> dict:
+        """Capture every size, largest first (later graphs reuse the first one's pool), each after
+        a warm-up call at its width. Returns {sizes, seconds, pool_bytes}."""
+        r, dev = self.runner, self.runner.device
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_reserved(dev)
+        with torch.inference_mode():
+            for bs in tqdm(sorted(self.sizes, reverse=True), desc="CUDA graphs", unit="graph", disable=not progress):
+                batch = r.padding_batch(bs)
+                r.forward(batch, r.cache)                      # warm-up: autotuning, lazy allocations
+                torch.cuda.synchronize(dev)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    out = r.forward(batch, r.cache)
+                if self.pool is None:
+                    self.pool = g.pool()
+                self.graphs[bs], self.outputs[bs] = g, out
+        torch.cuda.synchronize(dev)
+        report = {"sizes": list(self.sizes), "seconds": round(time.perf_counter() - t0, 2),
+                  "pool_bytes": torch.cuda.memory_reserved(dev) - before}
+        log.info("CUDA graphs: %d decode sizes captured in %.1fs (largest %d), graph pool %.1f MiB",
+                 len(self.sizes), report["seconds"], self.sizes[-1], report["pool_bytes"] / 2**20)
+        return report
+
+    def replay(self, bs: int) -> torch.Tensor:
+        """Run the graph of width `bs` on what `prepare` published; its hidden rows [bs, ...]."""
+        self.graphs[bs].replay()
+        return self.outputs[bs]
