@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -17,8 +18,12 @@ from v41.config import V41Config, load_config, preset, PRESETS
 from v41.keyed_dir import KeyedDir, default_cache_root, hash_files
 from v41.loader.io import (COMPLETE_MARKER, DEFAULT_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, _toy_tokenizer_files,
                            check_checkpoint, shard_plan, write_checkpoint)
+from v41.loader.engram_map import ENGRAM_MAP_BYTES, ENGRAM_MODES, map_engram_table
+from v41.loader.report import format_memory_report, memory_report
 from v41.loader.schema import CheckpointError, checkpoint_schema, is_host_table
 from v41.loader.synthetic import _CHUNK_ELEMS, _FP8_CODE_STD, _WRITER_FUNCS, dummy_tensors
+
+log = logging.getLogger("v41.loader")
 
 
 # ---- weights + post-load processing -----------------------------------------------------
@@ -36,10 +41,13 @@ class Weights(Mapping):
     """The checkpoint tensors by name (a read-only mapping) plus where they came from.
     `postprocess()` runs the §5.4 post-load processing; it runs exactly once."""
 
-    def __init__(self, cfg: V41Config, tensors: dict, source: str, device="cpu", seed: int | None = None):
+    def __init__(self, cfg: V41Config, tensors: dict, source: str, device="cpu", seed: int | None = None,
+                 mapped: dict | None = None):
         self.cfg = cfg
         self.tensors = tensors
         self.source = source          # a checkpoint directory or "dummy"
+        # table weight name -> MappedEngramTable; `tensors` holds zero-copy views of them
+        self.mapped = dict(mapped or {})
         self.device = torch.device(device)
         self.seed = seed
         self.processed = False
@@ -94,20 +102,36 @@ def postprocess(weights: Weights) -> Weights:
 
 
 def load_checkpoint(path, cfg: V41Config | None = None, device="cpu", progress: bool = True,
-                    process: bool = True) -> Weights:
+                    process: bool = True, engram: str = "auto") -> Weights:
     """Load a native checkpoint directory: header check of every shard first (CheckpointError,
     nothing read), then the tensors (Engram tables on the CPU, the rest on `device`), then the
-    post-load processing (once)."""
+    post-load processing (once). `engram`: 'mapped' maps every Engram table from its shard
+    (v41.loader.engram_map), 'resident' reads them, 'auto' maps a table (rows + scales) of at
+    least ENGRAM_MAP_BYTES and reads smaller ones."""
+    if engram not in ENGRAM_MODES:
+        raise ValueError(f"engram {engram!r}: expected one of {', '.join(ENGRAM_MODES)}")
     root = Path(path)
     if cfg is None:
         cfg = load_config(root)
     schema = checkpoint_schema(cfg)
     report = check_checkpoint(root, cfg, schema)
     device = torch.device(device)
+    mapped = {}
+    for name in schema:
+        if is_host_table(name) and name.endswith(".weight"):
+            size = schema[name].nbytes + schema[name[: -len("weight")] + "scale"].nbytes
+            if engram == "mapped" or (engram == "auto" and size >= ENGRAM_MAP_BYTES):
+                shard = next(s for s, names in report.shards.items() if name in names)
+                mapped[name] = map_engram_table(root / shard, name, schema)
     tensors: dict[str, torch.Tensor] = {}
-    with tqdm(total=report.bytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
-              desc=f"load {root.name}") as bar:
+    for name, table in mapped.items():
+        tensors[name], tensors[name[: -len("weight")] + "scale"] = table.tensors()
+    with tqdm(total=report.bytes - sum(t.nbytes for t in mapped.values()), unit="B", unit_scale=True,
+              unit_divisor=1024, disable=not progress, desc=f"load {root.name}") as bar:
         for shard, names in report.shards.items():
+            names = [n for n in names if n not in tensors]
+            if not names:
+                continue
             with safe_open(str(root / shard), framework="pt", device="cpu") as f:
                 for name in names:
                     t = f.get_tensor(name)
@@ -119,7 +143,7 @@ def load_checkpoint(path, cfg: V41Config | None = None, device="cpu", progress: 
                         t = t.to(device)
                     tensors[name] = t
                     bar.update(spec.nbytes)
-    w = Weights(cfg, {n: tensors[n] for n in schema}, str(root), device)
+    w = Weights(cfg, {n: tensors[n] for n in schema}, str(root), device, mapped=mapped)
     return w.postprocess() if process else w
 
 
@@ -136,12 +160,14 @@ def _is_checkpoint_dir(p: Path) -> bool:
 
 
 def load_weights(model_or_dir, cfg: V41Config | None = None, device="cpu", load_format: str = "auto",
-                 seed: int = 0, progress: bool = True) -> Weights:
+                 seed: int = 0, progress: bool = True, engram: str = "auto") -> Weights:
     """`model_or_dir`: a checkpoint directory or a preset name. `load_format`:
     'safetensors' reads the directory; 'dummy' builds the writer's random tensors in memory
     (same values as `write_checkpoint(cfg, ..., seed)`); 'auto' = safetensors for a checkpoint
     directory; for the `toy` preset its checkpoint, written once into the cache on first use
-    and then read like any other; dummy for the other presets (too large to write)."""
+    and then read like any other; dummy for the other presets (too large to write). `engram`:
+    see load_checkpoint (the dummy format has no files: its tables are resident). Logs the
+    memory report (v41.loader.report)."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format {load_format!r}: expected 'auto', 'safetensors' or 'dummy'")
     if load_format == "auto":
@@ -156,8 +182,11 @@ def load_weights(model_or_dir, cfg: V41Config | None = None, device="cpu", load_
             raise CheckpointError(f"{model_or_dir!r} is neither a checkpoint directory nor a preset")
     if load_format == "dummy":
         cfg = cfg if cfg is not None else load_config(model_or_dir)
-        return dummy_weights(cfg, device, seed, progress)
-    return load_checkpoint(model_or_dir, cfg, device, progress)
+        w = dummy_weights(cfg, device, seed, progress)
+    else:
+        w = load_checkpoint(model_or_dir, cfg, device, progress, engram=engram)
+    log.info("%s", format_memory_report(memory_report(w)))
+    return w
 
 
 # ---- cached preset checkpoints ----------------------------------------------------------
