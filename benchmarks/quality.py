@@ -72,6 +72,37 @@ def runtime_logits(model: Path, weights, reqs, plane: str, eager: bool = True,
     return teacher_forced(LLMEngine(args, weights=weights), reqs)
 
 
+def forced_choices(cfg, weights, token_map, reqs, forced: str) -> list[torch.Tensor]:
+    """The oracle in bf16 (fp4 plane) with the float64 run's discrete choices imposed: the
+    router's expert choice ("routing"), the index top-k and candidate blocks ("index"), or both.
+    Both runs make those choices through `stable_desc_order` in the same order, so it is
+    recorded in the float64 run and replayed in the bf16 run."""
+    import tests.reference.oracle as O
+    own_order, own_moe, tape, in_moe = O.stable_desc_order, O.Oracle.moe, [], [False]
+
+    def moe(self, *a):
+        in_moe[0] = True
+        try:
+            return own_moe(self, *a)
+        finally:
+            in_moe[0] = False
+
+    def record(score):
+        tape.append(own_order(score))
+        return tape[-1]
+
+    def replay(score):
+        rec = tape.pop(0)
+        return rec if ("routing" if in_moe[0] else "index") in forced else own_order(score)
+    try:
+        O.Oracle.moe, O.stable_desc_order = moe, record
+        oracle_logits(cfg, weights, token_map, reqs, "fp4")
+        O.stable_desc_order = replay
+        return oracle_logits(cfg, weights, token_map, reqs, "fp4", torch.bfloat16)
+    finally:
+        O.Oracle.moe, O.stable_desc_order = own_moe, own_order
+
+
 def gates_pass(row: dict) -> bool:
     return row["nll_delta"] <= NLL_DELTA_MAX and row["top1"] >= TOP1_MIN
 
@@ -96,17 +127,26 @@ def measure(model: Path = MODEL, tokens: int = 4096, seq: int = 512, compiled: b
             row["pass"] = gates_pass(row)
             rows.append(row)
             log(json.dumps(row))
-    # where a difference would come from: the same arithmetic in bf16, by the oracle itself
+    # where the differences come from: the oracle's own bf16 run, the runtime in float32, and
+    # the oracle's bf16 run with the float64 run's discrete choices imposed
     diag = []
     for plane in ("fp8", "fp4"):
         o16 = oracle_logits(cfg, weights, token_map, reqs, plane, torch.bfloat16)
         diag.append({"variant": "oracle-bf16", "index_cache_dtype": plane, **compare(o16, ref[plane], reqs)})
         log(json.dumps(diag[-1]))
+    f32 = runtime_logits(model, weights, reqs, "fp8", True, "float32")
+    diag.append({"variant": "runtime-float32-eager", "index_cache_dtype": "fp8", **compare(f32, ref["fp8"], reqs)})
+    log(json.dumps(diag[-1]))
+    for forced in ("routing", "index", "routing+index"):
+        got = forced_choices(cfg, weights, token_map, reqs, forced)
+        diag.append({"variant": f"oracle-bf16, float64 {forced} choices imposed", "index_cache_dtype": "fp4",
+                     **compare(got, ref["fp4"], reqs)})
+        log(json.dumps(diag[-1]))
     return {"benchmark": "quality", "model": str(model.relative_to(ROOT)) if model.is_relative_to(ROOT) else str(model),
             "what": "teacher-forced runtime bf16 vs oracle float64 on held-out text",
             "heldout": {"corpus": CORPUS, "tokens": tokens, "requests": len(reqs), "request_tokens": seq},
             "thresholds": {"nll_delta_max": NLL_DELTA_MAX, "top1_min": TOP1_MIN},
-            "results": rows, "oracle_bf16": diag,
+            "results": rows, "diagnosis": diag,
             "device": f"cpu ({platform.machine()}), {torch.get_num_threads()} thread(s)",
             "versions": {"torch": torch.__version__, "python": platform.python_version()},
             "date": datetime.date.today().isoformat()}

@@ -10,7 +10,7 @@ RESULTS = REPO / "benchmarks" / "results"
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # names in the pages that are not result files: inputs, and outputs of example commands
 NOT_RESULTS = {"config.json", "tokenizer.json", "piece-bisect.json", "compile-quant-configs.json"}
-NAME = re.compile(r"[\w.*-]+\.(?:json|txt)\b")
+NAME = re.compile(r"[\w.*-]+\.(?:json|txt|png)\b")
 
 
 def cited() -> dict[str, str]:
