@@ -276,3 +276,19 @@ def test_engine_on_mapped_tables_generates_the_same_tokens(resident, mapped, mon
     monkeypatch.setattr(ModelRunner, "gather_engram", staged_gather_engram)
     assert H.run(mapped, reqs, max_tokens=5, dtype="float64") == want
     assert made and made[0] is not None and made[0].steps >= 5
+
+
+def test_bench_dry_run(tmp_path, capsys):
+    """benchmarks/engram_mmap_bench.py on a small table: writes, maps, gathers, checks sampled
+    rows against the file's bytes, prints; writes no result file and leaves no table."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("engram_mmap_bench", Path(__file__).parents[1]
+                                                  / "benchmarks" / "engram_mmap_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    assert bench.main(["--dry-run", "--dir", str(tmp_path / "t"), "--out", str(out)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["table"]["rows"] == 48 * 1024 and res["gather"]["cold"]["steps"] == 5
+    assert set(res["rss_mib"]) == {"before_map", "after_map", "after_cold_pass", "after_warm_pass"}
+    assert not out.exists() and not list((tmp_path / "t").iterdir())
