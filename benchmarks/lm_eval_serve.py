@@ -4,8 +4,8 @@ its chat variant as `local-chat-completions`, stops the server and writes the me
 
     make eval-setup                                   # lm-eval into .venv (the `eval` extra)
     .venv/bin/python benchmarks/lm_eval_serve.py      # writes benchmarks/results/lm-eval-toy.json
-    .venv/bin/python benchmarks/lm_eval_serve.py --model /path/to/checkpoint --result out.json
-    .venv/bin/python benchmarks/lm_eval_serve.py --base-url http://127.0.0.1:8000 --result out.json
+    .venv/bin/python benchmarks/lm_eval_serve.py --model /path/to/checkpoint --result FILE
+    .venv/bin/python benchmarks/lm_eval_serve.py --base-url http://127.0.0.1:8000 --result FILE
 
 The harness runs in this process through lm-eval's Python API (`simple_evaluate`, the code
 behind the `lm_eval` command) with only the local tasks indexed: the CLI spends ~20 s on this
@@ -13,7 +13,7 @@ behind the `lm_eval` command) with only the local tasks indexed: the CLI spends 
 JSONL in the repository, and the Hugging Face libraries run offline.
 
 The server it starts keeps prefix caching with checkpoint images (--no-encoder-swa-bounded-replay):
-the two examples of a paragraph share a prefix, and a replay-mode hit (the default) truncates the
+the three examples of a paragraph share a prefix, and a replay-mode hit (the default) truncates the
 rebuilt windows, so an answer would depend on which request came first.
 """
 from __future__ import annotations
@@ -43,6 +43,8 @@ INSTALL = "make eval-setup (or: .venv/bin/python -m pip install -e '.[eval]')"
 RUNS = (("local-completions", "/v1/completions", "pydoc_next_word", False),
         ("local-chat-completions", "/v1/chat/completions", "pydoc_next_word_chat", True))
 METRIC = "exact_match,first-word"
+# exact prefix hits (see above); a later --encoder-swa-bounded-replay in --server-args wins
+SERVER_ARGS = ("--no-encoder-swa-bounded-replay", "--disable-access-log", "--uvicorn-log-level", "warning")
 
 
 def default_model() -> str:
@@ -110,17 +112,21 @@ def main(argv=None) -> int:
                     help="what the server loads: a checkpoint directory or a preset (default: "
                          "v41/assets/toy-trained if present, else toy)")
     ap.add_argument("--base-url", default=None, help="evaluate a server already running there instead")
-    ap.add_argument("--server-args", default="--max-model-len 512 --no-encoder-swa-bounded-replay "
-                                             "--disable-access-log --uvicorn-log-level warning",
-                    help="more flags of python -m v41.serve (default: exact prefix hits, see above)")
+    ap.add_argument("--server-args", default="--max-model-len 512",
+                    help=f"more flags of python -m v41.serve, after {' '.join(SERVER_ARGS)}")
     ap.add_argument("--limit", type=int, default=None, help="examples per task (default: all 46)")
     ap.add_argument("--num-concurrent", type=int, default=4, help="requests in flight")
     ap.add_argument("--request-timeout", type=int, default=120, help="seconds per request")
-    ap.add_argument("--result", default=str(ROOT / "benchmarks" / "results" / "lm-eval-toy.json"))
+    ap.add_argument("--result", default=None,
+                    help="output file; needed with --model or --base-url (default: the toy's lm-eval-toy.json)")
     ap.add_argument("--no-save", dest="save", action="store_false")
     a = ap.parse_args(argv)
     if a.limit is not None and a.limit < 1:
         ap.error(f"--limit: must be at least 1, got {a.limit}")
+    if a.result is None and a.save:
+        if a.model or a.base_url:  # never overwrite the toy's figures with another model's
+            ap.error("--result: name the output file when --model or --base-url is given")
+        a.result = str(ROOT / "benchmarks" / "results" / "lm-eval-toy.json")
     os.environ["HF_DATASETS_OFFLINE"] = "1"  # before datasets is imported: no hub look-up
     os.environ["HF_HUB_OFFLINE"] = "1"
     try:
@@ -133,7 +139,7 @@ def main(argv=None) -> int:
     if a.base_url:
         base = a.base_url.rstrip("/")
     else:
-        proc, base, log = start_server(["--model", model, *a.server_args.split()])
+        proc, base, log = start_server(["--model", model, *SERVER_ARGS, *a.server_args.split()])
     try:
         with httpx.Client(base_url=base, timeout=30) as c:
             version = c.get("/version").json()
@@ -155,7 +161,7 @@ def main(argv=None) -> int:
         "tool": "benchmarks/lm_eval_serve.py",
         "model": {"served_name": served, "path": version.get("model") or model,
                   "sha256": None if a.base_url else checkpoint_sha256(model),
-                  "server_args": None if a.base_url else a.server_args,
+                  "server_args": None if a.base_url else " ".join([*SERVER_ARGS, a.server_args]),
                   "dtype": version.get("engine_args", {}).get("dtype")},
         "device": version.get("device"),
         "host": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
