@@ -86,12 +86,6 @@ def prefill_ms(eng, n: int, length: int, reps: int, cuda: bool) -> float:
     return statistics.median(ts[1:] if len(ts) > 1 else ts)
 
 
-def set_replay(eng, on: bool) -> None:
-    """The same compiled segments, with the decoder on the tail or on every row."""
-    eng.args.decoder_swa_bounded_replay = on
-    eng.runner.decoder_replay = on
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="flash-slice")
@@ -110,7 +104,7 @@ def main(argv=None):
     rows = []
     for n, length in cases:
         for variant in ("replay", "full", "replay", "full"):     # alternating; the second pair is kept
-            set_replay(eng, variant == "replay")
+            eng.set_decoder_replay(variant == "replay")
             ms = prefill_ms(eng, n, length, a.reps, cuda)
             rows = [r for r in rows if (r["variant"], r["requests"], r["tokens_each"]) != (variant, n, length)]
             rows.append({"variant": variant, "requests": n, "tokens_each": length, "ms": round(ms, 3),

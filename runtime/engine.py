@@ -352,6 +352,14 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def set_decoder_replay(self, on: bool) -> None:
+        """Decoder bounded replay on or off for the requests added from now on (teacher forcing
+        and benchmarks switch it in one engine: the compiled split segments serve both, the
+        decoder then running on every row)."""
+        if self.has_unfinished():
+            raise ValueError("switch decoder bounded replay with no request in the engine")
+        self.args.decoder_swa_bounded_replay = self.runner.decoder_replay = on
+
     def abort(self, request_id: str) -> bool:
         seq = self.scheduler.abort(request_id)
         self.seqs.pop(request_id, None)

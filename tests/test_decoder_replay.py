@@ -93,6 +93,19 @@ def test_replay_off_runs_every_row(toy_cfg, toy_weights, oracle):
     assert eng.runner.rows_run == {"encoder": 40, "decoder": 40}
 
 
+def test_switching_replay_in_one_engine(toy_cfg, toy_weights, oracle):
+    """set_decoder_replay: off, then on again, in one engine; never under running requests."""
+    p = H.prompts((40,), seed=12)[0]
+    eng = H.make_engine(toy_weights)
+    eng.set_decoder_replay(False)
+    assert rel(last_row_logits(eng, [p])[0], oracle.forward(p)[-1]) < 1e-6
+    eng.set_decoder_replay(True)
+    assert rel(last_row_logits(eng, [p])[0], oracle.forward(p, window_start=bounded_replay(toy_cfg, 40))[-1]) < 1e-6
+    eng.add_request(p, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="no request"):
+        eng.set_decoder_replay(False)
+
+
 @pytest.mark.parametrize("suffix", [3, 30])
 def test_copy_mode_hits_resume_at_or_below_the_tail(toy_cfg, toy_weights, oracle, suffix):
     """A checkpoint image above the tail start holds another request's decoder rings: the hit

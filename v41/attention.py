@@ -38,7 +38,7 @@ class Attention(nn.Module):
         eps = cfg.rms_norm_eps
         self.spec, self.rope = spec, rope
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
-        self.o_groups, self.o_rank, self.o_group_in = cfg.o_groups, cfg.o_lora_rank, cfg.o_group_in
+        self.o_groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
         self.scale = cfg.head_dim ** -0.5
         self.wq_a, self.wq_b = Linear(w["wq_a"], "fp8"), Linear(w["wq_b"], "fp8")
         self.wkv, self.wo_b = Linear(w["wkv"], "fp8"), Linear(w["wo_b"], "fp8")
@@ -66,7 +66,7 @@ class Attention(nn.Module):
         xq, qb = (x, batch) if queries is None else (x[queries.rows], queries)
         qr = self.q_norm(self.wq_a(xq))
         q = self.rope(self.wq_b(qr).view(xq.shape[0], self.n_heads, self.head_dim), qb.positions)
-        kv = quant.fp8_qat(self.rope(self.kv_norm(self.wkv(x)), batch.positions))
+        kv = self.window_kv(x, batch)
         if spec.role is Role.FULL:
             self.compress(x, batch, cache)
         if spec.scores:
@@ -84,12 +84,20 @@ class Attention(nn.Module):
             ops.sparse_attn(q, kv, ring, qb.win_idx, None, None, qb.block_table, qb.batch_ids, 1, 1,
                             self.sink, self.scale, o)
         # every query of the batch has read its window: only now may the ring move on
-        ops.scatter_rows(ring, kv, batch.ring_dest)
-        if batch.image_dest is not None:  # checkpoint images at PAGE boundaries (copy mode)
-            ops.scatter_rows(cache.image_ring[l], kv, batch.image_dest)
-        o = self.rope(o, qb.positions, inverse=True).view(xq.shape[0], self.o_groups, self.o_group_in)
+        self.keep_window(kv, batch, cache)
+        o = self.rope(o, qb.positions, inverse=True).view(xq.shape[0], self.o_groups, -1)
         z = torch.einsum("tgi,goi->tgo", o, self.wo_a).flatten(1)
         return self.wo_b(z)
+
+    def window_kv(self, x, batch):
+        """The rows' window KV (FP8 QAT): what the layer's ring keeps of them."""
+        return quant.fp8_qat(self.rope(self.kv_norm(self.wkv(x)), batch.positions))
+
+    def keep_window(self, kv, batch, cache) -> None:
+        """Rows into the layer's ring, and into checkpoint images at PAGE boundaries (copy mode)."""
+        ops.scatter_rows(cache.ring[self.spec.layer], kv, batch.ring_dest)
+        if batch.image_dest is not None:
+            ops.scatter_rows(cache.image_ring[self.spec.layer], kv, batch.image_dest)
 
     def compress(self, x, batch, cache):
         """Owner rows: pooled latent -> main row (RoPE, FP4 E4M3/16 QAT) and index key (k_norm,
