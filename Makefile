@@ -29,7 +29,7 @@ serve: setup
 	$(BIN)/python -m v41.serve --model $(SERVE_MODEL) --served-model-name $(notdir $(SERVE_MODEL)) $(filter-out $(notdir $(SERVE_MODEL)),toy)
 
 # one worker per core, whole files per worker (a file's tests share their compiles)
-test: setup
+test: setup $(VENV)/.eval-installed
 	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 test-gpu: setup
@@ -42,6 +42,10 @@ mutation: setup
 	$(BIN)/mutmut results
 
 # lm-eval for benchmarks/lm_eval_serve.py and tests/test_lm_eval.py (the `eval` extra, not a runtime dependency)
-.PHONY: eval-setup
-eval-setup: setup
+# lm-eval (tests/test_lm_eval.py, benchmarks/lm_eval_serve.py): an extra, installed once
+$(VENV)/.eval-installed: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[eval]"
+	touch $@
+
+.PHONY: eval-setup
+eval-setup: $(VENV)/.eval-installed
