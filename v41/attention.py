@@ -84,7 +84,7 @@ class Attention(nn.Module):
             ops.sparse_attn(q, kv, ring, qb.win_idx, None, None, qb.block_table, qb.batch_ids, 1, 1,
                             self.sink, self.scale, o)
         # every query of the batch has read its window: only now may the ring move on
-        self.keep_window(kv, batch, cache)
+        self.keep_window(ring, kv, batch, cache)
         o = self.rope(o, qb.positions, inverse=True).view(xq.shape[0], self.o_groups, -1)
         z = torch.einsum("tgi,goi->tgo", o, self.wo_a).flatten(1)
         return self.wo_b(z)
@@ -93,9 +93,10 @@ class Attention(nn.Module):
         """The rows' window KV (FP8 QAT): what the layer's ring keeps of them."""
         return quant.fp8_qat(self.rope(self.kv_norm(self.wkv(x)), batch.positions))
 
-    def keep_window(self, kv, batch, cache) -> None:
-        """Rows into the layer's ring, and into checkpoint images at PAGE boundaries (copy mode)."""
-        ops.scatter_rows(cache.ring[self.spec.layer], kv, batch.ring_dest)
+    def keep_window(self, ring, kv, batch, cache) -> None:
+        """Rows into the layer's `ring` (the view its attention read), and into checkpoint
+        images at PAGE boundaries (copy mode)."""
+        ops.scatter_rows(ring, kv, batch.ring_dest)
         if batch.image_dest is not None:
             ops.scatter_rows(cache.image_ring[self.spec.layer], kv, batch.image_dest)
 
