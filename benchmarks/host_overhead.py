@@ -50,7 +50,7 @@ def measure(n_requests: int, steps: int, weights, profile=None) -> dict:
         runner.prepare(sb)
         runner.commit(sb)
         t2 = clock()
-        SamplingTensors.build(sb.seqs, vocab, runner.device, eos_token_id=eos)
+        SamplingTensors.build(sb.seqs, vocab, runner.device, eos_token_id=eos, table=eng.sampling_table, slots=sb.slots)
         t3 = clock()
         sch.postprocess(sb, {s.seq_id: 7 for s in sb.seqs})
         t4 = clock()

@@ -71,6 +71,7 @@ class StepBuffers:
                       if self.cuda else self.dev)
         self._np = {k: t.numpy() for k, t in self._host.items()}
         self._copied = None            # CUDA event behind the last step's copies
+        self._views = {}               # (field, rows) -> the device buffer's first rows
 
     def begin(self) -> dict:
         """The host mirrors as numpy arrays, safe to write for one step: waits for the copies of
@@ -84,9 +85,11 @@ class StepBuffers:
     def publish(self, rows: dict) -> dict:
         """Copy the first `rows[k]` rows of each named mirror to its device buffer (non-blocking);
         returns the device views of those rows."""
-        out = {}
+        out, views = {}, self._views
         for k, n in rows.items():
-            d = self.dev[k][:n]
+            d = views.get((k, n))
+            if d is None:       # slicing costs a microsecond or two: each (field, rows) once
+                d = views[k, n] = self.dev[k][:n]
             if n and self.cuda:
                 d.copy_(self._host[k][:n], non_blocking=True)
             out[k] = d

@@ -7,13 +7,14 @@ import logging
 import time
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 from runtime import replay
 from runtime.block_manager import BlockManager
 from runtime.geometry import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, AdmissionError, PoolGeometry
 from runtime.model_runner import ModelRunner
-from runtime.sampler import sample, token_logprobs
+from runtime.sampler import SamplingTable, sample, token_logprobs
 from runtime.scheduler import Scheduler
 from runtime.sequence import SamplingParams, Sequence, Status
 from v41.config import V41Config, load_config, validate_page
@@ -309,6 +310,7 @@ class LLMEngine:
                                args.enable_prefix_caching, num_images)
         self.scheduler = Scheduler(self.bm, args.max_num_seqs, args.max_num_batched_tokens,
                                    cfg.eos_token_id, args.max_prefill_chunk, self.runner.state)
+        self.sampling_table = SamplingTable(args.max_num_seqs)    # per STATE slot
         self.seqs: dict[str, Sequence] = {}
 
     def _size_pool(self, args, geo, graph_sizes, num_images: int, transfer: str) -> int:
@@ -382,8 +384,13 @@ class LLMEngine:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step: %d requests, %d rows; encoder %d rows, decoder %d", len(sb.seqs), sb.scheduled_tokens,
                       *(self.runner.rows_run[k] - before[k] for k in ("encoder", "decoder")))
-        seqs = [s for s, f in zip(sb.seqs, sb.is_final_chunk) if f]
-        toks, errors = self._sample(rows, seqs)
+        final = self.runner.final_mask
+        if final.all():
+            seqs, slots = sb.seqs, sb.slots
+        else:
+            idx = np.flatnonzero(final)
+            seqs, slots = [sb.seqs[i] for i in idx.tolist()], sb.slots[idx]
+        toks, errors = self._sample(rows, seqs, slots)
         lps = self._logprobs(rows, seqs, toks, errors)
         for j, msg in errors.items():
             self._fail(seqs[j], msg)
@@ -396,13 +403,13 @@ class LLMEngine:
                 self.seqs.pop(s.request_id, None)
         return seqs
 
-    def _sample(self, rows: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], dict[int, str]]:
+    def _sample(self, rows: torch.Tensor, seqs: list[Sequence], slots) -> tuple[list[int], dict[int, str]]:
         """The batch's tokens, and {row: error} for rows whose own data made the sampler raise:
         a failed batch is sampled again row by row (a row's token does not depend on the batch,
         so the others get the tokens the batch would have given them)."""
         eos = self.cfg.eos_token_id
         try:
-            return sample(rows, seqs, eos), {}
+            return sample(rows, seqs, eos, self.sampling_table, slots), {}
         except Exception:  # noqa: BLE001 - find the rows that raise; the others go on
             toks, errors = [], {}
             for j, seq in enumerate(seqs):

@@ -21,7 +21,7 @@ from runtime.cache import KVCache
 from runtime.geometry import PoolGeometry
 from runtime.scheduler import ScheduledBatch
 from runtime.state import StateTransfer
-from v41.engram.hashing import DEAD, EngramLayout, hash_lookback
+from v41.engram.hashing import DEAD, EngramLayout
 from v41.model import Transformer
 
 ops = torch.ops.v41
@@ -30,6 +30,7 @@ ops = torch.ops.v41
 class ModelRunner:
     PAD = PAD
     verify_history = False      # tests: check the host's Engram history against the cursor
+    decode_fast_path = True     # tests: False runs every step through general_rows
 
     def __init__(self, cfg, weights, geo: PoolGeometry, num_pages: int, num_slots: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, token_map,
@@ -39,11 +40,11 @@ class ModelRunner:
         self.cfg, self.geo, self.device, self.dtype = cfg, geo, torch.device(device), dtype
         self.decoder_replay = decoder_replay
         self.model = Transformer(cfg, weights, dtype, device, max_pos=max_model_len)
-        self.use_cache(num_pages, num_slots, num_images, transfer)
         self.W, self.page = cfg.sliding_window, geo.page_tokens
         self.token_map = np.asarray(token_map, dtype=np.int64)
         self.layout = EngramLayout(cfg, pad_id=int(self.token_map[cfg.engram_pad_token_id]))
         self.m = self.layout.max_ngram - 1           # Engram history length (the cursor's ids)
+        self.use_cache(num_pages, num_slots, num_images, transfer)
         self.engram_tables = {l: (weights[f"layers.{l}.engram.embed.weight"],
                                   weights[f"layers.{l}.engram.embed.scale"]) for l in cfg.engram_layer_ids}
         self.max_pages = -(-max_model_len // geo.page_tokens)
@@ -57,6 +58,10 @@ class ModelRunner:
         self.engram_buf = {l: torch.zeros(T, width, dtype=dtype, device=self.device)
                            for l in cfg.engram_layer_ids}
         self.rows_run = {"encoder": 0, "decoder": 0}    # rows each part of the model has run
+        self.fast_steps = 0             # steps `decode_rows` prepared
+        self._hash = None               # hash_layers' stacked constants
+        self._row_views = {}            # rows -> the Batch fields' first rows (batch_view)
+        self._no_image = np.full(max_num_batched_tokens, -1, np.int64)
         self.graphs = None              # runtime.cuda_graph.CUDAGraphRunner (FULL), when captured
         self.use_forward(self.model, static_shapes=False)
 
@@ -66,6 +71,12 @@ class ModelRunner:
         self.cache = None
         self.cache = KVCache(self.geo, num_pages, num_slots, num_images, self.device)
         self.state = StateTransfer(self.cache, transfer)
+        # host mirror of each slot's request after its last commit: (seq_id, committed position,
+        # encoder floor, first written row, tail start) and its Engram history; a decode step
+        # reads it instead of each request's tokens and fields (`decode_rows`)
+        self.slot_meta = np.full((num_slots, 5), -1, np.int64)
+        self.slot_hist = np.zeros((num_slots, self.m), np.int64)
+        self._rotation = (np.arange(self.W)[:, None] + np.arange(self.W)) % self.W    # [r, j]: (r + j) % W
 
     def use_forward(self, forward, *, static_shapes: bool) -> None:
         """The step's forward: the eager model, or a compiled one (runtime.compile.compile_runner
@@ -99,65 +110,39 @@ class ModelRunner:
             raise ValueError(f"step of {T} tokens / {B} requests does not fit running width "
                              f"{Tr}/{Br} (capacity {self.max_tokens}/{self.max_seqs})")
         self.resume(sb, host)
-        m, W, S = self.m, self.W, self.cache.num_slots
-        # per request, in one pass: first position, encoder floor, first written row, tail
-        # start, known tokens
-        cols = np.array([(s.num_computed, s.swa_floor, s.write_from, s.decoder_start or 0, len(s.token_ids))
-                         for s in seqs], dtype=np.int64).reshape(B, 5)
-        starts, floor_r, write_r, tails, known = cols.T
-        slots = sb.slots
-        # the tokens of the step and the m before each request's first (its Engram history)
-        hl = np.minimum(starts, m)
-        toks = [s.token_ids[a - h:a + k] for s, a, h, k in zip(seqs, starts.tolist(), hl.tolist(), sb.num_new)]
-        flat = np.fromiter(chain.from_iterable(toks), dtype=np.int64, count=int(hl.sum()) + T)
-        src0 = np.cumsum(hl + n) - (hl + n)                          # each request's chunk in `flat`
-        first = np.repeat(np.cumsum(n) - n, n)                      # row of each request's first token
-        within = np.arange(T) - first
-        ids = flat[np.repeat(src0 + hl, n) + within]
-        bid = np.repeat(np.arange(B), n)
-        pos = np.repeat(starts, n) + within
-        start_t, slot_t = np.repeat(starts, n), np.repeat(slots, n)
-        end_t = start_t + np.repeat(n, n)
-        # window: positions p-W+1 .. p, oldest first; this step's rows where computed now
-        q = pos[:, None] - (W - 1) + np.arange(W)
-        row = np.where(q >= start_t[:, None], S * W + np.arange(T)[:, None] - (pos[:, None] - q),
-                       slot_t[:, None] * W + q % W)
-        win = np.where(q >= np.repeat(floor_r, n)[:, None], row, -1)   # encoder replay: no window below the floor
-        dest = {}
-        page = sb.block_tables[bid, pos // self.page]
-        write_from = np.repeat(write_r, n)
-        for r in (1, 2):
-            rpp = self.page // r
-            # a group is written by the row completing it, unless the prefix cache holds it
-            dest[r] = np.where((pos % r == r - 1) & (pos >= write_from), page * rpp + (pos // r) % rpp, -1)
-        fields = dict(input_ids=ids, positions=pos, batch_ids=bid, win_idx=win,
-                      ring_dest=np.where(pos >= end_t - W, slot_t * W + pos % W, -1),
-                      tail_src=np.where((pos % 2 == 1) & (pos == start_t), slot_t, -1),
-                      tail_dst=np.where((pos == end_t - 1) & (pos % 2 == 0), slot_t, -1),
-                      dest1=dest[1], dest2=dest[2],
-                      image_dest=self.plan_captures(sb, starts, np.cumsum(n) - n, T, host))
+        got = (self.decode_rows(sb, host) if self.decode_fast_path and sb.decode and not sb.resumes
+               and not sb.captures else None)
+        fast = got is not None
+        self.fast_steps += fast
+        fields, meta, known, tail_ids = got if fast else self.general_rows(sb, host, n, T)
+        starts, tails, slots = meta[:, 1], meta[:, 4], sb.slots
         for k, a in fields.items():
             h = host[k]
             h[:T] = a
-            h[T:Tr] = PAD[k]
+            if Tr > T:
+                h[T:Tr] = PAD[k]
         hi = self.max_seqs if self.static_shapes else Br
         host["block_table"][:B] = sb.block_tables
         host["block_table"][B:hi] = 0
         final = starts + n == known
-        tail_ids = self.engram_ids(flat, src0, hl, n, starts, slots, T, host)
+        self.final_mask = final
         host["commit_slots"][:B] = slots
         host["commit_cursor"][:B, 0] = starts + n
         host["commit_cursor"][:B, 1:] = tail_ids
-        last = np.where(final, np.cumsum(n) - 1, -1)
-        dec = replay.plan(pos, bid, starts, tails, slots, last, W, S) if self.decoder_replay else None
+        self._mirror = (slots, meta, starts + n, tail_ids)
+        ends = np.cumsum(n) - 1
+        # a fast decode step has every row in the decoder and every request final: no plan
+        dec = (replay.plan(fields["positions"], fields["batch_ids"], starts, tails, slots,
+                           np.where(final, ends, -1), self.W, self.cache.num_slots)
+               if self.decoder_replay and not fast else None)
         rows = {k: Tr for k in fields} | {"block_table": hi, "commit_slots": B, "commit_cursor": B}
         rows.update({f"engram_ids.{l}": T for l in self.cfg.engram_layer_ids})
         # the rows that sample: each request's last row; of those, the final chunks' (and
         # which requests they are)
         F = int(final.sum())
-        host["sample_rows"][:B] = np.cumsum(n) - 1
+        host["sample_rows"][:B] = ends
         host["final_rows"][:F] = np.flatnonzero(final)
-        host["final_last"][:F] = (np.cumsum(n) - 1)[final]
+        host["final_last"][:F] = ends[final]
         rows.update(sample_rows=B, final_rows=F, final_last=F)
         if dec is not None:
             host["dec_rows"][:len(dec[0])], host["dec_win"][:len(dec[0])] = dec[0], dec[1]
@@ -177,6 +162,95 @@ class ModelRunner:
         self.rows_run["encoder"] += T
         return batch
 
+    def general_rows(self, sb: ScheduledBatch, host: dict, n: np.ndarray, T: int):
+        """Any step's per-row fields, without a Python loop over tokens. Returns (fields,
+        starts, tail starts, known tokens, each request's Engram history after the step)."""
+        seqs, B = sb.seqs, len(sb.seqs)
+        m, W, S = self.m, self.W, self.cache.num_slots
+        # per request, in one pass: first position, encoder floor, first written row, tail
+        # start, known tokens
+        cols = np.array([(s.seq_id, s.num_computed, s.swa_floor, s.write_from, s.decoder_start or 0,
+                          len(s.token_ids)) for s in seqs], dtype=np.int64).reshape(B, 6)
+        meta, known = cols[:, :5], cols[:, 5]
+        starts, floor_r, write_r = meta[:, 1], meta[:, 2], meta[:, 3]
+        slots = sb.slots
+        # the tokens of the step and the m before each request's first (its Engram history)
+        hl = np.minimum(starts, m)
+        toks = [s.token_ids[a - h:a + k] for s, a, h, k in zip(seqs, starts.tolist(), hl.tolist(), sb.num_new)]
+        flat = np.fromiter(chain.from_iterable(toks), dtype=np.int64, count=int(hl.sum()) + T)
+        src0 = np.cumsum(hl + n) - (hl + n)                          # each request's chunk in `flat`
+        first = np.repeat(np.cumsum(n) - n, n)                      # row of each request's first token
+        within = np.arange(T) - first
+        ids = flat[np.repeat(src0 + hl, n) + within]
+        bid = np.repeat(np.arange(B), n)
+        pos = np.repeat(starts, n) + within
+        start_t, slot_t = np.repeat(starts, n), np.repeat(slots, n)
+        end_t = start_t + np.repeat(n, n)
+        # window: positions p-W+1 .. p, oldest first; this step's rows where computed now
+        q = pos[:, None] - (W - 1) + np.arange(W)
+        row = np.where(q >= start_t[:, None], S * W + np.arange(T)[:, None] - (pos[:, None] - q),
+                       slot_t[:, None] * W + q % W)
+        win = np.where(q >= np.repeat(floor_r, n)[:, None], row, -1)   # encoder replay: no window below the floor
+        dest = self.owner_dest(sb.block_tables[bid, pos // self.page], pos, np.repeat(write_r, n))
+        fields = dict(input_ids=ids, positions=pos, batch_ids=bid, win_idx=win,
+                      ring_dest=np.where(pos >= end_t - W, slot_t * W + pos % W, -1),
+                      tail_src=np.where((pos % 2 == 1) & (pos == start_t), slot_t, -1),
+                      tail_dst=np.where((pos == end_t - 1) & (pos % 2 == 0), slot_t, -1),
+                      dest1=dest[1], dest2=dest[2],
+                      image_dest=self.plan_captures(sb, starts, np.cumsum(n) - n, T, host))
+        return fields, meta, known, self.engram_ids(flat, src0, hl, n, starts, slots, T, host)
+
+    def decode_rows(self, sb: ScheduledBatch, host: dict):
+        """`general_rows` for a decode step (ScheduledBatch.decode: one final row per request;
+        no resume or capture): each request's fields and Engram history come from its slot's
+        mirror, so the only pass over the requests reads (seq_id, position, last token).
+        None when a mirror is not the request's at that position, or a row is below its tail
+        start (decoder replay)."""
+        seqs, B = sb.seqs, len(sb.seqs)
+        m, W, S, P = self.m, self.W, self.cache.num_slots, self.page
+        got = np.fromiter(chain.from_iterable([(s.seq_id, s.num_computed, s.token_ids[-1]) for s in seqs]),
+                          np.int64, 3 * B).reshape(B, 3)
+        slots = sb.slots
+        meta = self.slot_meta[slots]
+        pos, floor_r, write_r = meta[:, 1], meta[:, 2], meta[:, 3]
+        if not (np.array_equal(meta[:, :2], got[:, :2]) and (pos >= meta[:, 4]).all()):
+            return None
+        bid = np.arange(B)
+        # window rows p-W+1 .. p: ring rows (slot*W + q % W, q % W read from a rotation table),
+        # the last one this step's row; rows below the floor (or position 0) read nothing
+        win = host["win_idx"][:B]
+        np.add(self._rotation[(pos + 1) % W], (slots * W)[:, None], out=win)
+        win[:, -1] = S * W + bid
+        low = np.flatnonzero(pos - (W - 1) < floor_r)
+        if low.size:
+            q = pos[low, None] - (W - 1) + np.arange(W)
+            win[low] = np.where(q >= floor_r[low, None], win[low], -1)
+        off = pos % P
+        d1 = sb.block_tables[bid, pos // P] * P + off      # owner row of ratio 1; ratio 2: d1 // 2
+        odd = (off & 1) == 1
+        cached = pos < write_r
+        fields = dict(input_ids=got[:, 2], positions=pos, batch_ids=bid, win_idx=win,
+                      ring_dest=slots * W + pos % W, tail_src=np.where(odd, slots, -1),
+                      tail_dst=np.where(odd, -1, slots), dest1=np.where(cached, -1, d1),
+                      dest2=np.where(odd & ~cached, d1 >> 1, -1), image_dest=self._no_image[:B])
+        hist = self.slot_hist[slots]
+        if self.verify_history:
+            self.check_history(hist, pos, slots)
+        look = np.empty((B, m + 1), np.int64)          # look[t, k]: compressed id at position p - k
+        look[:, 0] = self.token_map[got[:, 2]]
+        look[:, 1:] = hist[:, ::-1]
+        self.hash_layers(look, host)
+        return fields, meta, pos + 1, np.concatenate([hist[:, 1:], look[:, :1]], 1)
+
+    def owner_dest(self, page: np.ndarray, pos: np.ndarray, write_from: np.ndarray) -> dict:
+        """Owner plane row of the group each row completes, per ratio (-1: none, or cached)."""
+        dest = {}
+        for r in (1, 2):
+            rpp = self.page // r
+            # a group is written by the row completing it, unless the prefix cache holds it
+            dest[r] = np.where((pos % r == r - 1) & (pos >= write_from), page * rpp + (pos // r) % rpp, -1)
+        return dest
+
     def padding_batch(self, tokens: int) -> Batch:
         """A step of `tokens` padding rows and no request: reads and writes nothing; it traces,
         warms and captures the compiled forward (runtime.compile, runtime.cuda_graph)."""
@@ -190,7 +264,9 @@ class ModelRunner:
 
     def batch_view(self, rows: int, bs: int, engram_rows: dict, captures) -> Batch:
         """The Batch over the persistent buffers' first `rows` rows and `bs` requests."""
-        v = {k: b[:rows] for k, b in self.buf.items() if k != "block_table"}
+        v = self._row_views.get(rows)
+        if v is None:
+            v = self._row_views[rows] = {k: b[:rows] for k, b in self.buf.items() if k != "block_table"}
         return Batch(v["input_ids"], v["positions"], v["batch_ids"], self.block_table_rows(bs), v["win_idx"],
                      v["ring_dest"], {1: v["dest1"], 2: v["dest2"]}, v["tail_src"], v["tail_dst"],
                      engram_rows, self.image_rows(captures, v["image_dest"]))
@@ -253,9 +329,28 @@ class ModelRunner:
         first = np.repeat(np.cumsum(n) - n, n)
         tok_ext = np.repeat(base + m, n) + (np.arange(T) - first)
         look = ext[tok_ext[:, None] - np.arange(m + 1)]
-        for i, l in enumerate(self.cfg.engram_layer_ids):
-            host[f"engram_ids.{l}"][:T] = hash_lookback(look, self.layout, i)
+        self.hash_layers(look, host)
         return ext[(base + ext_len)[:, None] - m + np.arange(m)].reshape(B, m)
+
+    def hash_layers(self, look: np.ndarray, host: dict) -> None:
+        """hash_lookback of every Engram layer at once into the host mirrors (the layouts'
+        constants stacked once, so a step pays a handful of numpy calls for all layers)."""
+        if self._hash is None:
+            lo, L = self.layout, range(len(self.cfg.engram_layer_ids))
+            H = lo.n_heads
+            self._hash = (np.array([lo.multipliers[i] for i in L], np.int64)[None],
+                          np.array([lo.primes[i] for i in L], np.int64).reshape(1, len(L), -1, H),
+                          np.array([lo.offsets[i] for i in L], np.int64).reshape(1, len(L), -1, H))
+        mult, primes, offsets = self._hash
+        blocked = np.maximum.accumulate(look < 0, axis=1)   # once blocked, every longer look-back pads
+        tok = np.where(blocked, np.int64(self.layout.pad_id), look)
+        with np.errstate(over="ignore"):
+            prods = tok[:, None, :] * mult                  # [R, layers, n], wrapping mod 2**64
+        rolling = np.bitwise_xor.accumulate(prods, axis=2)[:, :, 1:, None]
+        out = np.mod(rolling, primes) + offsets             # [R, layers, n - 1, heads]
+        R = len(look)
+        for i, l in enumerate(self.cfg.engram_layer_ids):
+            host[f"engram_ids.{l}"][:R] = out[:, i].reshape(R, -1)
 
     def check_history(self, hist, starts, slots) -> None:
         """Tests (`verify_history`): the history taken from the host's tokens equals the STATE
@@ -311,6 +406,11 @@ class ModelRunner:
 
     def commit(self, sb: ScheduledBatch) -> None:
         """Positions and Engram history advance after the forward: cursor = (committed position,
-        last three compressed ids), copied to the device by `prepare`."""
+        last three compressed ids), copied to the device by `prepare`; the slots' host mirror
+        follows."""
         if sb.seqs:
             self.cache.cursor.index_copy_(0, *self._commit)
+            slots, meta, ends, hist = self._mirror
+            self.slot_meta[slots] = meta
+            self.slot_meta[slots, 1] = ends
+            self.slot_hist[slots] = hist

@@ -84,32 +84,34 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, seqs: list[Sequence], vocab: int, device, dtype=torch.float32,
-              eos_token_id: int | None = None) -> "SamplingTensors":
-        """Raises ValueError naming the field when a request's data does not fit this vocab."""
+              eos_token_id: int | None = None, table: "SamplingTable | None" = None,
+              slots: np.ndarray | None = None) -> "SamplingTensors":
+        """`table` with each request's STATE `slots`: the per-request parameters come from the
+        engine's SamplingTable (rows written once per request) instead of a pass over every
+        request's params. Raises ValueError naming the field when a request's data does not fit
+        this vocab."""
         B = len(seqs)
-        fl = np.empty((6, B), np.float64)
-        top_k = np.full(B, vocab, np.int64)
-        rand, seeds, steps = [], [], []
+        if table is None:
+            table, slots = SamplingTable(B), np.arange(B)
+        table.update(seqs, slots)
+        greedy = table.greedy[slots]
+        fl = table.floats[:, slots]
+        rand = np.flatnonzero(~greedy)
+        k = table.top_k[slots]
+        top_k = np.where(~greedy & (k > 0) & (k < vocab), k, vocab)
+        n_out = np.fromiter([len(s.token_ids) for s in seqs], np.int64, B) - table.prompt_len[slots]
         bias_at, bias, banned, out_at, prompt_at = [], [], [], [], []
-        for i, s in enumerate(seqs):
+        # logit_bias, min_tokens and penalties: a pass over only the requests that use them
+        for i in np.flatnonzero(table.special[slots]).tolist():
+            s = seqs[i]
             p = s.params
-            n_out = s.num_tokens - s.num_prompt_tokens
-            greedy = p.temperature < GREEDY_BELOW
-            fl[:, i] = (1.0 if greedy else p.temperature, p.top_p, p.min_p, p.presence_penalty,
-                        p.frequency_penalty, p.repetition_penalty)
-            if not greedy:
-                rand.append(i)
-                seeds.append(s.sampling_seed % 2 ** 64)
-                steps.append(n_out)
-                if 0 < p.top_k < vocab:
-                    top_k[i] = p.top_k
             if p.logit_bias:
                 bad = [t for t in p.logit_bias if t >= vocab]
                 if bad:
                     raise ValueError(f"logit_bias: token ids {bad[:5]} out of range [0, {vocab})")
                 bias_at += [i * vocab + t for t in p.logit_bias]
                 bias += p.logit_bias.values()
-            if n_out < p.min_tokens:
+            if n_out[i] < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([eos_token_id] if eos_token_id is not None and not p.ignore_eos else [])
                 banned += [i * vocab + t for t in stops if 0 <= t < vocab]
             if p.penalized:
@@ -118,11 +120,9 @@ class SamplingTensors:
                 if p.repetition_penalty != 1:
                     prompt_at.append(ids[:s.num_prompt_tokens] + i * vocab)
         R = len(rand)
-        seeds = np.array(seeds, np.uint64)
         cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)  # noqa: E731
-        ints = {"top_k": top_k, "random_rows": np.array(rand, np.int64),
-                "seed_lo": (seeds & np.uint64(_M32)).astype(np.int64),
-                "seed_hi": (seeds >> np.uint64(32)).astype(np.int64), "step": np.array(steps, np.int64),
+        ints = {"top_k": top_k, "random_rows": rand, "seed_lo": table.seed_lo[slots[rand]],
+                "seed_hi": table.seed_hi[slots[rand]], "step": n_out[rand],
                 "bias_at": np.array(bias_at, np.int64), "banned_at": np.array(banned, np.int64),
                 "output_at": cat(out_at), "prompt_at": cat(prompt_at)}
         pin = torch.device(device).type == "cuda"
@@ -132,12 +132,46 @@ class SamplingTensors:
         cuts = np.cumsum([0] + [len(a) for a in ints.values()]).tolist()
         views = {k: i_dev[cuts[j]:cuts[j + 1]] for j, k in enumerate(ints)}
         views.update({k: f_dev[j * B:(j + 1) * B] for j, k in enumerate(cls.FLOATS)})
-        k_used = top_k[rand][top_k[rand] < vocab]
+        k_rand = top_k[rand]
+        k_used = k_rand[k_rand < vocab]
+        p_rand = fl[1, rand] < 1
         return cls(vocab=vocab, rows=B, bias=f_dev[6 * B:], num_random=R,
                    top_k_max=int(k_used.max()) if k_used.size else 0,
-                   use_top_p=bool((fl[1, rand] < 1).any()),
-                   top_p_sorts_all=bool(((fl[1, rand] < 1) & (top_k[rand] >= vocab)).any()), use_min_p=bool((fl[2, rand] > 0).any()),
+                   use_top_p=bool(p_rand.any()), top_p_sorts_all=bool((p_rand & (k_rand >= vocab)).any()),
+                   use_min_p=bool((fl[2, rand] > 0).any()),
                    use_output_penalty=bool(fl[3:5].any()), use_repetition=bool(prompt_at), **views)
+
+
+class SamplingTable:
+    """Each STATE slot's sampling parameters as arrays, so a step gathers its rows with numpy
+    by slot. A row is written when a request first samples in that slot (`owner` holds its
+    seq_id); a request's params are read once and must not change afterwards."""
+
+    def __init__(self, num_slots: int):
+        S = num_slots
+        self.owner = np.full(S, -1, np.int64)
+        self.floats = np.zeros((6, S), np.float64)        # SamplingTensors.FLOATS order
+        self.top_k = np.zeros(S, np.int64)
+        self.greedy = np.zeros(S, bool)
+        self.seed_lo = np.zeros(S, np.int64)
+        self.seed_hi = np.zeros(S, np.int64)
+        self.prompt_len = np.zeros(S, np.int64)
+        self.special = np.zeros(S, bool)                  # logit_bias, min_tokens or penalties
+
+    def update(self, seqs: list[Sequence], slots: np.ndarray) -> None:
+        """Write the rows of the requests new to their slot."""
+        ids = np.fromiter([s.seq_id for s in seqs], np.int64, len(seqs))
+        for j in np.flatnonzero(self.owner[slots] != ids).tolist():
+            s, i = seqs[j], int(slots[j])
+            p = s.params
+            greedy = p.temperature < GREEDY_BELOW
+            self.floats[:, i] = (1.0 if greedy else p.temperature, p.top_p, p.min_p, p.presence_penalty,
+                                 p.frequency_penalty, p.repetition_penalty)
+            seed = s.sampling_seed % 2 ** 64
+            self.seed_lo[i], self.seed_hi[i] = seed & _M32, seed >> 32
+            self.top_k[i], self.greedy[i], self.prompt_len[i] = p.top_k, greedy, s.num_prompt_tokens
+            self.special[i] = bool(p.logit_bias) or p.min_tokens > 0 or p.penalized
+            self.owner[i] = s.seq_id
 
 
 def _to(t: torch.Tensor, device, pin: bool) -> torch.Tensor:
@@ -236,12 +270,14 @@ def sample_tensors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return drawn if every else x.argmax(-1).index_copy(0, st.random_rows, drawn)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None = None) -> list[int]:
-    """The next token of each request (row i of `logits` is `seqs[i]`'s last position)."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None = None,
+           table: SamplingTable | None = None, slots: np.ndarray | None = None) -> list[int]:
+    """The next token of each request (row i of `logits` is `seqs[i]`'s last position);
+    `table`/`slots` as SamplingTensors.build."""
     if not seqs:
         return []
     st = SamplingTensors.build(seqs, logits.shape[-1], logits.device,
-                               torch.promote_types(logits.dtype, torch.float32), eos_token_id)
+                               torch.promote_types(logits.dtype, torch.float32), eos_token_id, table, slots)
     return sample_tensors(logits, st).tolist()
 
 

@@ -31,6 +31,7 @@ class ScheduledBatch:
     block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
     resumes: list = field(default_factory=list)     # (batch index, ("image", img) | ("replay",))
     captures: list = field(default_factory=list)    # (batch index, boundary position, image)
+    decode: bool = False          # every request is running and computes its one last token
 
     @property
     def starts(self) -> list[int]:
@@ -111,10 +112,19 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         seqs, num_new, budget = [], [], self.max_tokens
+        P, resumes, decode = self.bm.page_tokens, [], True
         i = 0
         while i < len(self.running) and budget > 0:  # preemption shortens the list as we go
             seq = self.running[i]
+            c = seq.num_computed
+            if len(seq.token_ids) == c + 1 and c < len(seq.pages) * P and seq.slot is not None:
+                # a decode row whose page is already held: no chunking, nothing to allocate
+                seqs.append(seq), num_new.append(1)
+                budget -= 1
+                i += 1
+                continue
             n = self._chunk(seq, budget)
+            decode = decode and n == 1 and len(seq.token_ids) == c + 1   # a decode row taking a page
             while not self.bm.allocate(seq, n):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -135,18 +145,18 @@ class Scheduler:
                 self._reset(seq)
                 break
             self.waiting.popleft()
+            decode = False
             seq.status = Status.RUNNING
             self.running.append(seq)
-            seqs.append(seq), num_new.append(n)
-            budget -= n
-        slots = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=len(seqs))
-        sb = ScheduledBatch(seqs, num_new, slots, self.bm.table[slots])
-        for i, seq in enumerate(seqs):
-            if seq.resume is not None:
-                sb.resumes.append((i, seq.resume))
+            if seq.resume is not None:  # only a request admitted now can carry a resume
+                resumes.append((len(seqs), seq.resume))
                 seq.resume = None
                 self.bm.stats["hit_tokens"] += seq.num_cached_tokens
                 self.stats["replayed_rows"] += seq.num_cached_tokens - seq.num_computed
+            seqs.append(seq), num_new.append(n)
+            budget -= n
+        slots = np.fromiter([s.slot for s in seqs], dtype=np.int64, count=len(seqs))
+        sb = ScheduledBatch(seqs, num_new, slots, self.bm.table[slots], resumes, decode=decode and bool(seqs))
         if self.state is not None and self.state.mode == "copy":
             self._plan_captures(sb)
         return sb
@@ -218,11 +228,15 @@ class Scheduler:
         """Commit the step: positions advance, sampled tokens append, finished requests free.
         `sampled` maps seq_id -> token for the requests whose final chunk ran."""
         finished = []
+        caching, RUNNING = self.bm.prefix_caching, Status.RUNNING
         for seq, n in zip(batch.seqs, batch.num_new):
-            if seq.status is not Status.RUNNING:
+            if seq.status is not RUNNING:
                 continue  # aborted or preempted after scheduling
-            seq.num_computed += n
-            self.bm.register(seq)
+            c = seq.num_computed
+            seq.num_computed = c + n
+            # a prompt PAGE can only become full (and cacheable) while the prompt is computed
+            if caching and c < seq.num_prompt_tokens:
+                self.bm.register(seq)
             tok = sampled.get(seq.seq_id)
             if tok is None:
                 continue
@@ -230,7 +244,7 @@ class Scheduler:
             p = seq.params
             if (not p.ignore_eos and tok == self.eos) or tok in p.stop_token_ids:
                 seq.finish_reason = "stop"
-            elif len(seq.completion_token_ids) >= p.max_tokens:
+            elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:
                 seq.finish_reason = "length"
             if seq.finish_reason:
                 seq.status = Status.FINISHED
