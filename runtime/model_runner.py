@@ -338,19 +338,19 @@ class ModelRunner:
         if self._hash is None:
             lo, L = self.layout, range(len(self.cfg.engram_layer_ids))
             H = lo.n_heads
-            self._hash = (np.array([lo.multipliers[i] for i in L], np.int64)[None],
-                          np.array([lo.primes[i] for i in L], np.int64).reshape(1, len(L), -1, H),
-                          np.array([lo.offsets[i] for i in L], np.int64).reshape(1, len(L), -1, H))
-        mult, primes, offsets = self._hash
-        blocked = np.maximum.accumulate(look < 0, axis=1)   # once blocked, every longer look-back pads
-        tok = np.where(blocked, np.int64(self.layout.pad_id), look)
+            self._hash = (np.array([lo.multipliers[i] for i in L], np.int64)[None], H,
+                          np.array([lo.primes[i] for i in L], np.int64)[None],     # [1, layers, (n-1)*H]
+                          np.array([lo.offsets[i] for i in L], np.int64)[None])    # (order, head) order
+        mult, H, primes, offsets = self._hash
+        if (look < 0).any():                                # once blocked, every longer look-back pads
+            look = np.where(np.maximum.accumulate(look < 0, axis=1), np.int64(self.layout.pad_id), look)
         with np.errstate(over="ignore"):
-            prods = tok[:, None, :] * mult                  # [R, layers, n], wrapping mod 2**64
-        rolling = np.bitwise_xor.accumulate(prods, axis=2)[:, :, 1:, None]
-        out = np.mod(rolling, primes) + offsets             # [R, layers, n - 1, heads]
+            prods = look[:, None, :] * mult                 # [R, layers, n], wrapping mod 2**64
+        rolling = np.repeat(np.bitwise_xor.accumulate(prods, axis=2)[:, :, 1:], H, axis=2)
+        out = np.mod(rolling, primes) + offsets             # floor-mod, as hash_lookback
         R = len(look)
         for i, l in enumerate(self.cfg.engram_layer_ids):
-            host[f"engram_ids.{l}"][:R] = out[:, i].reshape(R, -1)
+            host[f"engram_ids.{l}"][:R] = out[:, i]
 
     def check_history(self, hist, starts, slots) -> None:
         """Tests (`verify_history`): the history taken from the host's tokens equals the STATE

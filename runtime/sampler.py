@@ -11,6 +11,7 @@ equal to the k-th, top-p every token as likely as one it keeps), so no sort orde
 token. The chosen ids come back in one device-to-host copy."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,7 +94,14 @@ class SamplingTensors:
         B = len(seqs)
         if table is None:
             table, slots = SamplingTable(B), np.arange(B)
-        table.update(seqs, slots)
+        changed = table.update(seqs, slots)
+        pin = torch.device(device).type == "cuda"
+        key = (vocab, str(device), dtype, eos_token_id, slots.tobytes())
+        if not changed and table.last is not None and table.last[0] == key:
+            # the same requests in the same rows as the last build: only the draws' steps moved
+            _, prev, rand_list, prompt_len = table.last
+            step = np.fromiter([len(seqs[j].token_ids) for j in rand_list], np.int64, len(rand_list)) - prompt_len
+            return dataclasses.replace(prev, step=_to(torch.from_numpy(step), device, pin))
         greedy = table.greedy[slots]
         fl = table.floats[:, slots]
         rand = np.flatnonzero(~greedy)
@@ -125,7 +133,6 @@ class SamplingTensors:
                 "seed_hi": table.seed_hi[slots[rand]], "step": n_out[rand],
                 "bias_at": np.array(bias_at, np.int64), "banned_at": np.array(banned, np.int64),
                 "output_at": cat(out_at), "prompt_at": cat(prompt_at)}
-        pin = torch.device(device).type == "cuda"
         i_dev = _to(torch.from_numpy(np.concatenate(list(ints.values()))), device, pin)
         f_dev = _to(torch.from_numpy(np.concatenate([fl.reshape(-1), np.array(bias, np.float64)])).to(dtype),
                     device, pin)
@@ -135,11 +142,16 @@ class SamplingTensors:
         k_rand = top_k[rand]
         k_used = k_rand[k_rand < vocab]
         p_rand = fl[1, rand] < 1
-        return cls(vocab=vocab, rows=B, bias=f_dev[6 * B:], num_random=R,
-                   top_k_max=int(k_used.max()) if k_used.size else 0,
-                   use_top_p=bool(p_rand.any()), top_p_sorts_all=bool((p_rand & (k_rand >= vocab)).any()),
-                   use_min_p=bool((fl[2, rand] > 0).any()),
-                   use_output_penalty=bool(fl[3:5].any()), use_repetition=bool(prompt_at), **views)
+        st = cls(vocab=vocab, rows=B, bias=f_dev[6 * B:], num_random=R,
+                 top_k_max=int(k_used.max()) if k_used.size else 0,
+                 use_top_p=bool(p_rand.any()), top_p_sorts_all=bool((p_rand & (k_rand >= vocab)).any()),
+                 use_min_p=bool((fl[2, rand] > 0).any()),
+                 use_output_penalty=bool(fl[3:5].any()), use_repetition=bool(prompt_at), **views)
+        # reusable while the rows stay these requests' (logit_bias, min_tokens and penalties
+        # depend on more than the step: never reused)
+        special = bool(table.special[slots].any())
+        table.last = None if special else (key, st, rand.tolist(), table.prompt_len[slots[rand]])
+        return st
 
 
 class SamplingTable:
@@ -157,11 +169,13 @@ class SamplingTable:
         self.seed_hi = np.zeros(S, np.int64)
         self.prompt_len = np.zeros(S, np.int64)
         self.special = np.zeros(S, bool)                  # logit_bias, min_tokens or penalties
+        self.last = None    # (key, SamplingTensors, random rows, their prompt lengths) of the last build
 
-    def update(self, seqs: list[Sequence], slots: np.ndarray) -> None:
-        """Write the rows of the requests new to their slot."""
+    def update(self, seqs: list[Sequence], slots: np.ndarray) -> bool:
+        """Write the rows of the requests new to their slot; True when there were any."""
         ids = np.fromiter([s.seq_id for s in seqs], np.int64, len(seqs))
-        for j in np.flatnonzero(self.owner[slots] != ids).tolist():
+        stale = np.flatnonzero(self.owner[slots] != ids).tolist()
+        for j in stale:
             s, i = seqs[j], int(slots[j])
             p = s.params
             greedy = p.temperature < GREEDY_BELOW
@@ -172,6 +186,9 @@ class SamplingTable:
             self.top_k[i], self.greedy[i], self.prompt_len[i] = p.top_k, greedy, s.num_prompt_tokens
             self.special[i] = bool(p.logit_bias) or p.min_tokens > 0 or p.penalized
             self.owner[i] = s.seq_id
+        if stale:
+            self.last = None
+        return bool(stale)
 
 
 def _to(t: torch.Tensor, device, pin: bool) -> torch.Tensor:

@@ -146,3 +146,35 @@ def test_sampling_table_equals_build_from_the_requests():
     same(SamplingTensors.build(mixed, vocab, "cpu", table=table, slots=np.array([4, 0])),
          SamplingTensors.build(mixed, vocab, "cpu"))
     assert table.owner[4] == fresh.seq_id
+
+
+def test_sampling_table_reuses_the_last_build_only_for_the_same_requests():
+    """Between steps of the same requests only the draws' steps change: the reused tensors equal
+    a fresh build after tokens are appended; a new request in a slot, another row order or a
+    special row (min_tokens) builds afresh."""
+    vocab = 40
+    seqs = [Sequence([1, 2], SamplingParams(temperature=0.8, top_k=4, seed=i)) if i % 2 else
+            Sequence([3], SamplingParams()) for i in range(5)]
+    table, slots = SamplingTable(8), np.array([3, 1, 7, 0, 2])
+
+    def check(batch, at):
+        got = SamplingTensors.build(batch, vocab, "cpu", table=table, slots=at)
+        want = SamplingTensors.build(batch, vocab, "cpu")
+        for k, v in vars(want).items():
+            w = getattr(got, k)
+            assert (torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w), k
+        return got
+
+    first = check(seqs, slots)
+    for step in range(3):
+        for s in seqs:
+            s.token_ids.append(5 + step)
+        again = check(seqs, slots)
+        assert again.top_k is first.top_k and again.step.tolist() == [step + 1] * 2   # reused, steps moved
+    fresh = Sequence([4], SamplingParams(temperature=0.5, seed=11))
+    assert check([fresh] + seqs[1:], slots).top_k is not first.top_k
+    assert check(seqs[::-1], slots[::-1]).top_k is not first.top_k
+    special = Sequence([4], SamplingParams(temperature=0.5, seed=12, min_tokens=2))
+    batch = [special] + seqs[1:]
+    a = check(batch, slots)
+    assert check(batch, slots).top_k is not a.top_k and a.banned_at.numel() == 0   # eos None: nothing banned
