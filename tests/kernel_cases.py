@@ -4,11 +4,36 @@ with batch id -1, zero-length padding requests, window rows from the ring or thi
 tables of distinct pages), plus per-op tensors. Imports no triton."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from v41 import quant
+
+
+def require_compiled_kernels() -> None:
+    """At the top of a GPU kernel test module: skip it without a CUDA device, under the
+    Triton interpreter (it needs compiled kernels), or without triton."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device", allow_module_level=True)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1: the GPU tests need compiled kernels", allow_module_level=True)
+    pytest.importorskip("triton")
+
+
+def run_under_interpreter(test_file: str, order: str, timeout: int, **env) -> None:
+    """Run a test file again in a subprocess under TRITON_INTERPRET=1, its programs in `order`
+    (tests/program_order.py), with `env` added; fails with its output unless it passes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", V41_PROGRAM_ORDER=order, **env)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(test_file)],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    print(r.stdout[-4000:])
+    assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
 
 
 @dataclass

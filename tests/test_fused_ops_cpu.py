@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -37,6 +35,7 @@ from custom_ops import mhc as ref_mhc
 from custom_ops import moe as ref_moe
 from custom_ops import norm as ref_norm
 from custom_ops import rope as ref_rope
+from tests.kernel_cases import run_under_interpreter
 from v41 import quant
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -267,13 +266,7 @@ if not INTERPRETED:
     @pytest.mark.parametrize("order", ["forward", "reversed"])
     def test_fused_kernels_under_triton_interpreter(order):
         pytest.importorskip("triton")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, TRITON_INTERPRET="1", V41_PROGRAM_ORDER=order, V41_TEST_SEED=str(SEED))
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            os.path.abspath(__file__)], cwd=root, env=env, capture_output=True,
-                           text=True, timeout=600)
-        print(r.stdout[-4000:])
-        assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
+        run_under_interpreter(__file__, order, timeout=600, V41_TEST_SEED=str(SEED))
 
 else:
     pytest.importorskip("triton")

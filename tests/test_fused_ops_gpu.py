@@ -18,13 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernel_cases import require_compiled_kernels
+
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1: the GPU tests need compiled kernels", allow_module_level=True)
-pytest.importorskip("triton")
+require_compiled_kernels()
 
 import custom_ops  # noqa: E402,F401
 import custom_ops.triton  # noqa: E402,F401  (registers the CUDA impls)

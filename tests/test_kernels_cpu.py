@@ -11,10 +11,10 @@ grid's programs in order and once reversed (tests/program_order.py).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.kernel_cases import run_under_interpreter
 
 pytest.importorskip("triton")
 
@@ -23,13 +23,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRETED:
     @pytest.mark.parametrize("order", ["forward", "reversed"])
     def test_kernels_under_triton_interpreter(order):
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, TRITON_INTERPRET="1", V41_PROGRAM_ORDER=order)
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            os.path.abspath(__file__)], cwd=root, env=env, capture_output=True,
-                           text=True, timeout=600)
-        print(r.stdout[-4000:])
-        assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
+        run_under_interpreter(__file__, order, timeout=600)
 
 else:
     import torch

@@ -21,6 +21,8 @@ import sys
 
 import pytest
 
+from tests.kernel_cases import run_under_interpreter
+
 pytest.importorskip("triton")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -28,13 +30,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRETED:
     @pytest.mark.parametrize("order", ["forward", "reversed"])
     def test_native_gemm_under_triton_interpreter(order):
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, TRITON_INTERPRET="1", V41_PROGRAM_ORDER=order)
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            os.path.abspath(__file__)], cwd=root, env=env, capture_output=True,
-                           text=True, timeout=900)
-        print(r.stdout[-4000:])
-        assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
+        run_under_interpreter(__file__, order, timeout=900)
 
     def test_bench_dry_run(tmp_path):
         """benchmarks/native_gemm_bench.py --dry-run runs every timed path (both GEMMs, cuBLAS

@@ -11,10 +11,10 @@ from tools.train_toy import heldout_tokens
 TOKENS, SEQ = 384, 192     # two requests of 192 held-out tokens
 # Measured, not wished: benchmarks/results/quality-toy.json and README "The trained toy" say
 # where the bf16 top-1 misses come from.
-BF16_TOP1_MISS = ("top-1 agreement of bf16 with float64 is below 96.5% on this toy (see "
-                  "quality-toy.json): bf16 rounding flips router, index top-k and FP8 act-quant "
-                  "choices, amplified over 40 layers of width 64; the oracle's own bf16 run agrees "
-                  "with the runtime's")
+BF16_TOP1_MISS = ("a missed target, not a finished one (issue 20 stays open on it): top-1 agreement "
+                  "of bf16 with float64 is below 96.5% on this toy (see quality-toy.json): bf16 "
+                  "rounding flips router, index top-k and FP8 act-quant choices, amplified over 40 "
+                  "layers of width 64; the oracle's own bf16 run agrees with the runtime's")
 
 
 @pytest.fixture(scope="module")
