@@ -23,6 +23,7 @@ from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, ceil_log2, pow2, round_e4m3, rows2d
 
 GROUP = 32
+GROUP_K = tl.constexpr(GROUP)   # the same width inside kernels (compiled Triton reads only constexpr globals)
 BLOCK_M_MAX = 64
 BLOCK_N = 64
 
@@ -49,11 +50,11 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, N, NG, stride_x, stride_q, stride_s,
                       BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-    j = tl.arange(0, GROUP)
+    j = tl.arange(0, GROUP_K)
     r = rows.to(tl.int64)[:, None, None]
-    col = gs[None, :, None] * GROUP + j[None, None, :]
+    col = gs[None, :, None] * GROUP_K + j[None, None, :]
     rg = (rows < N)[:, None] & (gs < NG)[None, :]
-    mask = rg[:, :, None] & (j < GROUP)[None, None, :]
+    mask = rg[:, :, None] & (j < GROUP_K)[None, None, :]
     y = tl.load(x_ptr + r * stride_x + col, mask=mask, other=0.0).to(tl.float32)
     q, s = fp8_quant_groups(y, 2)
     tl.store(q_ptr + r * stride_q + col, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -82,17 +83,17 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, KB,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, GROUP)
+    rk = tl.arange(0, GROUP_K)
     mmask = rm < M
     nmask = rn < N
     a_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
     b_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
     sa_ptrs = xs_ptr + rm.to(tl.int64) * stride_sm
-    sb_ptrs = ws_ptr + (rn // GROUP).to(tl.int64) * stride_wsn
+    sb_ptrs = ws_ptr + (rn // GROUP_K).to(tl.int64) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for kb in range(KB):
-        a = tl.load(a_ptrs + kb * GROUP, mask=mmask[:, None], other=0.0)
-        b = tl.load(b_ptrs + kb * GROUP, mask=nmask[None, :], other=0.0)
+        a = tl.load(a_ptrs + kb * GROUP_K, mask=mmask[:, None], other=0.0)
+        b = tl.load(b_ptrs + kb * GROUP_K, mask=nmask[None, :], other=0.0)
         part = tl.dot(a, b, out_dtype=tl.float32)
         sa = tl.load(sa_ptrs + kb, mask=mmask, other=0.0)
         sb = e8m0_to_f32(tl.load(sb_ptrs + kb, mask=nmask, other=127).to(tl.int32))

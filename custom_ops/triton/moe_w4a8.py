@@ -25,7 +25,7 @@ import triton.language as tl
 from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES
-from custom_ops.triton.fp8_gemm import GROUP, e8m0_to_f32, fp8_quant_groups, triton_fp8_act_quant
+from custom_ops.triton.fp8_gemm import GROUP, GROUP_K, e8m0_to_f32, fp8_quant_groups, triton_fp8_act_quant
 from custom_ops.triton.moe import _block_m, expert_tiles, reduce_pairs
 
 BLOCK_N_UP = 64
@@ -36,9 +36,9 @@ BLOCK_N_DOWN = 64
 def e2m1_tile(w_rows, kb, nmask, BLOCK_N: tl.constexpr):
     """The [32, BLOCK_N] FP8 tile of K block kb of packed E2M1 rows (w_rows: [BLOCK_N] row
     pointers to int8 bytes), element 2j from byte j's low nibble, 2j+1 from its high nibble."""
-    j = tl.arange(0, GROUP // 2)
-    b = tl.load(w_rows[:, None] + kb * (GROUP // 2) + j[None, :], mask=nmask[:, None], other=0)
-    c = tl.reshape(tl.join(b & 0xF, (b >> 4) & 0xF), [BLOCK_N, GROUP]).to(tl.int32)
+    j = tl.arange(0, GROUP_K // 2)
+    b = tl.load(w_rows[:, None] + kb * (GROUP_K // 2) + j[None, :], mask=nmask[:, None], other=0)
+    c = tl.reshape(tl.join(b & 0xF, (b >> 4) & 0xF), [BLOCK_N, GROUP_K]).to(tl.int32)
     m = c & 7
     mag = tl.where(m < 2, m.to(tl.float32) * 0.5,
                    ((((m >> 1) + 126) << 23) | ((m & 1) << 22)).to(tl.float32, bitcast=True))
@@ -73,14 +73,14 @@ def _w4a8_up_kernel(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, w
     wt = tl.load(wts_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < I
-    rk = tl.arange(0, GROUP)
+    rk = tl.arange(0, GROUP_K)
     a_rows = xq_ptr + tok[:, None] * stride_x + rk[None, :]
     w_off = e * stride_we + rn.to(tl.int64) * stride_wn       # w1 and w3 share their strides
     s_off = e * stride_se + rn.to(tl.int64) * stride_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for kb in range(KB):
-        a = tl.load(a_rows + kb * GROUP, mask=rmask[:, None], other=0.0)
+        a = tl.load(a_rows + kb * GROUP_K, mask=rmask[:, None], other=0.0)
         sa = tl.load(xs_ptr + tok * stride_xs + kb, mask=rmask, other=0.0)
         pg = tl.dot(a, e2m1_tile(w1_ptr + w_off, kb, nmask, BLOCK_N), out_dtype=tl.float32)
         pu = tl.dot(a, e2m1_tile(w3_ptr + w_off, kb, nmask, BLOCK_N), out_dtype=tl.float32)
@@ -93,14 +93,14 @@ def _w4a8_up_kernel(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, w
     u = tl.minimum(tl.maximum(u, -limit), limit)
     g = tl.minimum(g, limit)
     h = ((g / (1.0 + tl.exp(-g))) * u * wt[:, None]).to(ACT).to(tl.float32)
-    q, s = fp8_quant_groups(tl.reshape(h, [BLOCK_M, BLOCK_N // GROUP, GROUP]), 2)
+    q, s = fp8_quant_groups(tl.reshape(h, [BLOCK_M, BLOCK_N // GROUP_K, GROUP_K]), 2)
     m2 = rmask[:, None] & nmask[None, :]
     r64 = rows.to(tl.int64)
     tl.store(hq_ptr + r64[:, None] * stride_h + rn[None, :],
              tl.reshape(q, [BLOCK_M, BLOCK_N]).to(hq_ptr.dtype.element_ty), mask=m2)
-    gi = pid_n * (BLOCK_N // GROUP) + tl.arange(0, BLOCK_N // GROUP)
-    tl.store(hs_ptr + r64[:, None] * stride_hs + gi[None, :], tl.reshape(s, [BLOCK_M, BLOCK_N // GROUP]),
-             mask=rmask[:, None] & (gi * GROUP < I)[None, :])
+    gi = pid_n * (BLOCK_N // GROUP_K) + tl.arange(0, BLOCK_N // GROUP_K)
+    tl.store(hs_ptr + r64[:, None] * stride_hs + gi[None, :], tl.reshape(s, [BLOCK_M, BLOCK_N // GROUP_K]),
+             mask=rmask[:, None] & (gi * GROUP_K < I)[None, :])
 
 
 @triton.jit
@@ -115,12 +115,12 @@ def _w4a8_down_kernel(hq_ptr, hs_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr
     pair = pair.to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < D
-    rk = tl.arange(0, GROUP)
+    rk = tl.arange(0, GROUP_K)
     w_rows = w2_ptr + e * stride_we + rn.to(tl.int64) * stride_wn
     s_rows = s2_ptr + e * stride_se + rn.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for kb in range(KB):
-        a = tl.load(hq_ptr + r64[:, None] * stride_h + kb * GROUP + rk[None, :], mask=rmask[:, None],
+        a = tl.load(hq_ptr + r64[:, None] * stride_h + kb * GROUP_K + rk[None, :], mask=rmask[:, None],
                     other=0.0)
         sa = tl.load(hs_ptr + r64 * stride_hs + kb, mask=rmask, other=0.0)
         part = tl.dot(a, e2m1_tile(w_rows, kb, nmask, BLOCK_N), out_dtype=tl.float32)
