@@ -290,6 +290,7 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, weights, geo, num_pages, args.max_num_seqs, args.max_num_seqs,
                                   args.max_num_batched_tokens, self.max_model_len, token_map, device,
                                   DTYPES[args.dtype], transfer, num_images, args.decoder_swa_bounded_replay)
+        del weights     # dequantized weights leave the checkpoint's FP8/FP4 tensors unreferenced: free them
         graph_sizes = args.graph_sizes()
         self.pool_plan = None
         if sized:

@@ -65,6 +65,7 @@ def profile_cuda(runner, tokens: int, decode_bs: int) -> dict:
     import torch
     dev = runner.device
     torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()       # blocks cached from the load (dequantization temporaries) are not weights
     free, total = torch.cuda.mem_get_info(dev)
     peaks = {}
     with torch.inference_mode():

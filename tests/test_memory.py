@@ -82,3 +82,28 @@ def test_cuda_pool_is_sized_from_memory():
     assert LLMEngine(EngineArgs(**base, num_pages=40)).bm.num_pages == 40
     with pytest.raises(AdmissionError, match="gpu_memory_utilization: 1e-06"):
         LLMEngine(EngineArgs(**base, gpu_memory_utilization=1e-6))
+
+
+def test_dequantized_weights_free_the_checkpoint(monkeypatch):
+    """Where weights are dequantized (the CPU; CUDA without the native GEMMs), the engine keeps
+    the compute copies only: the loaded FP8/FP4 checkpoint tensors are unreferenced once it is
+    built. (On the H200, flash-slice's pool plan counted both: 122 GiB of 'weights'.)"""
+    import gc
+    import weakref
+
+    import v41.loader
+    from runtime.engine import EngineArgs, LLMEngine
+    refs = []
+    load = v41.loader.load_weights
+
+    def tracked(*a, **kw):
+        w = load(*a, **kw)
+        refs.extend(weakref.ref(t) for k, t in w.items()      # (Engram tables stay: gathered per step)
+                    if t.dtype in (torch.float8_e4m3fn, torch.int8) and ".engram.embed." not in k)
+        return w
+
+    monkeypatch.setattr(v41.loader, "load_weights", tracked)
+    eng = LLMEngine(EngineArgs(model="toy", dtype="float32", max_num_seqs=2, max_model_len=128))
+    gc.collect()
+    assert refs and eng.runner is not None
+    assert [r for r in refs if r() is not None] == []
