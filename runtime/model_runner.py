@@ -34,12 +34,13 @@ class ModelRunner:
 
     def __init__(self, cfg, weights, geo: PoolGeometry, num_pages: int, num_slots: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, token_map,
-                 device, dtype, transfer: str, num_images: int, decoder_replay: bool = False):
+                 device, dtype, transfer: str, num_images: int, decoder_replay: bool = False,
+                 native_weights: bool = False):
         """`decoder_replay`: decoder SWA bounded replay (runtime.replay); each request's
         Sequence.decoder_start says where its decoder rows begin."""
         self.cfg, self.geo, self.device, self.dtype = cfg, geo, torch.device(device), dtype
         self.decoder_replay = decoder_replay
-        self.model = Transformer(cfg, weights, dtype, device, max_pos=max_model_len)
+        self.model = Transformer(cfg, weights, dtype, device, max_pos=max_model_len, native=native_weights)
         self.W, self.page = cfg.sliding_window, geo.page_tokens
         self.token_map = np.asarray(token_map, dtype=np.int64)
         self.layout = EngramLayout(cfg, pad_id=int(self.token_map[cfg.engram_pad_token_id]))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.engine import NOT_BUILT, EngineArgs
+from runtime.engine_args import NOT_BUILT, EngineArgs
 from runtime.geometry import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, AdmissionError
 from v41 import generate, prebuild, serve
 

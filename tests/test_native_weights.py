@@ -10,7 +10,6 @@ import torch
 import custom_ops  # noqa: F401
 from custom_ops import gemm
 from tests import harness as H
-from v41 import model as v41_model
 from v41 import quant
 from v41.layers import Linear
 from v41.model import prepare_weights, weight_bytes
@@ -71,12 +70,21 @@ def test_native_moe_matches_dequantized(toy_cfg, toy_weights):
     assert torch.equal(m_nat(x), m_deq(x))     # the reference of the W4A8 op is the dequantized op
 
 
-def test_native_engine_on_cpu_matches(toy_weights, monkeypatch):
-    """The toy engine with the native layout forced (the native ops' reference impls on the CPU)
-    generates what the dequantized engine generates, greedy, float32."""
+def test_native_engine_on_cpu_matches(toy_weights):
+    """The toy engine with --weight-format native (the native ops' reference impls on the CPU)
+    generates what the dequantized engine generates, greedy, float32; dequant is the default."""
     reqs = H.prompts((9, 23), seed=2)
-    want = H.run(toy_weights, reqs, max_tokens=4, dtype="float32")
-    monkeypatch.setattr(v41_model, "native_weights", lambda device, dtype: True)
-    block = H.make_engine(toy_weights, "float32").runner.model.layers[3]
+    want = H.run_in_order(toy_weights, reqs, max_tokens=4, dtype="float32")
+    assert not H.make_engine(toy_weights, "float32").runner.model.layers[3].ffn.native
+    block = H.make_engine(toy_weights, "float32", weight_format="native").runner.model.layers[3]
     assert block.attn.wq_a.scale is not None and block.ffn.native     # the native ops do run
-    assert H.run(toy_weights, reqs, max_tokens=4, dtype="float32") == want
+    assert H.run_in_order(toy_weights, reqs, max_tokens=4, dtype="float32", weight_format="native") == want
+
+
+@pytest.mark.parametrize("bad,match", [(dict(weight_format="fp4"), "weight_format: 'fp4'"),
+                                       (dict(weight_format="native", dtype="float64"), "float64")])
+def test_weight_format_is_checked_before_loading(bad, match):
+    from runtime.engine import EngineArgs
+    from runtime.geometry import AdmissionError
+    with pytest.raises(AdmissionError, match=match):
+        EngineArgs(**{"model": "toy", **bad}).admit()

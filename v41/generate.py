@@ -15,7 +15,7 @@ import logging
 import sys
 
 from runtime.cli import exit_on_refusal
-from runtime.engine import EngineArgs
+from runtime.engine_args import EngineArgs
 from runtime.sequence import SamplingParams
 
 

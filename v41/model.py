@@ -63,10 +63,11 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: V41Config, weights: dict, dtype=torch.bfloat16, device=None, max_pos=None):
+    def __init__(self, cfg: V41Config, weights: dict, dtype=torch.bfloat16, device=None, max_pos=None,
+                 native: bool | None = None):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
-        w = prepare_weights(cfg, weights, dtype, device)
+        w = prepare_weights(cfg, weights, dtype, device, native)
         max_pos = max_pos or cfg.max_position_embeddings
         window = Rope(cfg.qk_rope_head_dim, cfg.rope_theta, None, max_pos, device)
         compressed = Rope(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling, max_pos, device)

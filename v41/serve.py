@@ -18,7 +18,7 @@ import sys
 import time
 
 from runtime.cli import exit_on_refusal
-from runtime.engine import EngineArgs
+from runtime.engine_args import EngineArgs
 from runtime.geometry import AdmissionError
 
 log = logging.getLogger("v41.serve")
