@@ -1,12 +1,15 @@
 """Engine step latency on a GPU (flash-slice, bf16, random weights): decode steps at batch 1,
 16 and 64 (contexts of 1,024 tokens) and prefill steps of 1x4096 and 8x1024 tokens, timed with
-CUDA events after warm-up, median of several steps. The variants (eager, compiled) share one
-engine and its weights (flash-slice's 62 GB of bf16 weights fit once on an H200, not twice):
-the runner's forward is switched between the eager model and the compiled segments, case by
-case, so they alternate in one run. `--profile DIR` also writes a torch.profiler table of one
-decode step (batch 1) and one prefill step (1x4096) per variant: where the time goes.
+CUDA events after warm-up, median of several steps, each case beside the summed kernel time of
+one more step of it under torch.profiler (`device_ms`: wall / device says how host-bound it is).
+The variants share one engine and its weights (flash-slice's 62 GB of bf16 weights fit once on
+an H200, not twice): eager, compiled (the compiled segments), full (compiled + the FULL CUDA
+graphs captured at decode sizes 1-64; prefill runs compiled). They alternate case by case.
+`--weight-format native` runs the same with the FP8/FP4 weights kept native. `--profile DIR`
+also writes a torch.profiler table of one decode step (batch 1) and one prefill step (1x4096)
+per variant: where the time goes.
 
-    python benchmarks/step_bench.py --variants eager,compiled --out benchmarks/results/step-h200.json
+    python benchmarks/step_bench.py --variants eager,compiled,full --out benchmarks/results/graphs-flash-slice-h200.json
 """
 from __future__ import annotations
 
@@ -27,6 +30,10 @@ from runtime.sequence import SamplingParams
 
 
 def timed(fn) -> float:
+    if not torch.cuda.is_available():      # --dry-run on the CPU: the code path, host time
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     fn()
@@ -35,29 +42,47 @@ def timed(fn) -> float:
     return a.elapsed_time(b)
 
 
-def decode_ms(eng, bs: int, ctx: int, steps: int) -> float:
+def kernel_ms(fn) -> float:
+    """Summed device time of the kernels `fn` launches (torch.profiler), ms."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    if not torch.cuda.is_available():
+        fn()
+        return float("nan")
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+
+
+def decode_ms(eng, bs: int, ctx: int, steps: int) -> tuple[float, float]:
+    """(wall ms median, kernel ms of one more step) of decode steps at batch `bs`."""
     g = torch.Generator().manual_seed(bs)
-    seqs = [eng.add_request(torch.randint(3, 120000, (ctx,), generator=g).tolist(),
-                            SamplingParams(max_tokens=steps + 4, ignore_eos=True)) for _ in range(bs)]
+    seqs = [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (ctx,), generator=g).tolist(),
+                            SamplingParams(max_tokens=steps + 5, ignore_eos=True)) for _ in range(bs)]
     while any(s.num_computed < s.num_prompt_tokens for s in seqs):
         eng.step()
     ts = [timed(eng.step) for _ in range(steps)]
+    dev = kernel_ms(eng.step)
     for s in seqs:
         eng.abort(s.request_id)
-    return statistics.median(ts[2:])
+    return statistics.median(ts[2:]), dev
 
 
-def prefill_ms(eng, n: int, length: int, reps: int) -> float:
-    ts = []
+def prefill_ms(eng, n: int, length: int, reps: int) -> tuple[float, float]:
+    """(wall ms median, kernel ms of one more) of steps prefilling `n` prompts of `length`."""
+    ts, dev = [], None
     g = torch.Generator().manual_seed(n * length)
-    for _ in range(reps):
-        seqs = [eng.add_request(torch.randint(3, 120000, (length,), generator=g).tolist(),
+    for rep in range(reps + 1):
+        seqs = [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (length,), generator=g).tolist(),
                                 SamplingParams(max_tokens=1, ignore_eos=True)) for _ in range(n)]
-        ts.append(timed(eng.step))
+        if rep < reps:
+            ts.append(timed(eng.step))
+        else:
+            dev = kernel_ms(eng.step)
         while eng.has_unfinished():
             eng.step()
         assert all(s.is_finished for s in seqs)
-    return statistics.median(ts[1:])
+    return statistics.median(ts[1:]), dev
 
 
 def profile(eng, kind: str, path: str) -> None:
@@ -65,7 +90,7 @@ def profile(eng, kind: str, path: str) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
     g = torch.Generator().manual_seed(7)
     n, length = (1, 1024) if kind == "decode" else (1, 4096)
-    seqs = [eng.add_request(torch.randint(3, 120000, (length,), generator=g).tolist(),
+    seqs = [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (length,), generator=g).tolist(),
                             SamplingParams(max_tokens=8, ignore_eos=True)) for _ in range(n)]
     if kind == "decode":
         while any(s.num_computed < s.num_prompt_tokens for s in seqs):
@@ -101,16 +126,24 @@ def main():
     ap.add_argument("--profile", default=None, help="directory for per-variant profiler tables")
     ap.add_argument("--out", default="benchmarks/results/step-h200.json")
     ap.add_argument("--dump-dir", default=None, help="the compile's graphs, passes and output code")
+    ap.add_argument("--weight-format", default="dequant", choices=["dequant", "native"])
+    ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from GPU memory)")
+    ap.add_argument("--agreement", action=argparse.BooleanOptionalAction, default=True,
+                    help="check compiled pieces against eager first (minutes on flash-slice)")
+    ap.add_argument("--dry-run", action="store_true", help="toy, CPU, eager, small cases: the code path only")
     a = ap.parse_args()
+    if a.dry_run:
+        return dry_run(a)
     args = EngineArgs(model=a.model, device="cuda", dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=8192,
-                      max_model_len=4352, enable_prefix_caching=False, dump_dir=a.dump_dir)
+                      max_model_len=4352, enable_prefix_caching=False, dump_dir=a.dump_dir,
+                      weight_format=a.weight_format, num_pages=a.num_pages, cudagraph_mode="NONE")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     res = {"benchmark": "engine_step", "model": a.model, "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": __import__("triton").__version__,
            "date": datetime.date.today().isoformat(),
            "method": "CUDA events around LLMEngine.step (host + device), median after warm-up; variants "
                      "share one engine (forward switched), alternating case by case",
-           "compile": None, "agreement": None, "results": []}
+           "weight_format": a.weight_format, "compile": None, "graphs": None, "agreement": None, "results": []}
 
     def save():      # after every result: a run cut short keeps what it measured
         with open(a.out, "w") as f:
@@ -121,21 +154,25 @@ def main():
     runner = eng.runner
     print(f"engine ready in {time.perf_counter() - t0:.1f}s", flush=True)
     variants = a.variants.split(",")
+    res["weights_gib"] = round((torch.cuda.memory_allocated() - runner.cache.nbytes) / 2**30, 2)
     forwards = {"eager": runner.model}
+    graphs = None
 
     def use(v):
-        runner.use_forward(forwards[v], static_shapes=v == "compiled")
+        runner.use_forward(forwards["compiled" if v == "full" else v], static_shapes=v != "eager")
+        runner.graphs = graphs if v == "full" else None
 
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
         profile(eng, "decode", os.path.join(a.profile, "profile-eager-decode.txt"))
-    if "compiled" in variants:
+    if "compiled" in variants or "full" in variants:
         from runtime.compile import CompileConfig, compile_runner
         cargs = dataclasses.replace(args, enforce_eager=False)
         res["compile"] = compile_runner(runner, cargs, CompileConfig.from_engine_args(cargs, runner.max_tokens))
         forwards["compiled"] = runner.forward
         print(f"compiled: {json.dumps(res['compile'], default=str)}", flush=True)
         save()
+    if "compiled" in forwards and a.agreement:
         ids = torch.randint(3, 120000, (512,), generator=torch.Generator().manual_seed(1)).tolist()
         use("eager")
         e = prefill_logits(eng, ids)
@@ -156,21 +193,43 @@ def main():
         print(f"compiled vs eager: pieces max rel_l2 {res['agreement']['pieces_max_rel_l2']:.3g}, "
               f"logits rel_l2 {res['agreement']['logits_rel_l2']:.3g}", flush=True)
         save()
+    if "full" in variants:
+        from runtime.cuda_graph import CUDAGraphRunner
+        graphs = CUDAGraphRunner(runner, (1, 2, 4, 8, 16, 32, 64))
+        use("compiled")
+        res["graphs"] = graphs.capture()
+        print(f"graphs: {json.dumps(res['graphs'])}", flush=True)
+        save()
     cases = [("decode", bs, 1024) for bs in (1, 16, 64)] + [("prefill", 1, 4096), ("prefill", 8, 1024)]
-    for kind, n, length in cases:
-        for v in variants:  # alternate variants case by case
-            use(v)
-            ms = decode_ms(eng, n, length, a.steps) if kind == "decode" else prefill_ms(eng, n, length, 3)
-            res["results"].append({"variant": v, "step": kind, "requests": n, "tokens_each": length,
-                                   "ms": round(ms, 3)})
-            print(json.dumps(res["results"][-1]), flush=True)
-            save()
+    run_cases(eng, cases, variants, use, a.steps, res, save)
     if a.profile:
         for v in variants:
             use(v)
             for kind in ("decode", "prefill"):
                 if (v, kind) != ("eager", "decode"):
                     profile(eng, kind, os.path.join(a.profile, f"profile-{v}-{kind}.txt"))
+
+def run_cases(eng, cases, variants, use, steps: int, res: dict, save) -> None:
+    for kind, n, length in cases:
+        for v in variants:  # alternate variants case by case
+            use(v)
+            ms, dev = decode_ms(eng, n, length, steps) if kind == "decode" else prefill_ms(eng, n, length, 3)
+            res["results"].append({"variant": v, "step": kind, "requests": n, "tokens_each": length,
+                                   "ms": round(ms, 3), "device_ms": round(dev, 3)})
+            print(json.dumps(res["results"][-1]), flush=True)
+            save()
+
+
+def dry_run(a) -> None:
+    """The toy on the CPU, eager, small cases, both weight formats: prints, writes nothing."""
+    for fmt in ("dequant", "native"):
+        eng = LLMEngine(EngineArgs(model="toy", device="cpu", dtype="float32", max_num_seqs=4,
+                                   max_num_batched_tokens=256, max_model_len=320, weight_format=fmt))
+        res = {"results": []}
+        run_cases(eng, [("decode", 1, 64), ("decode", 4, 64), ("prefill", 2, 100)], ["eager"],
+                  lambda v: None, 4, res, lambda: None)
+        print(fmt, "ok")
+
 
 if __name__ == "__main__":
     main()
