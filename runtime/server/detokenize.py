@@ -1,12 +1,19 @@
-"""Token ids to text: incremental detokenization (`tokenizers.decoders.DecodeStream`) with stop
-strings, and the per-token strings and bytes that logprobs report."""
+"""Token ids to text: incremental detokenization with stop strings, and the per-token strings
+and bytes that logprobs report."""
 from __future__ import annotations
 
 import codecs
+import functools
+import itertools
 import json
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+# One byte of each class a UTF-8 decoder tells apart (Unicode table 3-7): ASCII; the continuation
+# ranges 80-8F, 90-9F, A0-BF that E0, ED, F0 and F4 restrict their second byte to; the never
+# valid C0-C1 and F5-FF; the lead bytes C2-DF, E0, E1-EC and EE-EF, ED, F0, F1-F3, F4.
+UTF8_BYTE_CLASSES = bytes([0x41, 0x80, 0x90, 0xA0, 0xC0, 0xC2, 0xE0, 0xE1, 0xED, 0xF0, 0xF1, 0xF4, 0xF5])
 
 
 def _bytes_to_unicode() -> dict[str, int]:
@@ -22,6 +29,59 @@ def _bytes_to_unicode() -> dict[str, int]:
             inv[chr(256 + extra)] = b
             extra += 1
     return inv
+
+
+def replaces_as_python(decode_batch) -> bool:
+    """Whether `decode_batch` (byte strings to their texts) replaces invalid UTF-8 exactly as
+    Python's incremental decoder (errors="replace") does when fed one byte at a time. Both
+    should substitute each maximal invalid subpart by one U+FFFD, deciding within four bytes
+    (a lead byte and at most three more), and bytes of one class act alike: so every sequence
+    of four class representatives tries each decoder state with each next byte, and the end
+    of the text after each state."""
+    seqs = [bytes(s) for s in itertools.product(UTF8_BYTE_CLASSES, repeat=4)]
+    for seq, whole in zip(seqs, decode_batch(seqs)):
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        if "".join([utf8.decode(seq[i:i + 1]) for i in range(len(seq))]) + utf8.decode(b"", final=True) != whole:
+            return False
+    return True
+
+
+@functools.cache
+def byte_level_decode_replaces_as_python() -> bool:
+    """`replaces_as_python` for the `tokenizers` ByteLevel decoder (Rust's from_utf8_lossy over
+    the tokens' bytes), on a vocabulary of the 256 single bytes; the same for every byte-level
+    tokenizer, so checked once per process (0.2 s)."""
+    from tokenizers import decoders, models
+    raw = Tokenizer(models.BPE(vocab={c: b for c, b in _bytes_to_unicode().items()}, merges=[]))
+    raw.decoder = decoders.ByteLevel()
+    return replaces_as_python(lambda seqs: raw.decode_batch([list(s) for s in seqs]))
+
+
+class Utf8Settled:
+    """The settled text of byte-level tokens: their bytes through one incremental UTF-8 decoder,
+    special tokens contributing nothing (as `decode` skips them). A proven invalid sequence
+    (a lead byte and a byte that cannot continue it) is final, one U+FFFD; only a trailing
+    sequence that is still a valid prefix is held. So a token repeated whose bytes end in a
+    partial character streams at every step (DecodeStream waited for text that does not end
+    in U+FFFD, which such a stream never has)."""
+
+    def __init__(self, codec: TextCodec):
+        self.codec = codec
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, tid: int) -> str:
+        return "" if self.codec.is_special(tid) else self._utf8.decode(self.codec.token_bytes(tid))
+
+
+class StreamSettled:
+    """The settled text from `tokenizers`' DecodeStream (special tokens skipped): for tokenizers
+    that are not byte-level, whose decoders may depend on neighbouring tokens."""
+
+    def __init__(self, raw: Tokenizer):
+        self.raw, self._stream = raw, DecodeStream(skip_special_tokens=True)
+
+    def step(self, tid: int) -> str:
+        return self._stream.step(self.raw, tid) or ""
 
 
 class TextCodec:
@@ -44,12 +104,17 @@ class TextCodec:
     def decode(self, ids) -> str:
         return self.tok.decode(ids) if self.tok is not None and ids else ""
 
-    def stream(self) -> DecodeStream | None:
-        """A DecodeStream over the model's `tokenizers.Tokenizer` (special tokens skipped, as in
-        `decode`); None for no tokenizer or one without `.tok` (the text then comes whole at the
-        end)."""
+    def settled_text(self) -> Utf8Settled | StreamSettled | None:
+        """Text of tokens fed one at a time, released once it can no longer change: so always a
+        prefix of `decode` of all of them. Byte-level tokenizers decode through Python's UTF-8
+        decoder where it replaces invalid bytes as `decode` does (checked); else DecodeStream;
+        None for no tokenizer or one without `.tok` (the text then comes whole at the end)."""
         raw = getattr(self.tok, "tok", None)
-        return DecodeStream(skip_special_tokens=True) if isinstance(raw, Tokenizer) else None
+        if not isinstance(raw, Tokenizer):
+            return None
+        if self._byte_level and byte_level_decode_replaces_as_python():
+            return Utf8Settled(self)
+        return StreamSettled(raw)
 
     def token_bytes(self, tid: int) -> bytes:
         """The bytes of one token; a byte-level piece maps back through the BPE alphabet, since
@@ -114,17 +179,18 @@ class IncrementalText:
     """The completion text as it grows, token by token, with stop strings.
 
     Streaming and non-streaming responses both concatenate the deltas this returns, so they
-    are equal by construction. `DecodeStream` gives the settled text (it holds back a trailing
-    partial UTF-8 character); of that, the last len(longest stop) - 1 characters, which could
-    begin a stop string, are held back here. The final feed decodes all the ids once, so the
-    text ends as `decode` has it (an unfinished character there reads U+FFFD)."""
+    are equal by construction. `TextCodec.settled_text` gives the text that can no longer
+    change (it holds back a trailing partial UTF-8 character); of that, the last
+    len(longest stop) - 1 characters, which could begin a stop string, are held back here.
+    The final feed decodes all the ids once, so the text ends as `decode` has it (an
+    unfinished character there reads U+FFFD)."""
 
     def __init__(self, codec: TextCodec, stops: list[str]):
         self.codec, self.stops = codec, stops
         self.hold = max((len(s) for s in stops), default=1) - 1
-        self.stream = codec.stream()
+        self.settling = codec.settled_text()
         self.ids: list[int] = []
-        self.settled = ""         # what DecodeStream has released
+        self.settled = ""         # what `settling` has released
         self.text = ""            # emitted so far
         self.checked = 0          # chars of the decoded text already searched for stops
         self.stop_str: str | None = None
@@ -132,10 +198,8 @@ class IncrementalText:
     def feed(self, ids: list[int], final: bool) -> tuple[str, bool]:
         """Add tokens; returns (new text, stopped on a stop string)."""
         self.ids += ids
-        if self.stream is not None:
-            for i in ids:
-                if (piece := self.stream.step(self.codec.tok.tok, i)) is not None:
-                    self.settled += piece
+        if self.settling is not None:
+            self.settled += "".join([self.settling.step(i) for i in ids])
         full = self.codec.decode(self.ids) if final else self.settled
         if self.stops and len(full) > self.checked:
             start = max(0, self.checked - self.hold)
