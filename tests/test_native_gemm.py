@@ -107,12 +107,15 @@ else:
             exact, _ = exact_and_abs(xq, xs, w, ws)
             r = torch.empty(M, N)
             ref.fp8_block_gemm(xq, xs, w, ws, r)
-            out = torch.full((M, N), float("nan"))
-            triton_fp8_block_gemm(xq, xs, w, ws, out)
-            assert torch.equal(r.double(), exact) and torch.equal(out, r)
+            assert torch.equal(r.double(), exact)
+            for split_k in (1, 3):          # K = 256: 8 blocks as 3 + 3 + 2; K = 64: 2 splits of 1
+                out = torch.full((M, N), float("nan"))
+                triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k)
+                assert torch.equal(out, r), split_k
 
     @pytest.mark.parametrize("M,kw", [(1, {}), (5, {"block_n": 32}), (16, {"block_m": 16}),
-                                      (64, {"block_n": 128}), (64, {"block_m": 32, "block_n": 32})])
+                                      (64, {"block_n": 128}), (64, {"block_m": 32, "block_n": 32}),
+                                      (1, {"split_k": 4}), (7, {"split_k": 10}), (33, {"split_k": 3})])
     def test_fp8_block_gemm_bound(g, M, kw):
         N, K = 96, 320
         xq, xs, w, ws = fp8_gemm_case(g, M, N, K)
@@ -124,6 +127,17 @@ else:
         bound = gamma(K) * S
         assert ((out.double() - exact).abs() <= bound).all()
         assert ((out.double() - r.double()).abs() <= 2 * bound).all()
+
+    def test_split_k_fills_the_sms_at_decode_widths(monkeypatch):
+        """Flash's wq_a at M = 1 (20 tiles of 64 over N = 1280, 160 K blocks) splits into two
+        waves over 132 SMs; a GEMM with tiles for every SM does not split; CPU never does."""
+        from types import SimpleNamespace
+
+        from custom_ops.triton.fp8_gemm import _splits
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+        cuda = torch.device("cuda")
+        assert _splits(20, 160, cuda) == 14 and _splits(512, 40, cuda) == 1 and _splits(20, 6, cuda) == 1
+        assert _splits(20, 160, torch.device("cpu")) == 1
 
     def test_fp8_block_gemm_bf16_out(g, monkeypatch):
         """bf16 output (the activation dtype of the model): one RNE rounding past the FP32 bound."""

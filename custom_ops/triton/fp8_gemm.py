@@ -11,6 +11,10 @@ a fresh FP32 tile, then promoted: acc += tile · s_x[m] · s_w[n] (DeepGEMM's pe
 promotion; both scales are powers of two, so the promotion is exact and only the order of the
 FP32 sums differs from the reference). The E8M0 weight scales are decoded from their bits.
 Output rounded once to out's dtype. FP64 outputs and K not a multiple of 32 run the reference.
+
+Split-K (grid axis 2) where the output tiles alone leave SMs idle (decode widths): each split
+walks its share of the K blocks into FP32 partials [splits, M, N]; a second kernel sums them
+in ascending split order and rounds once.
 """
 from __future__ import annotations
 
@@ -78,11 +82,14 @@ def triton_fp8_act_quant(x, q, s) -> None:
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, KB,
-                     stride_xm, stride_sm, stride_wn, stride_wsn, stride_om,
+def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, KB, KB_SPLIT,
+                     stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_os,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (m, n, s): K blocks [s·KB_SPLIT, (s+1)·KB_SPLIT) of one output tile, stored at
+    o + s·stride_os (split-K partials in FP32; with one split, the output itself)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     rk = tl.arange(0, GROUP_K)
     mmask = rm < M
     nmask = rn < N
@@ -91,24 +98,48 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, KB,
     sa_ptrs = xs_ptr + rm.to(tl.int64) * stride_sm
     sb_ptrs = ws_ptr + (rn // GROUP_K).to(tl.int64) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(KB):
+    for kb in range(split * KB_SPLIT, tl.minimum(split * KB_SPLIT + KB_SPLIT, KB)):
         a = tl.load(a_ptrs + kb * GROUP_K, mask=mmask[:, None], other=0.0)
         b = tl.load(b_ptrs + kb * GROUP_K, mask=nmask[None, :], other=0.0)
         part = tl.dot(a, b, out_dtype=tl.float32)
         sa = tl.load(sa_ptrs + kb, mask=mmask, other=0.0)
         sb = e8m0_to_f32(tl.load(sb_ptrs + kb, mask=nmask, other=127).to(tl.int32))
         acc += part * sa[:, None] * sb[None, :]
-    tl.store(o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(o_ptr.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])
+    o_ptrs = o_ptr + split.to(tl.int64) * stride_os + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(p_ptr, o_ptr, M, N, SPLITS, stride_ps, stride_pm, stride_om, BLOCK_N: tl.constexpr):
+    """out[m, n] = Σ_s partial[s, m, n] in ascending s (FP32), rounded once to out's dtype."""
+    m = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = rn < N
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(p_ptr + s * stride_ps + m * stride_pm + rn, mask=mask, other=0.0)
+    tl.store(o_ptr + m * stride_om + rn, acc.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 def _block_m(M: int) -> int:
     return min(BLOCK_M_MAX, max(16, triton.next_power_of_2(M)))
 
 
-def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None,
-                          block_n: int | None = None, num_warps: int = 4, num_stages: int = 3) -> None:
-    """`v41::fp8_block_gemm` (same signature); keyword knobs: tile sizes, warps, stages."""
+def _splits(tiles: int, KB: int, device) -> int:
+    """Split-K count: enough programs for two waves over the SMs when the output tiles alone
+    leave them idle (a decode GEMM at N = 1280 is 20 tiles on 132 SMs), each split keeping at
+    least 4 K blocks."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(KB // 4, triton.cdiv(2 * sms, tiles))) if tiles < sms else 1
+
+
+def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None, block_n: int | None = None,
+                          split_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> None:
+    """`v41::fp8_block_gemm` (same signature); keyword knobs: tile sizes, split-K count (None:
+    `_splits`), warps, stages. Split-K sums FP32 partials in a fixed order: deterministic, and
+    only the order of the FP32 sums differs from one split."""
     M, K = xq.shape
     N = w.shape[0]
     if K % GROUP or out.dtype not in TL_DTYPES or xs.dtype != torch.float32 or \
@@ -116,12 +147,20 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None,
         return _ref.fp8_block_gemm(xq, xs, w, ws, out)
     if M == 0 or N == 0:
         return
-    bm, bn = block_m or _block_m(M), block_n or BLOCK_N
+    bm, bn, KB = block_m or _block_m(M), block_n or BLOCK_N, K // GROUP
+    grid_m, grid_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
+    splits = min(KB, split_k or _splits(grid_m * grid_n, KB, out.device))
+    per = triton.cdiv(KB, splits)
+    splits = triton.cdiv(KB, per)                   # no empty split
     wsc = ws.view(torch.uint8)
-    _fp8_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        xq, xs, w, wsc, out, M, N, K // GROUP, xq.stride(0), xs.stride(0), w.stride(0),
-        wsc.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
-        num_stages=num_stages)
+    dest = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=out.device)
+    _fp8_gemm_kernel[(grid_m, grid_n, splits)](
+        xq, xs, w, wsc, dest, M, N, KB, per, xq.stride(0), xs.stride(0), w.stride(0),
+        wsc.stride(0), dest.stride(-2), dest.stride(0) if splits > 1 else 0, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _sum_splits_kernel[(M, triton.cdiv(N, 256))](dest, out, M, N, splits, dest.stride(0), dest.stride(1),
+                                                     out.stride(0), BLOCK_N=256, num_warps=4)
 
 
 register_impl("fp8_act_quant", "triton", triton_fp8_act_quant, device_type="cuda")
