@@ -1,0 +1,170 @@
+"""The FULL CUDA-graph path on the CPU, with torch.cuda's graph API replaced by a recorder.
+
+A CUDA graph replays the kernels it captured on the tensors it captured: whatever `prepare`
+does for a replayed step must land in the buffers the capture read, and the forward's Python
+control flow is frozen at capture. `RecordedGraph` emulates that on the CPU: capture keeps the
+forward and the Python objects it was called with (the padding Batch over the persistent step
+buffers, the cache) and the address of every tensor in them; replay checks that those tensors
+are still where they were, runs the forward on the captured objects again and copies the result
+into the captured output. With the eager model under static shapes (what the compiled forward
+sees), the runtime's own CUDAGraphRunner, width selection and padding then run here, in float64:
+- a replayed step equals the plain forward at the same width, logits and cache, bit for bit;
+- requests decoded through replays get the tokens of the engine without graphs (no leaks);
+- padding rows of a replay write nothing: NaN-poisoned planes come back as a plain step's.
+The same checks on the H200 with real graphs: tests/test_cuda_graph_gpu.py.
+"""
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from runtime.cuda_graph import CUDAGraphRunner
+from runtime.sequence import SamplingParams
+from tests import harness as H
+from tests.compile_helpers import restore, snapshot
+
+
+def tensors_in(obj, seen=None):
+    """Every tensor reachable from obj's fields (dataclasses, dicts, lists, attributes)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v, seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
+        for v in vars(obj).values():
+            yield from tensors_in(v, seen)
+
+
+class RecordedGraph:
+    """torch.cuda.CUDAGraph stand-in: see the module docstring."""
+    recording: RecordedGraph | None = None
+
+    def __init__(self):
+        self.call = None
+        self.replays = 0
+
+    def pool(self):
+        return ("pool", id(self))
+
+    def record(self, forward, args, out):
+        self.call = (forward, args, out, [(t, t.data_ptr(), t.shape) for a in args for t in tensors_in(a)])
+
+    def replay(self):
+        forward, args, out, inputs = self.call
+        moved = [tuple(shape) for t, ptr, shape in inputs if t.data_ptr() != ptr or t.shape != shape]
+        assert not moved, f"a captured input was reallocated: {moved[:4]}"
+        out.copy_(forward(*args))
+        self.replays += 1
+
+
+@contextlib.contextmanager
+def recording(g, pool=None):
+    RecordedGraph.recording = g
+    try:
+        yield
+    finally:
+        RecordedGraph.recording = None
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", RecordedGraph)
+    monkeypatch.setattr(torch.cuda, "graph", recording)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: 0)
+
+
+def graphed(weights, sizes, **kw):
+    """A float64 CPU engine whose runner replays recorded graphs at decode `sizes`."""
+    eng = H.make_engine(weights, **kw)
+    r = eng.runner
+    r.use_forward(r.model, static_shapes=True)
+    forward = r.forward
+
+    def traced(batch, cache):
+        out = forward(batch, cache)
+        if RecordedGraph.recording is not None:
+            RecordedGraph.recording.record(forward, (batch, cache), out)
+        return out
+
+    r.forward = traced
+    device, r.device = r.device, SimpleNamespace(type="cuda")      # CUDAGraphRunner's device check
+    try:
+        r.graphs = CUDAGraphRunner(r, sizes)
+        r.graphs.capture(progress=False)
+    finally:
+        r.device = device
+    r.forward = forward
+    return eng
+
+
+def decoding(eng, n: int, seed: int = 0):
+    seqs = [eng.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True))
+            for p in H.prompts((5, 17, 40, 9, 33, 64)[:n], seed=seed)]
+    while any(s.num_computed < s.num_prompt_tokens for s in seqs):
+        eng.step()
+    return seqs
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["decoder-replay", "no-decoder-replay"])
+def test_replay_equals_the_plain_forward_at_its_width(toy_weights, cpu_graphs, replay):
+    eng = graphed(toy_weights, (1, 2, 4), decoder_swa_bounded_replay=replay)
+    decoding(eng, 3)
+    r = eng.runner
+    for _ in range(3):
+        sb = eng.scheduler.schedule()
+        width = r.graphs.width_for(sb)
+        assert width == 4
+        snap, cursor = snapshot(r.cache), r.cache.cursor.clone()
+        before = r.graphs.graphs[4].replays
+        graphed_logits = r.run(sb).clone()
+        assert r.graphs.graphs[4].replays == before + 1
+        after = snapshot(r.cache)
+        restore(r.cache, snap)
+        r.cache.cursor.copy_(cursor)
+        plain = r.run(sb, running_tokens=width, running_bs=width)
+        assert torch.equal(graphed_logits, plain)
+        assert all(torch.equal(after[k], v) for k, v in snapshot(r.cache).items())
+        eng.scheduler.postprocess(sb, {s.seq_id: int(t) for s, t in zip(sb.seqs, plain.argmax(-1).tolist())})
+
+
+def test_decoding_through_replays_gives_the_tokens_without_graphs(toy_weights, cpu_graphs):
+    reqs = H.prompts((5, 16, 17, 33, 9, 64), seed=3)
+    want = H.run(toy_weights, reqs, max_tokens=10)
+    eng = graphed(toy_weights, (1, 2, 4, 8))
+    seqs = [eng.add_request(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in reqs]
+    replays = 0
+    while eng.has_unfinished():
+        before = sum(g.replays for g in eng.runner.graphs.graphs.values())
+        eng.step()
+        replays += sum(g.replays for g in eng.runner.graphs.graphs.values()) - before
+    assert {i: s.completion_token_ids for i, s in enumerate(seqs)} == want
+    assert replays >= 9                 # every decode step after the prompts replayed
+    eng.bm.check([])
+    assert eng.bm.all_free
+
+
+def test_padding_rows_of_a_replay_write_nothing(toy_weights, cpu_graphs):
+    written = []
+    for graphs in (True, False):
+        eng = graphed(toy_weights, (4,)) if graphs else H.make_engine(toy_weights)
+        decoding(eng, 3, seed=2)
+        c = eng.runner.cache
+        planes = [c.ring] + [t for o in c.owners.values() for t in (o.main, o.tail_v, o.tail_g) if t is not None]
+        for t in planes:
+            t.fill_(float("nan"))
+        eng.step()
+        written.append([~t.isnan() for t in planes])
+    assert all(torch.equal(a, b) for a, b in zip(*written))
+    assert any(a.any() for a in written[0])
