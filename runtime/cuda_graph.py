@@ -5,7 +5,10 @@ persistent step buffers (runtime.batch.StepBuffers) and the KV cache, so a repla
 captured width) plus `graph.replay()`; no Python runs in the forward. Prefill and mixed steps
 run the compiled forward without graphs.
 
-Not yet run on a GPU: tests/test_cuda_graph_gpu.py holds the checks for the first H200 run.
+tests/test_cuda_graph_cpu.py runs this class on the CPU with a recording stand-in for
+torch.cuda's graph API (replay == plain forward at its width, bitwise; tokens as without
+graphs; padding inert). tests/test_cuda_graph_gpu.py holds the same checks with real graphs:
+its first H200 run stopped at a time limit after its first test failed, with no traceback kept.
 """
 from __future__ import annotations
 

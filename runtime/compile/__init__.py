@@ -12,10 +12,10 @@ while serving is an error. What this module does:
       _LateLayers    layers (boundary, last)                      compiled
       layer last, final collapse + norm                           eager
 
-  With it off, `_Backbone` (the whole `Transformer.forward`) is one graph. NOTE: bounded
-  replay itself (running layers boundary+1..last on the last W rows of a finishing prompt only)
-  is NOT implemented yet: today the split only decides the graph boundaries, every layer runs on
-  every row, and the split forward equals the unsplit one.
+  With it off, `_Backbone` (the whole `Transformer.forward`) is one graph. The eager layers
+  between the segments are where the rows change: `Transformer.enter_decoder` gathers each
+  request's tail rows after the boundary layer's compression (runtime/replay.py plans them), and
+  the last layer runs its query, attention and FFN on the sampled rows alone.
 
 * One trace per segment. `torch.compile(fullgraph=True, dynamic=False)` with dim 0 of every
   token-shaped input marked dynamic (and `backed_size_oblivious`, so a 1-token step needs no
