@@ -35,7 +35,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         if weights is None:
             weights = load_weights(args.model, cfg, device=device, load_format=args.load_format,
-                                   seed=args.seed)
+                                   seed=args.seed, wo_a="fp8" if args.weight_format == "native" else "bf16")
         pages_per_seq = -(-self.max_model_len // geo.page_tokens)
         # on CUDA without --num-pages the pool is sized from memory after a profiling forward on
         # a one-request pool; on the CPU every running request gets max_model_len

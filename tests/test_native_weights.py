@@ -88,3 +88,52 @@ def test_weight_format_is_checked_before_loading(bad, match):
     from runtime.geometry import AdmissionError
     with pytest.raises(AdmissionError, match=match):
         EngineArgs(**{"model": "toy", **bad}).admit()
+
+
+@pytest.fixture(scope="module")
+def toy_weights_fp8_wo_a(toy_cfg):
+    from v41.loader import dummy_weights
+    return dummy_weights(toy_cfg, progress=False, wo_a="fp8")
+
+
+def test_loader_keeps_wo_a_fp8_when_asked(toy_cfg, toy_weights, toy_weights_fp8_wo_a):
+    from v41.loader import dummy_weights
+    w = toy_weights_fp8_wo_a
+    name = "layers.3.attn.wo_a.weight"
+    assert w[name].dtype == torch.float8_e4m3fn and "layers.3.attn.wo_a.scale" in w.tensors
+    assert torch.equal(quant.dequant_fp8_block(w[name], w["layers.3.attn.wo_a.scale"], torch.bfloat16),
+                       toy_weights[name])                         # §5.4's BF16 copy, exactly
+    with pytest.raises(ValueError, match="wo_a 'fp4'"):
+        dummy_weights(toy_cfg, progress=False, wo_a="fp4")
+
+
+def test_native_wo_a_is_an_a8_gemm_per_group(toy_cfg, toy_weights, toy_weights_fp8_wo_a):
+    """Native wo_a: per group, the inverse-RoPE'd output quantized per 32 (A8) times the FP8
+    weight (W8A8), where the dequantized path multiplies BF16 without an act quant (§5.4). The
+    dequantized model with an FP8 wo_a equals the §5.4 one; the native one computes the A8 form."""
+    from v41.model import Transformer
+    nat = Transformer(toy_cfg, toy_weights_fp8_wo_a, torch.float32, "cpu", native=True).layers[3].attn
+    deq = Transformer(toy_cfg, toy_weights_fp8_wo_a, torch.float32, "cpu", native=False).layers[3].attn
+    ref = Transformer(toy_cfg, toy_weights, torch.float32, "cpu", native=False).layers[3].attn
+    assert nat.wo_a is None and len(nat.wo_a_groups) == toy_cfg.o_groups
+    assert torch.equal(deq.wo_a, ref.wo_a)
+    G, R, I = toy_cfg.o_groups, toy_cfg.o_lora_rank, toy_cfg.o_group_in
+    o = torch.randn(7, G, I, generator=torch.Generator().manual_seed(4))
+    got = torch.cat([lin(o[:, g]) for g, lin in enumerate(nat.wo_a_groups)], -1)
+    want = torch.einsum("tgi,goi->tgo", quant.fp8_qat(o.reshape(7, -1)).view(7, G, I), ref.wo_a).flatten(1)
+    assert got.shape == (7, G * R)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_native_engine_loads_wo_a_fp8(toy_weights):
+    """--weight-format native loads wo_a FP8 (weights=None: the engine's own load) and serves."""
+    from runtime.engine import EngineArgs, LLMEngine
+    from runtime.sequence import SamplingParams
+    eng = LLMEngine(EngineArgs(model="toy", dtype="float32", max_num_seqs=2, max_model_len=128,
+                               weight_format="native"))
+    attn = eng.runner.model.layers[3].attn
+    assert attn.wo_a is None and attn.wo_a_groups[0].scale is not None
+    seq = eng.add_request(H.prompts((20,), seed=5)[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert len(seq.completion_token_ids) == 4

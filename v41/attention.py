@@ -42,7 +42,13 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.wq_a, self.wq_b = Linear(w["wq_a"], "fp8"), Linear(w["wq_b"], "fp8")
         self.wkv, self.wo_b = Linear(w["wkv"], "fp8"), Linear(w["wo_b"], "fp8")
-        self.wo_a = w["wo_a"].view(cfg.o_groups, cfg.o_lora_rank, cfg.o_group_in)
+        if isinstance(w["wo_a"], quant.BlockScaled):     # native: an A8 x FP8 GEMM per group
+            R = cfg.o_lora_rank
+            self.wo_a = None
+            self.wo_a_groups = nn.ModuleList(Linear(w["wo_a"].rows(g * R, (g + 1) * R), "fp8")
+                                             for g in range(cfg.o_groups))
+        else:
+            self.wo_a = w["wo_a"].view(cfg.o_groups, cfg.o_lora_rank, cfg.o_group_in)
         self.q_norm, self.kv_norm = RMSNorm(w["q_norm"], eps), RMSNorm(w["kv_norm"], eps)
         self.sink = w["attn_sink"]
         if spec.role is Role.FULL:
@@ -86,6 +92,8 @@ class Attention(nn.Module):
         # every query of the batch has read its window: only now may the ring move on
         self.keep_window(ring, kv, batch, cache)
         o = self.rope(o, qb.positions, inverse=True).view(xq.shape[0], self.o_groups, -1)
+        if self.wo_a is None:
+            return self.wo_b(torch.cat([wo_a(o[:, g]) for g, wo_a in enumerate(self.wo_a_groups)], -1))
         z = torch.einsum("tgi,goi->tgo", o, self.wo_a).flatten(1)
         return self.wo_b(z)
 

@@ -33,6 +33,9 @@ def fp32_copy_names(schema) -> list[str]:
             (n.startswith("mtp.") and n.endswith(("markov_head.head.weight", "confidence_head.proj.weight")))]
 
 
+WO_A_FORMATS = ("bf16", "fp8")     # §5.4's BF16 copy, or kept FP8 for the native weight format
+
+
 def wo_a_names(schema) -> list[str]:
     return [n for n in schema if n.endswith("attn.wo_a.weight")]
 
@@ -70,16 +73,19 @@ class Weights(Mapping):
     def host_tables(self) -> dict:
         return {n: t for n, t in self.tensors.items() if is_host_table(n)}
 
-    def postprocess(self) -> "Weights":
-        """§5.4: `attn.wo_a.weight` FP8 x E8M0 (32x32) -> BF16 and `.scale` dropped; `head`,
+    def postprocess(self, wo_a: str = "bf16") -> "Weights":
+        """§5.4: `attn.wo_a.weight` FP8 x E8M0 (32x32) -> BF16 and `.scale` dropped (`wo_a="fp8"`
+        keeps both, for the native weight format's W8A8 grouped GEMM); `head`,
         `mtp.*.markov_head.head`, `mtp.*.confidence_head.proj` -> FP32 copies. Everything else
         keeps its native dtype (no re-quantization). A second call raises."""
         if self.processed:
             raise RuntimeError("post-load processing already ran on these weights (it runs exactly once)")
+        if wo_a not in WO_A_FORMATS:
+            raise ValueError(f"wo_a {wo_a!r}: expected one of {', '.join(WO_A_FORMATS)}")
         from v41.quant import dequant_fp8_block
         T = self.tensors
         done = []
-        for name in wo_a_names(T):
+        for name in wo_a_names(T) if wo_a == "bf16" else []:
             sname = name[: -len(".weight")] + ".scale"
             w, s = T[name], T.pop(sname)
             if w.dtype != torch.float8_e4m3fn:
@@ -97,12 +103,12 @@ class Weights(Mapping):
         return self
 
 
-def postprocess(weights: Weights) -> Weights:
-    return weights.postprocess()
+def postprocess(weights: Weights, wo_a: str = "bf16") -> Weights:
+    return weights.postprocess(wo_a)
 
 
 def load_checkpoint(path, cfg: V41Config | None = None, device="cpu", progress: bool = True,
-                    process: bool = True, engram: str = "auto") -> Weights:
+                    process: bool = True, engram: str = "auto", wo_a: str = "bf16") -> Weights:
     """Load a native checkpoint directory: header check of every shard first (CheckpointError,
     nothing read), then the tensors (Engram tables on the CPU, the rest on `device`), then the
     post-load processing (once). `engram`: 'mapped' maps every Engram table from its shard
@@ -144,15 +150,15 @@ def load_checkpoint(path, cfg: V41Config | None = None, device="cpu", progress: 
                     tensors[name] = t
                     bar.update(spec.nbytes)
     w = Weights(cfg, {n: tensors[n] for n in schema}, str(root), device, mapped=mapped)
-    return w.postprocess() if process else w
+    return w.postprocess(wo_a) if process else w
 
 
 def dummy_weights(cfg: V41Config, device="cpu", seed: int = 0, progress: bool = True,
-                  process: bool = True) -> Weights:
+                  process: bool = True, wo_a: str = "bf16") -> Weights:
     """The writer's tensors built in memory (CPU generators, then moved to `device`), no files."""
     device = torch.device(device)
     w = Weights(cfg, dummy_tensors(cfg, device, seed, progress), "dummy", device, seed)
-    return w.postprocess() if process else w
+    return w.postprocess(wo_a) if process else w
 
 
 def _is_checkpoint_dir(p: Path) -> bool:
@@ -160,14 +166,14 @@ def _is_checkpoint_dir(p: Path) -> bool:
 
 
 def load_weights(model_or_dir, cfg: V41Config | None = None, device="cpu", load_format: str = "auto",
-                 seed: int = 0, progress: bool = True, engram: str = "auto") -> Weights:
+                 seed: int = 0, progress: bool = True, engram: str = "auto", wo_a: str = "bf16") -> Weights:
     """`model_or_dir`: a checkpoint directory or a preset name. `load_format`:
     'safetensors' reads the directory; 'dummy' builds the writer's random tensors in memory
     (same values as `write_checkpoint(cfg, ..., seed)`); 'auto' = safetensors for a checkpoint
     directory; for the `toy` preset its checkpoint, written once into the cache on first use
     and then read like any other; dummy for the other presets (too large to write). `engram`:
-    see load_checkpoint (the dummy format has no files: its tables are resident). Logs the
-    memory report (v41.loader.report)."""
+    see load_checkpoint (the dummy format has no files: its tables are resident). `wo_a`: see
+    Weights.postprocess. Logs the memory report (v41.loader.report)."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format {load_format!r}: expected 'auto', 'safetensors' or 'dummy'")
     if load_format == "auto":
@@ -182,9 +188,9 @@ def load_weights(model_or_dir, cfg: V41Config | None = None, device="cpu", load_
             raise CheckpointError(f"{model_or_dir!r} is neither a checkpoint directory nor a preset")
     if load_format == "dummy":
         cfg = cfg if cfg is not None else load_config(model_or_dir)
-        w = dummy_weights(cfg, device, seed, progress)
+        w = dummy_weights(cfg, device, seed, progress, wo_a=wo_a)
     else:
-        w = load_checkpoint(model_or_dir, cfg, device, progress, engram=engram)
+        w = load_checkpoint(model_or_dir, cfg, device, progress, engram=engram, wo_a=wo_a)
     log.info("%s", format_memory_report(memory_report(w)))
     return w
 
