@@ -24,7 +24,7 @@ import torch
 from runtime.cuda_graph import CUDAGraphRunner
 from runtime.sequence import SamplingParams
 from tests import harness as H
-from tests.compile_helpers import restore, snapshot
+from tests.graph_checks import decoding, planes_written_by_a_step, replay_equals_plain_forward
 
 
 def tensors_in(obj, seen=None):
@@ -109,34 +109,13 @@ def graphed(weights, sizes, **kw):
     return eng
 
 
-def decoding(eng, n: int, seed: int = 0):
-    seqs = [eng.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True))
-            for p in H.prompts((5, 17, 40, 9, 33, 64)[:n], seed=seed)]
-    while any(s.num_computed < s.num_prompt_tokens for s in seqs):
-        eng.step()
-    return seqs
-
-
 @pytest.mark.parametrize("replay", [True, False], ids=["decoder-replay", "no-decoder-replay"])
 def test_replay_equals_the_plain_forward_at_its_width(toy_weights, cpu_graphs, replay):
     eng = graphed(toy_weights, (1, 2, 4), decoder_swa_bounded_replay=replay)
-    decoding(eng, 3)
-    r = eng.runner
-    for _ in range(3):
-        sb = eng.scheduler.schedule()
-        width = r.graphs.width_for(sb)
-        assert width == 4
-        snap, cursor = snapshot(r.cache), r.cache.cursor.clone()
-        before = r.graphs.graphs[4].replays
-        graphed_logits = r.run(sb).clone()
-        assert r.graphs.graphs[4].replays == before + 1
-        after = snapshot(r.cache)
-        restore(r.cache, snap)
-        r.cache.cursor.copy_(cursor)
-        plain = r.run(sb, running_tokens=width, running_bs=width)
-        assert torch.equal(graphed_logits, plain)
-        assert all(torch.equal(after[k], v) for k, v in snapshot(r.cache).items())
-        eng.scheduler.postprocess(sb, {s.seq_id: int(t) for s, t in zip(sb.seqs, plain.argmax(-1).tolist())})
+    decoding(eng, 3, max_tokens=24)
+    before = eng.runner.graphs.graphs[4].replays
+    replay_equals_plain_forward(eng, 4)
+    assert eng.runner.graphs.graphs[4].replays == before + 3
 
 
 def test_decoding_through_replays_gives_the_tokens_without_graphs(toy_weights, cpu_graphs):
@@ -156,15 +135,7 @@ def test_decoding_through_replays_gives_the_tokens_without_graphs(toy_weights, c
 
 
 def test_padding_rows_of_a_replay_write_nothing(toy_weights, cpu_graphs):
-    written = []
-    for graphs in (True, False):
-        eng = graphed(toy_weights, (4,)) if graphs else H.make_engine(toy_weights)
-        decoding(eng, 3, seed=2)
-        c = eng.runner.cache
-        planes = [c.ring] + [t for o in c.owners.values() for t in (o.main, o.tail_v, o.tail_g) if t is not None]
-        for t in planes:
-            t.fill_(float("nan"))
-        eng.step()
-        written.append([~t.isnan() for t in planes])
-    assert all(torch.equal(a, b) for a, b in zip(*written))
-    assert any(a.any() for a in written[0])
+    graphed_step = planes_written_by_a_step(graphed(toy_weights, (4,)))
+    plain_step = planes_written_by_a_step(H.make_engine(toy_weights))
+    assert all(torch.equal(a, b) for a, b in zip(graphed_step, plain_step))
+    assert any(a.any() for a in graphed_step)

@@ -16,9 +16,8 @@ import torch
 from runtime.compile import TraceCache
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.sampler import SamplingTensors, sample_tensors
-from runtime.sequence import SamplingParams
 from tests import harness as H
-from tests.compile_helpers import restore, snapshot
+from tests.graph_checks import decoding, planes_written_by_a_step, replay_equals_plain_forward
 
 pytestmark = pytest.mark.gpu
 
@@ -43,15 +42,6 @@ def engine(weights, **kw) -> LLMEngine:
     return LLMEngine(EngineArgs(**{**BASE, **kw}), weights=weights)
 
 
-def decoding(eng, n: int, seed: int = 0):
-    """`n` requests past their prompts (every one decoding); returns them."""
-    seqs = [eng.add_request(p, SamplingParams(max_tokens=32, ignore_eos=True))
-            for p in H.prompts((5, 17, 40, 9, 33, 64, 3, 20)[:n], seed=seed)]
-    while any(s.num_computed < s.num_prompt_tokens for s in seqs):
-        eng.step()
-    return seqs
-
-
 @pytest.mark.parametrize("replay", [True, False], ids=["decoder-replay", "no-decoder-replay"])
 def test_replay_equals_the_compiled_forward_at_its_width(cuda_weights, traces, replay):
     eng = engine(cuda_weights, cudagraph_mode="FULL", cudagraph_capture_sizes="1,2,4,8",
@@ -59,38 +49,16 @@ def test_replay_equals_the_compiled_forward_at_its_width(cuda_weights, traces, r
     assert eng.runner.graphs is not None and eng.graph_report["sizes"] == [1, 2, 4, 8]
     assert eng.graph_report["pool_bytes"] >= 0
     decoding(eng, 3)
-    runner = eng.runner
-    for _ in range(3):
-        sb = eng.scheduler.schedule()
-        width = runner.graphs.width_for(sb)
-        assert width == 4
-        snap = snapshot(runner.cache)
-        cursor = runner.cache.cursor.clone()
-        graphed = runner.run(sb).clone()
-        after = snapshot(runner.cache)
-        restore(runner.cache, snap)
-        runner.cache.cursor.copy_(cursor)
-        plain = runner.run(sb, running_tokens=width, running_bs=width)
-        assert torch.equal(graphed, plain)
-        assert all(torch.equal(after[k], v) for k, v in snapshot(runner.cache).items())
-        eng.scheduler.postprocess(sb, {s.seq_id: int(t) for s, t in zip(sb.seqs, plain.argmax(-1).tolist())})
+    replay_equals_plain_forward(eng, 4)
 
 
 def test_padding_rows_are_inert_under_replay(cuda_weights, traces):
     """3 requests replayed at width 4: the cache rows written equal those of the exact-width
     compiled step, starting from NaN-poisoned planes."""
-    written = []
-    for mode in ("FULL", "NONE"):
-        eng = engine(cuda_weights, cudagraph_mode=mode, cudagraph_capture_sizes="4" if mode == "FULL" else None)
-        decoding(eng, 3, seed=2)
-        c = eng.runner.cache
-        planes = [c.ring] + [t for o in c.owners.values() for t in (o.main, o.tail_v, o.tail_g) if t is not None]
-        for t in planes:
-            t.fill_(float("nan"))
-        eng.step()
-        written.append([~t.isnan() for t in planes])
-    assert all(torch.equal(a, b) for a, b in zip(*written))
-    assert any(a.any() for a in written[0])
+    graphed = planes_written_by_a_step(engine(cuda_weights, cudagraph_mode="FULL", cudagraph_capture_sizes="4"))
+    plain = planes_written_by_a_step(engine(cuda_weights, cudagraph_mode="NONE"))
+    assert all(torch.equal(a, b) for a, b in zip(graphed, plain))
+    assert any(a.any() for a in graphed)
 
 
 SCENARIOS = [
