@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements that CI cannot run, in parts that each fit a 10-minute call,
+# every output under OUT (logs, result JSONs). Run from the repository root with the server
+# packages importable (pip install -e '.[serve]', or PYTHONPATH holding their wheels).
+#
+#   tools/gpu_checks.sh OUT tests     # every `-m gpu` module, one per log, first failure's traceback kept
+#   tools/gpu_checks.sh OUT graphs    # step_bench: eager / compiled / full, wall and kernel time
+#   tools/gpu_checks.sh OUT native    # step_bench with --weight-format native, then native_gemm_bench
+#   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
+#   tools/gpu_checks.sh OUT serve     # flash-slice server + serve_bench on chat text prompts
+#
+# flash-slice takes ~50 s to build its weights and ~200 s to compile cold; each part pays both.
+set -u
+OUT=${1:?usage: tools/gpu_checks.sh OUT PART}
+PART=${2:?usage: tools/gpu_checks.sh OUT PART}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}. PYTHONUNBUFFERED=1
+py=python3
+step() { echo "== $* ($(date +%T))"; }
+
+case $PART in
+tests)
+  for m in tests/test_native_gemm_gpu.py tests/test_cuda_graph_gpu.py tests/test_memory.py \
+           tests/test_compile_gpu.py tests/test_kernels_gpu.py tests/test_fused_ops_gpu.py; do
+    step "$m"
+    # -x: the first failure's traceback is printed before a time limit can cut the run
+    timeout 240 $py -m pytest -q -x -m gpu --timeout=180 --tb=long -p no:cacheprovider "$m" \
+      > "$OUT/$(basename "$m" .py).log" 2>&1
+    echo "rc=$?"; tail -3 "$OUT/$(basename "$m" .py).log"
+  done ;;
+graphs)
+  step "step_bench eager,compiled,full"
+  timeout 560 $py benchmarks/step_bench.py --variants eager,compiled,full --no-agreement \
+    --out "$OUT/graphs-flash-slice-h200.json" > "$OUT/graphs.log" 2>&1
+  echo "rc=$?"; grep -E '^\{"variant|^graphs:|Error' "$OUT/graphs.log" | tail -20 ;;
+native)
+  step "step_bench --weight-format native"
+  timeout 420 $py benchmarks/step_bench.py --weight-format native --variants compiled,full --no-agreement \
+    --out "$OUT/native-weights-flash-slice-h200.json" > "$OUT/native.log" 2>&1
+  echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | tail -12
+  step "native_gemm_bench"
+  timeout 150 $py benchmarks/native_gemm_bench.py --out "$OUT/native-gemm-h200.json" > "$OUT/native-gemm.log" 2>&1
+  echo "rc=$?"; tail -3 "$OUT/native-gemm.log" ;;
+replay)
+  step "bounded_replay_bench"
+  timeout 560 $py benchmarks/bounded_replay_bench.py --reps 3 \
+    --out "$OUT/bounded-replay-flash-slice-h200.json" > "$OUT/replay.log" 2>&1
+  echo "rc=$?"; grep -E '^[0-9]+x[0-9]+:|Error' "$OUT/replay.log" | tail -6 ;;
+serve)
+  step "server"
+  $py -m v41.serve --model flash-slice --port 8000 > "$OUT/serve.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 150); do
+    curl -sf localhost:8000/health > /dev/null && break
+    kill -0 $pid 2> /dev/null || { echo "server died"; tail -20 "$OUT/serve.log"; exit 1; }
+    sleep 2
+  done
+  step "serve_bench"
+  timeout 240 $py benchmarks/serve_bench.py --port 8000 --endpoint /v1/chat/completions --num-prompts 32 \
+    --input-len 64 --output-len 32 --max-concurrency 16 --result-dir "$OUT" --label serve-flash-slice-h200 \
+    > "$OUT/serve-bench.log" 2>&1
+  echo "rc=$?"; grep -E 'TTFT|TPOT|ITL|throughput' "$OUT/serve-bench.log"
+  kill $pid; wait $pid 2> /dev/null ;;
+*)
+  echo "unknown part $PART: tests, graphs, native, replay or serve" >&2; exit 2 ;;
+esac
