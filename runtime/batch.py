@@ -45,16 +45,16 @@ class Batch:
 def step_fields(T: int, B: int, W: int, max_pages: int, engram_ids: dict, page: int) -> dict:
     """Shape of every int64 field a step publishes. Per token: the Batch fields (dest1/dest2 are
     owner_dest[1]/[2]); per request: the block table, each request's last row, the requests
-    that sample and their last rows, the cursor each slot commits after the step, the cursor a
+    that sample and the rows they sample (a DSpark verify request samples all its rows), the cursor each slot commits after the step, the cursor a
     replay resume sets; the checkpoint images a step captures and their cursors; the decoder's
     rows, windows and query rows (bounded replay); the Engram hash ids of each Engram layer
     (`engram_ids`: layer -> ids per token)."""
     C = T // page + B            # image captures: the PAGE boundaries T rows of B requests cross
     f = {k: (T,) for k in PAD if k != "win_idx"}
-    f.update(win_idx=(T, W), block_table=(B, max_pages), sample_rows=(B,), final_rows=(B,), final_last=(B,),
+    f.update(win_idx=(T, W), block_table=(B, max_pages), sample_rows=(B,), final_rows=(B,), final_last=(T,),
              commit_slots=(B,),
              commit_cursor=(B, 4), resume_slots=(B,), resume_cursor=(B, 4), image_ids=(C,),
-             image_cursor=(C, 4), dec_rows=(T,), dec_win=(T, W), dec_queries=(B,))
+             image_cursor=(C, 4), dec_rows=(T,), dec_win=(T, W), dec_queries=(T,))
     f.update({f"engram_ids.{l}": (T, k) for l, k in engram_ids.items()})
     return f
 

@@ -32,7 +32,10 @@ class OwnerPlanes:
 
 
 class KVCache:
-    def __init__(self, geo: PoolGeometry, num_pages: int, num_slots: int, num_images: int = 0, device=None):
+    def __init__(self, geo: PoolGeometry, num_pages: int, num_slots: int, num_images: int = 0, device=None,
+                 tail_staging: int = 0):
+        """`tail_staging`: FP32 tail rows past the slots where DSpark's verify rows keep their
+        ratio-2 tails until acceptance picks one (docs/dspark.md §2); not STATE, never imaged."""
         self.geo, self.num_pages, self.num_slots = geo, num_pages, num_slots
         planes = {p.name: p for p in geo.page_planes}
 
@@ -44,17 +47,17 @@ class KVCache:
         for o in geo.owners:
             tails = {}
             if o in geo.tail_owners:
-                tails = {k: torch.zeros(num_slots, geo.head_dim, dtype=geo.acc, device=device)
+                tails = {k: torch.zeros(num_slots + tail_staging, geo.head_dim, dtype=geo.acc, device=device)
                          for k in ("tail_v", "tail_g")}
             self.owners[o] = OwnerPlanes(page_plane(f"main.{o}"), page_plane(f"index.{o}"),
                                          page_plane(f"index_scale.{o}"), geo.rows_per_page(o),
                                          geo.index_fmt, **tails)
-        # ring of layer l: rows [slot * window + p % window]
-        self.ring = torch.zeros(geo.n_layers, num_slots * geo.window, geo.head_dim, dtype=geo.dtype,
+        # ring of layer l: rows [slot * window + p % window] (DSpark: draft stage s is layer n + s)
+        self.ring = torch.zeros(geo.ring_layers, num_slots * geo.window, geo.head_dim, dtype=geo.dtype,
                                 device=device)
         self.cursor = torch.zeros(num_slots, 4, dtype=torch.int64, device=device)
         # checkpoint images (StateTransfer.copy): ring rows and cursor at a PAGE boundary
-        self.image_ring = torch.zeros(geo.n_layers, num_images * geo.window, geo.head_dim, dtype=geo.dtype,
+        self.image_ring = torch.zeros(geo.ring_layers, num_images * geo.window, geo.head_dim, dtype=geo.dtype,
                                       device=device)
         self.image_cursor = torch.zeros(num_images, 4, dtype=torch.int64, device=device)
 

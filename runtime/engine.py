@@ -47,7 +47,7 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, weights, geo, num_pages, args.max_num_seqs, args.max_num_seqs,
                                   args.max_num_batched_tokens, self.max_model_len, token_map, device,
                                   DTYPES[args.dtype], transfer, num_images, args.decoder_swa_bounded_replay,
-                                  native_weights=args.weight_format == "native")
+                                  native_weights=args.weight_format == "native", spec_tokens=args.spec_tokens)
         del weights     # dequantized weights leave the checkpoint's FP8/FP4 tensors unreferenced: free them
         graph_sizes = args.graph_sizes()
         self.pool_plan = None
@@ -107,6 +107,9 @@ class LLMEngine:
         seq.decoder_start = replay.decoder_start(seq.num_prompt_tokens, self.cfg.sliding_window,
                                                  self.args.decoder_swa_bounded_replay)
         seq.num_logprobs, seq.logprobs = logprobs, [] if logprobs is not None else None
+        if logprobs is not None and self.runner.spec is not None:
+            raise ValueError("logprobs with --speculative-method dspark are not built (logprobs of "
+                             "speculative tokens)")
         if seq.request_id in self.seqs:
             raise ValueError(f"request id {seq.request_id!r} is already running")
         self.seqs[seq.request_id] = seq
@@ -149,11 +152,22 @@ class LLMEngine:
         else:
             idx = np.flatnonzero(final)
             seqs, slots = [sb.seqs[i] for i in idx.tolist()], sb.slots[idx]
+        verified = {}
+        if self.runner.spec is not None and sb.spec:
+            drafts = sb.drafts
+            rows, verified = self.runner.spec.accept(rows, [drafts[i] for i in np.flatnonzero(final)])
         toks, errors = self._sample(rows, seqs, slots)
+        for j, (_, got) in verified.items():
+            toks[j] = got           # greedy: the plain sample of the last row is not used
         lps = self._logprobs(rows, seqs, toks, errors)
         for j, msg in errors.items():
             self._fail(seqs[j], msg)
+        if self.runner.spec is not None:
+            pos = np.flatnonzero(final)
+            self.runner.spec.commit(sb, {int(pos[j]): a for j, (a, _) in verified.items() if j not in errors})
         self.scheduler.postprocess(sb, {s.seq_id: t for j, (s, t) in enumerate(zip(seqs, toks)) if j not in errors})
+        if self.runner.spec is not None:
+            self.runner.spec.propose([s for j, s in enumerate(seqs) if j not in errors])
         for s, lp in zip(seqs, lps):
             if lp is not None and len(s.logprobs) < len(s.completion_token_ids):
                 s.logprobs.append(lp)

@@ -26,7 +26,6 @@ NOT_BUILT = {
     "--kv-transfer-config": "KV transfer (disaggregated prefill/decode)",
     "--enable-dp-attention": "DP attention",
     "--enable-tbo": "two-batch overlap",
-    "--num-speculative-tokens": "speculative decoding",
     "--attn-prefill-chunk-size": "a separate attention prefill chunk",
 }
 
@@ -113,8 +112,11 @@ class _EngineFields:
     weight_format: str = _opt("dequant", "dequant: FP8/FP4 weights dequantized to --dtype once at load; native: "
                                          "kept FP8/FP4 and multiplied by the W8A8/W4A8 GEMMs (Triton on CUDA), "
                                          "about 2.5x less weight memory but slower GEMMs today (docs/weights.md)")
-    speculative_method: str | None = _opt(None, "speculative decoding method: none is built in v41 yet "
-                                                "(dspark is refused)", aliases=("--method",))
+    speculative_method: str | None = _opt(None, "speculative decoding: dspark (V4.1's native five-token "
+                                                "draft, docs/dspark.md; eager, greedy requests draft)",
+                                          aliases=("--method",))
+    num_speculative_tokens: int | None = _opt(None, "tokens drafted per verify step with --speculative-method "
+                                                    "(DSpark drafts 5, the default)")
     extra: dict = _opt({}, "not a flag")
 
 
@@ -182,11 +184,13 @@ class EngineArgs(_EngineFields):
         if self.weight_format == "native" and self.dtype == "float64":
             raise AdmissionError("weight_format='native' (--weight-format): float64 runs the dequantized "
                                  "reference arithmetic; use --weight-format dequant")
-        if self.speculative_method is not None:
-            raise _not_built("--speculative-method", self.speculative_method, "DSpark speculation")
+        self._admit_speculation()
         cfg = load_config(self.model)
+        if self.speculative_method is not None and cfg.n_draft < 1:
+            raise AdmissionError(f"speculative_method='dspark' (--speculative-method): model {cfg.name} has no "
+                                 f"DSpark draft stages (num_nextn_predict_layers = 0)")
         geo = PoolGeometry(cfg, self.block_size, self.index_cache_dtype, self.kv_cache_dtype,
-                           DTYPES[self.dtype])
+                           DTYPES[self.dtype], n_draft=cfg.n_draft if self.speculative_method else 0)
         validate_page(cfg, geo.page_tokens, "block_size")
         ratio = max(geo.owners.values(), default=1)
         if geo.page_tokens < INDEX_ROWS_PER_BLOCK_ID * ratio:
@@ -214,6 +218,32 @@ class EngineArgs(_EngineFields):
             raise AdmissionError(f"gpu_memory_utilization: {self.gpu_memory_utilization} is not in (0, 1] "
                                  f"(--gpu-memory-utilization)")
         return cfg, geo
+
+    @property
+    def spec_tokens(self) -> int:
+        """Tokens drafted per verify step: 0 without speculation."""
+        return 0 if self.speculative_method is None else (self.num_speculative_tokens or 5)
+
+    def _admit_speculation(self) -> None:
+        """DSpark's refusals by name (docs/dspark.md §4)."""
+        method, k = self.speculative_method, self.num_speculative_tokens
+        if method is None:
+            if k is not None:
+                raise AdmissionError(f"num_speculative_tokens={k} (--num-speculative-tokens) needs "
+                                     f"--speculative-method dspark")
+            return
+        if method != "dspark":
+            raise _not_built("--speculative-method", method, f"speculative method {method!r} (only dspark)")
+        if k is not None and k != 5:
+            raise AdmissionError(f"num_speculative_tokens={k} (--num-speculative-tokens): native DSpark "
+                                 f"drafts five tokens")
+        if self.kv_cache_dtype != "bf16":
+            raise AdmissionError(f"kv_cache_dtype={self.kv_cache_dtype!r} (--kv-cache-dtype): DSpark runs on "
+                                 f"the bf16 main pool (a packed/FP4 main pool with DSpark is refused)")
+        if not self.enforce_eager:
+            raise AdmissionError("speculative_method='dspark' (--speculative-method) with --no-enforce-eager: "
+                                 "DSpark runs eager for now (the compiled forward and graphs are not built "
+                                 "for it)")
 
     def resolved_device(self) -> str:
         return self.device or ("cuda" if torch.cuda.is_available() else "cpu")

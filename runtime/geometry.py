@@ -7,7 +7,8 @@ image carries `layout_id`, a hash of them. Imports nothing from the model or the
       index.o        fp8: [page/ratio_o, index_dim] E4M3     fp4: [page/ratio_o, index_dim/2] E2M1 x2
       index_scale.o  fp8: [page/ratio_o] FP32 (a power of two) fp4: [page/ratio_o, index_dim/32] E8M0
     STATE (one slot per running request) holds
-      ring           [layers, window, head_dim] every SWA ring
+      ring           [layers (+ n_draft), window, head_dim] every SWA ring (DSpark: its draft
+                     stages' context rings are layers n..n+n_draft-1, docs/dspark.md §3)
       tail_v, tail_g [ratio-2 owners, head_dim] FP32 compressor tails
       cursor         [4] int64: committed position, last three compressed Engram ids
     IMAGE (StateTransfer.copy: the state at a PAGE boundary, owned by that PAGE) holds ring and
@@ -54,7 +55,7 @@ def _aligned(n: int) -> int:
 
 class PoolGeometry:
     def __init__(self, cfg, page_tokens: int | None = None, index_cache_dtype: str = "fp8",
-                 kv_cache_dtype: str = "bf16", dtype: torch.dtype = torch.bfloat16):
+                 kv_cache_dtype: str = "bf16", dtype: torch.dtype = torch.bfloat16, n_draft: int = 0):
         from v41.config import ConfigError, validate_page
         page = page_tokens or cfg.kv_cache_block_size
         try:
@@ -71,7 +72,8 @@ class PoolGeometry:
         self.page_tokens, self.index_fmt, self.dtype = page, index_cache_dtype, dtype
         self.acc = torch.float64 if dtype == torch.float64 else torch.float32
         self.window, self.head_dim, self.index_dim = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim
-        self.n_layers = cfg.num_hidden_layers
+        self.n_layers, self.n_draft = cfg.num_hidden_layers, n_draft
+        self.ring_layers = self.n_layers + n_draft
         self.owners = {o: cfg.compress_ratios[o] for o in topo.owners}
         self.tail_owners = tuple(o for o, r in self.owners.items() if r == 2)
         self.page_planes = []
@@ -85,7 +87,7 @@ class PoolGeometry:
                 self.page_planes += [Plane(f"index.{o}", (rows, cfg.index_head_dim // 2), torch.uint8),
                                      Plane(f"index_scale.{o}", (rows, cfg.index_head_dim // 32), torch.uint8)]
         nt = len(self.tail_owners)
-        self.state_planes = [Plane("ring", (self.n_layers, cfg.sliding_window, cfg.head_dim), dtype),
+        self.state_planes = [Plane("ring", (self.ring_layers, cfg.sliding_window, cfg.head_dim), dtype),
                              Plane("tail_v", (nt, cfg.head_dim), self.acc),
                              Plane("tail_g", (nt, cfg.head_dim), self.acc),
                              Plane("cursor", (4,), torch.int64)]

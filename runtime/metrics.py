@@ -86,6 +86,16 @@ class ServingMetrics:
         self.queue_time = h("v41:request_queue_time_seconds", "Arrival to first scheduled step.", _LATENCY)
         self.prompt_len = h("v41:request_prompt_tokens", "Prompt length of requests.", _TOKENS)
         self.gen_len = h("v41:request_generation_tokens", "Generated tokens per request.", _TOKENS)
+        # DSpark (docs/dspark.md §6): counted from SpecStep.stats by `spec_decode`
+        self.spec_drafts = c("v41:spec_decode_num_drafts_total", "Draft blocks verified (DSpark).")
+        self.spec_draft_tokens = c("v41:spec_decode_num_draft_tokens_total", "Drafted tokens verified.")
+        self.spec_accepted = c("v41:spec_decode_num_accepted_tokens_total", "Drafted tokens accepted.")
+        self.spec_accepted_per_pos = Counter("v41:spec_decode_num_accepted_tokens_per_pos_total",
+                                             "Drafts whose token at this position (0-based) was accepted.",
+                                             ("model_name", "position"), registry=r)
+        self.spec_acceptance_length = h("v41:spec_decode_acceptance_length",
+                                        "Tokens a verify step commits (1 + accepted drafts).", [1, 2, 3, 4, 5, 6])
+        self._spec_seen = None
         for reason in ("stop", "length", "abort"):       # shown at zero from the start
             self.requests.labels(model_name, reason)
         # the hit rate is derived at scrape time from the two counts `prefix_lookup` keeps
@@ -103,6 +113,21 @@ class ServingMetrics:
             self._hits += hits
         self.prefix_queries.inc(queries)
         self.prefix_hits.inc(hits)
+
+    def spec_decode(self, stats: dict) -> None:
+        """Advance the DSpark series to the engine's cumulative counts (runtime.spec_step.SpecStep.stats)."""
+        seen = self._spec_seen or {"drafts": 0, "draft_tokens": 0, "accepted": 0,
+                                   "accepted_per_pos": [0] * len(stats["accepted_per_pos"]),
+                                   "acceptance_length": [0] * len(stats["acceptance_length"])}
+        for key, series in (("drafts", self.spec_drafts), ("draft_tokens", self.spec_draft_tokens),
+                            ("accepted", self.spec_accepted)):
+            series.inc(stats[key] - seen[key])
+        for i, (now, was) in enumerate(zip(stats["accepted_per_pos"], seen["accepted_per_pos"])):
+            self.spec_accepted_per_pos.labels(self.model_name, str(i)).inc(now - was)
+        for length, (now, was) in enumerate(zip(stats["acceptance_length"], seen["acceptance_length"])):
+            for _ in range(now - was):
+                self.spec_acceptance_length.observe(length)
+        self._spec_seen = {k: list(v) if isinstance(v, list) else v for k, v in stats.items()}
 
     def _hit_rate(self) -> float:
         with self._lock:

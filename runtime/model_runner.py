@@ -35,9 +35,10 @@ class ModelRunner:
     def __init__(self, cfg, weights, geo: PoolGeometry, num_pages: int, num_slots: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, token_map,
                  device, dtype, transfer: str, num_images: int, decoder_replay: bool = False,
-                 native_weights: bool = False):
+                 native_weights: bool = False, spec_tokens: int = 0):
         """`decoder_replay`: decoder SWA bounded replay (runtime.replay); each request's
-        Sequence.decoder_start says where its decoder rows begin."""
+        Sequence.decoder_start says where its decoder rows begin. `spec_tokens`: DSpark's drafts
+        per verify step (runtime.spec_step; 0: off)."""
         self.cfg, self.geo, self.device, self.dtype = cfg, geo, torch.device(device), dtype
         self.decoder_replay = decoder_replay
         self.model = Transformer(cfg, weights, dtype, device, max_pos=max_model_len, native=native_weights)
@@ -45,6 +46,8 @@ class ModelRunner:
         self.token_map = np.asarray(token_map, dtype=np.int64)
         self.layout = EngramLayout(cfg, pad_id=int(self.token_map[cfg.engram_pad_token_id]))
         self.m = self.layout.max_ngram - 1           # Engram history length (the cursor's ids)
+        self.max_model_len = max_model_len
+        self.tail_staging = max_num_seqs * (spec_tokens // 2 + 1) if spec_tokens else 0
         self.use_cache(num_pages, num_slots, num_images, transfer)
         self.engram_tables = {l: (weights[f"layers.{l}.engram.embed.weight"],
                                   weights[f"layers.{l}.engram.embed.scale"]) for l in cfg.engram_layer_ids}
@@ -65,12 +68,16 @@ class ModelRunner:
         self._no_image = np.full(max_num_batched_tokens, -1, np.int64)
         self.graphs = None              # runtime.cuda_graph.CUDAGraphRunner (FULL), when captured
         self.use_forward(self.model, static_shapes=False)
+        self.spec = None                # runtime.spec_step.SpecStep with DSpark
+        if spec_tokens:
+            from runtime.spec_step import SpecStep
+            self.spec = SpecStep(self, weights, spec_tokens)
 
     def use_cache(self, num_pages: int, num_slots: int, num_images: int, transfer: str) -> None:
         """(Re)allocate the KV cache and its state transfer (the engine sizes the pool from
         memory after a profiling forward on a small one)."""
         self.cache = None
-        self.cache = KVCache(self.geo, num_pages, num_slots, num_images, self.device)
+        self.cache = KVCache(self.geo, num_pages, num_slots, num_images, self.device, self.tail_staging)
         self.state = StateTransfer(self.cache, transfer)
         # host mirror of each slot's request after its last commit: (seq_id, committed position,
         # encoder floor, first written row, tail start) and its Engram history; a decode step
@@ -117,6 +124,8 @@ class ModelRunner:
         self.fast_steps += fast
         fields, meta, known, tail_ids = got if fast else self.general_rows(sb, host, n, T)
         starts, tails, slots = meta[:, 1], meta[:, 4], sb.slots
+        if sb.spec:
+            self.spec.stage(sb, fields, starts, n)
         for k, a in fields.items():
             h = host[k]
             h[:T] = a
@@ -132,9 +141,11 @@ class ModelRunner:
         host["commit_cursor"][:B, 1:] = tail_ids
         self._mirror = (slots, meta, starts + n, tail_ids)
         ends = np.cumsum(n) - 1
+        # the rows that sample: each final chunk's last row, every row of a verify request
+        sampled = self.spec.sampled_rows(ends, final, sb.drafts) if sb.spec else ends[final]
         # a fast decode step has every row in the decoder and every request final: no plan
         dec = (replay.plan(fields["positions"], fields["batch_ids"], starts, tails, slots,
-                           np.where(final, ends, -1), self.W, self.cache.num_slots)
+                           sampled, self.W, self.cache.num_slots)
                if self.decoder_replay and not fast else None)
         rows = {k: Tr for k in fields} | {"block_table": hi, "commit_slots": B, "commit_cursor": B}
         rows.update({f"engram_ids.{l}": T for l in self.cfg.engram_layer_ids})
@@ -143,8 +154,8 @@ class ModelRunner:
         F = int(final.sum())
         host["sample_rows"][:B] = ends
         host["final_rows"][:F] = np.flatnonzero(final)
-        host["final_last"][:F] = ends[final]
-        rows.update(sample_rows=B, final_rows=F, final_last=F)
+        host["final_last"][:len(sampled)] = sampled
+        rows.update(sample_rows=B, final_rows=F, final_last=len(sampled))
         if dec is not None:
             host["dec_rows"][:len(dec[0])], host["dec_win"][:len(dec[0])] = dec[0], dec[1]
             host["dec_queries"][:len(dec[2])] = dec[2]
@@ -154,6 +165,7 @@ class ModelRunner:
         self._sample = (B, T, F, dev["sample_rows"], dev["final_rows"], dev["final_last"])
         engram = self.gather_engram(dev, T, Tr)
         batch = self.batch_view(Tr, Br, engram, sb.captures)
+        self._fields = fields if self.spec is not None else None
         if dec is not None:
             views = {"rows": dev["dec_rows"], "win": dev["dec_win"], "queries": dev["dec_queries"]}
             batch.decoder = replay.decoder_rows(batch, *dec, Batch, put=lambda k, a: views[k])
@@ -172,12 +184,14 @@ class ModelRunner:
         # start, known tokens
         cols = np.array([(s.seq_id, s.num_computed, s.swa_floor, s.write_from, s.decoder_start or 0,
                           len(s.token_ids)) for s in seqs], dtype=np.int64).reshape(B, 6)
-        meta, known = cols[:, :5], cols[:, 5]
+        meta, known = cols[:, :5], cols[:, 5] + [len(d) for d in sb.drafts]
         starts, floor_r, write_r = meta[:, 1], meta[:, 2], meta[:, 3]
         slots = sb.slots
         # the tokens of the step and the m before each request's first (its Engram history)
         hl = np.minimum(starts, m)
-        toks = [s.token_ids[a - h:a + k] for s, a, h, k in zip(seqs, starts.tolist(), hl.tolist(), sb.num_new)]
+        # a verify request's rows: its anchor, then its drafts (never in token_ids)
+        toks = [chain(s.token_ids[a - h:a + k], d) for s, a, h, k, d in zip(seqs, starts.tolist(), hl.tolist(),
+                                                                           sb.num_new, sb.drafts)]
         flat = np.fromiter(chain.from_iterable(toks), dtype=np.int64, count=int(hl.sum()) + T)
         src0 = np.cumsum(hl + n) - (hl + n)                          # each request's chunk in `flat`
         first = np.repeat(np.cumsum(n) - n, n)                      # row of each request's first token
@@ -387,8 +401,13 @@ class ModelRunner:
         if all_rows and batch.decoder is not None:
             raise ValueError("every row's logits (teacher forcing) need the decoder on every row: "
                              "--no-decoder-swa-bounded-replay")
+        if self.spec is not None:
+            self.model.taps = []
         h = self.graphs.replay(graph) if graph is not None else self.forward(batch, self.cache)
         self.commit(sb)
+        if self.spec is not None:
+            self.spec.keep_context(self.model.taps, batch, self._fields, sb.scheduled_tokens)
+            self.model.taps = None
         for _, end, img in sb.captures:
             self.state.seal(img, end)
         B, T, F, last, final_rows, final_last = self._sample
@@ -415,3 +434,9 @@ class ModelRunner:
             self.slot_meta[slots] = meta
             self.slot_meta[slots, 1] = ends
             self.slot_hist[slots] = hist
+
+    def set_cursor(self, slot: int, token_ids, position: int) -> None:
+        """A slot's cursor at `position` from its tokens (DSpark's commit of accepted tokens)."""
+        cur = self.cursor_at(token_ids, position)
+        self.cache.cursor[slot] = torch.tensor(cur, dtype=torch.int64, device=self.device)
+        self.slot_meta[slot, 1], self.slot_hist[slot] = position, cur[1:]

@@ -46,15 +46,16 @@ class DecoderRows:
     queries: QueryRows
 
 
-def plan(pos, bid, starts, tails, slots, n_final_last, W: int, S: int):
+def plan(pos, bid, starts, tails, slots, sampled, W: int, S: int):
     """Host arrays of the decoder rows of a step (None: every row runs every layer).
 
     pos, bid: position and request of each row; starts, tails, slots: per request, the forward's
-    first position, the tail start, the STATE slot; n_final_last: per request, its last row's
-    index in the batch if the step samples it, else -1. Returns (rows, win_idx, query rows in the
+    first position, the tail start, the STATE slot; sampled: the rows the step samples, in batch
+    order (a finishing request's last row; every row of a DSpark verify request; -1 entries are
+    ignored). They are the last layer's query rows. Returns (rows, win_idx, query rows in the
     decoder's numbering), win_idx as Batch.win_idx over the decoder's rows."""
     dec = pos >= tails[bid]
-    last = n_final_last[n_final_last >= 0]
+    last = sampled[sampled >= 0]
     if dec.all() and len(last) == len(pos):     # decode rows only: the whole model on every row
         return None
     rows = np.flatnonzero(dec)

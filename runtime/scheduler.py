@@ -32,6 +32,7 @@ class ScheduledBatch:
     resumes: list = field(default_factory=list)     # (batch index, ("image", img) | ("replay",))
     captures: list = field(default_factory=list)    # (batch index, boundary position, image)
     decode: bool = False          # every request is running and computes its one last token
+    spec: list = field(default_factory=list)        # per request: the drafts its rows verify (DSpark)
 
     @property
     def starts(self) -> list[int]:
@@ -39,8 +40,12 @@ class ScheduledBatch:
 
     @property
     def is_final_chunk(self) -> list[bool]:
-        """The step computes the request's last known token, so it samples."""
-        return [s.num_computed + n == s.num_tokens for s, n in zip(self.seqs, self.num_new)]
+        """The step computes the request's last known token (and its drafts), so it samples."""
+        return [s.num_computed + n == s.num_tokens + len(d) for s, n, d in zip(self.seqs, self.num_new, self.drafts)]
+
+    @property
+    def drafts(self) -> list:
+        return self.spec or [()] * len(self.seqs)
 
     @property
     def scheduled_bs(self) -> int:
@@ -110,13 +115,33 @@ class Scheduler:
             n = min(n, self.max_prefill_chunk)
         return replay.cut_chunk(seq.num_computed, min(n, budget), len(seq.token_ids), seq.decoder_start)
 
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The drafts a verify step of `seq` checks: at most what its max_tokens can still take
+        after the anchor (so no position passes max_model_len) and the step budget allows."""
+        left = seq.params.max_tokens - (len(seq.token_ids) - seq.num_prompt_tokens) - 1
+        return seq.spec_token_ids[:max(0, min(left, budget - 1))]
+
     def schedule(self) -> ScheduledBatch:
-        seqs, num_new, budget = [], [], self.max_tokens
+        seqs, num_new, budget, spec = [], [], self.max_tokens, []
         P, resumes, decode = self.bm.page_tokens, [], True
         i = 0
         while i < len(self.running) and budget > 0:  # preemption shortens the list as we go
             seq = self.running[i]
             c = seq.num_computed
+            d = self._drafts(seq, budget) if seq.spec_token_ids and len(seq.token_ids) == c + 1 else []
+            if d:
+                # a verify step: the anchor and the drafts, laid out as a chunk (docs/dspark.md §1)
+                while not self.bm.allocate(seq, 1 + len(d)):
+                    victim = self.running[-1]
+                    self.preempt(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not Status.RUNNING:
+                    break
+                seqs.append(seq), num_new.append(1 + len(d)), spec.append(tuple(d))
+                decode, budget, i = False, budget - 1 - len(d), i + 1
+                continue
+            spec.append(())
             if len(seq.token_ids) == c + 1 and c < len(seq.pages) * P and seq.slot is not None:
                 # a decode row whose page is already held: no chunking, nothing to allocate
                 seqs.append(seq), num_new.append(1)
@@ -131,6 +156,7 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
+                spec.pop()
                 break
             seqs.append(seq), num_new.append(n)
             budget -= n
@@ -153,10 +179,11 @@ class Scheduler:
                 seq.resume = None
                 self.bm.stats["hit_tokens"] += seq.num_cached_tokens
                 self.stats["replayed_rows"] += seq.num_cached_tokens - seq.num_computed
-            seqs.append(seq), num_new.append(n)
+            seqs.append(seq), num_new.append(n), spec.append(())
             budget -= n
         slots = np.fromiter([s.slot for s in seqs], dtype=np.int64, count=len(seqs))
-        sb = ScheduledBatch(seqs, num_new, slots, self.bm.table[slots], resumes, decode=decode and bool(seqs))
+        sb = ScheduledBatch(seqs, num_new, slots, self.bm.table[slots], resumes, decode=decode and bool(seqs),
+                            spec=spec if any(spec) else [])
         if self.state is not None and self.state.mode == "copy":
             self._plan_captures(sb)
         return sb
@@ -201,6 +228,7 @@ class Scheduler:
     def _reset(self, seq: Sequence) -> None:
         seq.num_computed = seq.write_from = seq.swa_floor = seq.num_cached_tokens = 0
         seq.resume = None
+        seq.spec_token_ids = []     # drafts were never tokens: the recompute drafts again
 
     def preempt(self, seq: Sequence) -> None:
         """Free everything the request holds; it recomputes all its tokens when rescheduled."""
@@ -224,28 +252,36 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
         return seq
 
-    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, sampled: dict) -> list[Sequence]:
         """Commit the step: positions advance, sampled tokens append, finished requests free.
-        `sampled` maps seq_id -> token for the requests whose final chunk ran."""
+        `sampled` maps seq_id -> token for the requests whose final chunk ran; a verify request
+        (DSpark) maps to its accepted drafts then the next token: its position advances past the
+        anchor and the accepted drafts only, and the tokens append one by one, a stop or the
+        length ending the request there."""
         finished = []
         caching, RUNNING = self.bm.prefix_caching, Status.RUNNING
-        for seq, n in zip(batch.seqs, batch.num_new):
+        for seq, n, d in zip(batch.seqs, batch.num_new, batch.drafts):
             if seq.status is not RUNNING:
                 continue  # aborted or preempted after scheduling
+            toks = sampled.get(seq.seq_id)
+            toks = [toks] if isinstance(toks, int) else toks
             c = seq.num_computed
-            seq.num_computed = c + n
+            seq.num_computed = c + (n - len(d) + len(toks) - 1 if d and toks else n)
+            seq.spec_token_ids = []
             # a prompt PAGE can only become full (and cacheable) while the prompt is computed
             if caching and c < seq.num_prompt_tokens:
                 self.bm.register(seq)
-            tok = sampled.get(seq.seq_id)
-            if tok is None:
+            if toks is None:
                 continue
-            seq.token_ids.append(tok)
             p = seq.params
-            if (not p.ignore_eos and tok == self.eos) or tok in p.stop_token_ids:
-                seq.finish_reason = "stop"
-            elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:
-                seq.finish_reason = "length"
+            for tok in toks:
+                seq.token_ids.append(tok)
+                if (not p.ignore_eos and tok == self.eos) or tok in p.stop_token_ids:
+                    seq.finish_reason = "stop"
+                elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:
+                    seq.finish_reason = "length"
+                if seq.finish_reason:
+                    break
             if seq.finish_reason:
                 seq.status = Status.FINISHED
                 self.running.remove(seq)

@@ -122,6 +122,8 @@ class Sequence:
         self.swa_floor = 0               # no window reads below this position (encoder replay)
         self.decoder_start = None        # first position the decoder runs on (runtime.replay), or
                                          # None: every position (decoder bounded replay off)
+        self.spec_token_ids: list[int] = []   # DSpark's drafts after the last token: never in
+                                              # token_ids until a verify step accepts them
 
     @property
     def num_tokens(self) -> int:
@@ -134,6 +136,15 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def may_draft(self) -> bool:
+        """The request may carry DSpark drafts: greedy with nothing that makes a token depend on
+        the output so far beyond the argmax (penalties, logit bias, min_tokens still pending),
+        and no logprobs. Other requests decode one token per step under DSpark."""
+        p = self.params
+        return (p.temperature < 1e-5 and not p.penalized and not p.logit_bias and self.num_logprobs is None
+                and len(self.token_ids) - self.num_prompt_tokens >= p.min_tokens)
 
     @property
     def is_finished(self) -> bool:

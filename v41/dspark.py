@@ -28,15 +28,9 @@ from v41 import quant
 from v41.config import V41Config
 from v41.layers import Linear, RMSNorm, Rope, acc_dtype
 from v41.mhc import collapse
-from v41.model import Block, prepare_weights
+from v41.model import Block, prepare_weights, tap  # noqa: F401  (tap: the target records it)
 
 ops = torch.ops.v41
-
-
-def tap(X: torch.Tensor) -> torch.Tensor:
-    """A DSpark tap: the mean over the residual streams X [T, hc, D], in the accumulation
-    dtype, cast once (the target records it at the input of each `dspark_target_layer_ids`)."""
-    return X.to(acc_dtype(X.dtype)).mean(1).to(X.dtype)
 
 
 def prepare_draft_weights(cfg: V41Config, weights, dtype, device=None) -> list[dict]:

@@ -24,6 +24,12 @@ from v41.moe import MoE
 log = logging.getLogger("v41.model")
 
 
+def tap(X: torch.Tensor) -> torch.Tensor:
+    """A DSpark tap: the mean over the residual streams X [T, hc, D], in the accumulation
+    dtype, cast once (the target records it at the input of each `dspark_target_layer_ids`)."""
+    return X.to(acc_dtype(X.dtype)).mean(1).to(X.dtype)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: V41Config, spec, w: dict, rope: Rope):
         super().__init__()
@@ -78,18 +84,24 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(w["norm.weight"], cfg.rms_norm_eps)
         self.head = w["head.weight"]
         self.hc = cfg.hc_mult
+        # DSpark: a list while the runner wants the taps, which the forward appends as
+        # (tap [rows, D], of the decoder's rows?) at the input of each tapped layer
+        self.taps: list | None = None
 
     def forward(self, batch, cache):
         """Hidden state after the final collapse and norm, [T, D]: of every token, or under
         decoder bounded replay (`batch.decoder`) of the rows the step samples."""
         X, pre = self.embed(batch)
         sel: dict = {}
-        queries, last = None, len(self.layers) - 1
+        queries, last, dec = None, len(self.layers) - 1, False
         for i, block in enumerate(self.layers):
             if i == self.cfg.topology.boundary and batch.decoder is not None:
                 X, pre, batch, sel, queries = self.enter_decoder(X, pre, batch, cache, sel)
+                dec = True
                 if not X.shape[0]:
                     break
+            if self.taps is not None and i in self.cfg.topology.dspark_taps:
+                self.taps.append((tap(X), dec))
             X, pre = block(X, pre, batch, cache, sel, queries if i == last else None)
         return self.final(X, pre)
 

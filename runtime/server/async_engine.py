@@ -263,3 +263,6 @@ class AsyncEngine:
         if sch.num_preemptions > self._preemptions:
             m.preemptions.inc(sch.num_preemptions - self._preemptions)
             self._preemptions = sch.num_preemptions
+        spec = getattr(self.engine.runner, "spec", None)
+        if spec is not None:                 # DSpark's drafted / accepted counts
+            m.spec_decode(spec.stats)

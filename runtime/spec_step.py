@@ -1,0 +1,172 @@
+"""DSpark in the engine's step (docs/dspark.md §1-§2), around the runner's forward:
+
+- `stage` (in `prepare`, before the forward): each verify request's rows (anchor, drafts) are a
+  chunk; the ring rows they will overwrite are saved (the undo log) and their ratio-2 tails go
+  to staging rows past the slots, so the slot's own tail is not touched;
+- `keep_context` (after the forward): the draft's context keys of every tapped row; rows of
+  prefill chunks enter the draft rings now, verify rows wait for acceptance;
+- `accept`: greedy verification (runtime.spec_decode) of each verify request's rows;
+- `commit` (before the scheduler appends the tokens): rejected rows get their saved ring bytes
+  back, the staged tail of the last committed even position moves into the slot, the cursor is
+  written from the accepted tokens, accepted rows enter the draft rings;
+- `propose`: the draft's next five tokens for every request that sampled and may draft.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from runtime.sequence import Status
+from runtime.spec_decode import greedy_accept
+from v41.dspark import DSpark
+
+ops = torch.ops.v41
+
+
+class SpecStep:
+    def __init__(self, runner, weights, k: int):
+        cfg = runner.cfg
+        self.runner, self.k, self.cache = runner, k, None
+        self.n, self.W = cfg.num_hidden_layers, cfg.sliding_window
+        self.staging_per_request = k // 2 + 1        # the even positions among 1 + k rows
+        self.draft = DSpark(cfg, weights, runner.model.embed_weight, runner.model.head, runner.dtype,
+                            runner.device, max_pos=runner.max_model_len)
+        # counted for /metrics (runtime.metrics.ServingMetrics.spec_decode)
+        self.stats = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * k,
+                      "acceptance_length": [0] * (k + 2)}
+        self._verify = None
+        self._ctx = None
+
+    # ---- before the forward ---------------------------------------------------------------
+    def stage(self, sb, fields: dict, starts: np.ndarray, n: np.ndarray) -> None:
+        """Verify rows: tails to staging rows, and the undo log of the ring rows they write."""
+        self._verify = self._ctx = None
+        d = np.array([len(x) for x in sb.drafts], np.int64)
+        v = np.flatnonzero(d)
+        if not v.size:
+            return
+        if int(n[v].max()) > self.W:
+            raise ValueError(f"a verify chunk of {int(n[v].max())} rows is longer than the window {self.W}")
+        off = np.cumsum(n) - n
+        req = np.repeat(v, n[v])
+        rows = np.repeat(off[v], n[v]) + np.arange(len(req)) - np.repeat(np.cumsum(n[v]) - n[v], n[v])
+        pos, c = fields["positions"][rows], starts[req]
+        S = self.runner.cache.num_slots
+        fields["tail_dst"][rows] = np.where(pos % 2 == 0, S + req * self.staging_per_request + (pos - c) // 2, -1)
+        ring = sb.slots[req] * self.W + pos % self.W
+        ring_t = torch.as_tensor(ring, device=self.runner.device)
+        undo = self.runner.cache.ring[:self.n].index_select(1, ring_t)
+        self._verify = dict(v=v, rows=rows, req=req, pos=pos, ring=ring_t, undo=undo)
+
+    @staticmethod
+    def sampled_rows(ends: np.ndarray, final: np.ndarray, drafts: list) -> np.ndarray:
+        """The rows the step samples, flat: a verify request's 1 + k rows, a finishing chunk's last."""
+        cnt = 1 + np.array([len(drafts[i]) for i in np.flatnonzero(final)], np.int64)
+        first = ends[final] - cnt + 1
+        return np.repeat(first, cnt) + np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+
+    # ---- after the forward ----------------------------------------------------------------
+    def keep_context(self, taps: list, batch, fields: dict, T: int) -> None:
+        """Context keys of the tapped rows; those not verifying enter the draft rings (and the
+        images the step captures) now."""
+        if len(taps) < len(self.draft.cfg.dspark_target_layer_ids):
+            return          # no row reached the tapped layers (a chunk below its tail start)
+        dec = batch.decoder
+        rows = np.arange(T) if dec is None else self.runner.bufs._np["dec_rows"][:len(dec.rows)].copy()
+        taps = [t if dec is None or on_dec else t[dec.rows] for t, on_dec in taps]
+        taps = [t[:len(rows)] for t in taps]
+        pos = fields["positions"][rows]
+        keys = self.draft.context_keys(taps, torch.as_tensor(pos, device=self.runner.device))
+        verify_req = np.full(T, -1, np.int64)
+        if self._verify is not None:
+            verify_req[self._verify["rows"]] = self._verify["req"]
+        vr = verify_req[rows]
+        dest = np.where(vr < 0, fields["ring_dest"][rows], -1)
+        self._scatter(keys, dest, self.runner.cache.ring[self.n:])
+        if batch.image_dest is not None:
+            self._scatter(keys, fields["image_dest"][rows], self.runner.cache.image_ring[self.n:])
+        self._ctx = (keys, pos, vr, fields["ring_dest"][rows].copy())
+
+    def _scatter(self, keys, dest: np.ndarray, rings: torch.Tensor) -> None:
+        if (dest >= 0).any():
+            d = torch.as_tensor(dest, device=self.runner.device)
+            for ring, key in zip(rings, keys):
+                ops.scatter_rows(ring, key, d)
+
+    # ---- acceptance and commit -------------------------------------------------------------
+    def accept(self, rows: torch.Tensor, drafts: list) -> tuple[torch.Tensor, dict]:
+        """`rows`: the sampled rows of the final requests (runner.run, final_only) and their
+        drafts. Returns each request's last row (what a plain step samples) and, for the verify
+        requests, {index: (accepted count, [accepted drafts..., next token])}."""
+        cnt = np.array([1 + len(d) for d in drafts], np.int64)
+        ends = np.cumsum(cnt) - 1
+        last = rows if len(cnt) == len(rows) else rows.index_select(0, torch.as_tensor(ends, device=rows.device))
+        out = {}
+        for k in sorted({len(d) for d in drafts} - {0}):
+            js = [j for j, d in enumerate(drafts) if len(d) == k]
+            idx = torch.as_tensor(np.concatenate([np.arange(ends[j] - k, ends[j] + 1) for j in js]),
+                                  device=rows.device)
+            a, nxt = greedy_accept(rows.index_select(0, idx).view(len(js), k + 1, -1),
+                                   torch.as_tensor([drafts[j] for j in js], device=rows.device))
+            for j, aj, t in zip(js, a.tolist(), nxt.tolist()):
+                out[j] = (aj, list(drafts[j][:aj]) + [t])
+                self._count(k, aj)
+        return last, out
+
+    def _count(self, k: int, a: int) -> None:
+        s = self.stats
+        s["drafts"] += 1
+        s["draft_tokens"] += k
+        s["accepted"] += a
+        for i in range(a):
+            s["accepted_per_pos"][i] += 1
+        s["acceptance_length"][1 + a] += 1
+
+    def commit(self, sb, accepted: dict) -> None:
+        """accepted: batch index -> accepted count, for the verify requests that got tokens.
+        Requests no longer running (aborted, failed) are skipped: their slot is not theirs."""
+        V = self._verify
+        if V is None:
+            return
+        cache, runner, S = self.runner.cache, self.runner, self.runner.cache.num_slots
+        a_req = np.full(len(sb.seqs), -1, np.int64)
+        for i, a in accepted.items():
+            if sb.seqs[i].status is Status.RUNNING:
+                a_req[i] = a
+        starts = np.array([s.num_computed for s in sb.seqs], np.int64)
+        a_row, c_row = a_req[V["req"]], starts[V["req"]]
+        live = a_row >= 0
+        rejected = live & (V["pos"] > c_row + a_row)
+        if rejected.any():
+            sel = torch.as_tensor(np.flatnonzero(rejected), device=runner.device)
+            cache.ring[:self.n].index_copy_(1, V["ring"].index_select(0, sel), V["undo"].index_select(1, sel))
+        for i in np.flatnonzero(a_req >= 0).tolist():
+            seq, slot, c, a = sb.seqs[i], int(sb.slots[i]), int(starts[i]), int(a_req[i])
+            last = c + a                                  # the last committed position
+            e = last - last % 2                           # plain decode's tail holds position e
+            if e >= c:
+                src = S + i * self.staging_per_request + (e - c) // 2
+                for o in cache.owners.values():
+                    if o.tail_v is not None:
+                        o.tail_v[slot], o.tail_g[slot] = o.tail_v[src], o.tail_g[src]
+            runner.set_cursor(slot, seq.token_ids + list(sb.spec[i][:a]), last + 1)
+        if self._ctx is not None:
+            keys, pos, vr, ring_dest = self._ctx
+            ok = (vr >= 0) & (a_req[vr] >= 0) & (pos <= starts[vr] + a_req[vr])
+            self._scatter(keys, np.where(ok, ring_dest, -1), cache.ring[self.n:])
+        self._verify = self._ctx = None
+
+    # ---- the next drafts --------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, seqs: list) -> None:
+        """Drafts for every request that sampled this step and is still running (anchor: its
+        last token, at position num_computed)."""
+        seqs = [s for s in seqs if s.status is Status.RUNNING and s.may_draft]
+        if not seqs:
+            return
+        dev = self.runner.device
+        col = lambda f: torch.as_tensor([f(s) for s in seqs], dtype=torch.long, device=dev)  # noqa: E731
+        got = self.draft(col(lambda s: s.token_ids[-1]), col(lambda s: s.num_computed - 1), col(lambda s: s.slot),
+                         col(lambda s: max(s.decoder_start or 0, s.swa_floor)), self.runner.cache.ring[self.n:])
+        for s, toks in zip(seqs, got.tokens[:, :self.k].tolist()):
+            s.spec_token_ids = toks
