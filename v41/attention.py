@@ -17,6 +17,7 @@ from v41 import quant
 from v41.config import V41Config
 from v41.topology import LayerSpec, Role
 from v41.layers import Linear, RMSNorm, Rope, acc_dtype
+from v41.parallel import tensor_parallel
 
 ops = torch.ops.v41
 
@@ -37,8 +38,10 @@ class Attention(nn.Module):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.spec, self.rope = spec, rope
-        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
-        self.o_groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
+        # this rank's query heads and output groups (all of them without tensor parallelism)
+        self.n_heads, self.head_dim = w["wq_b"].shape[0] // cfg.head_dim, cfg.head_dim
+        self.o_groups, self.o_rank = self.n_heads * cfg.o_groups // cfg.num_attention_heads, cfg.o_lora_rank
+        self.tp = tensor_parallel() if self.n_heads < cfg.num_attention_heads else None
         self.scale = cfg.head_dim ** -0.5
         self.wq_a, self.wq_b = Linear(w["wq_a"], "fp8"), Linear(w["wq_b"], "fp8")
         self.wkv, self.wo_b = Linear(w["wkv"], "fp8"), Linear(w["wo_b"], "fp8")
@@ -46,9 +49,9 @@ class Attention(nn.Module):
             R = cfg.o_lora_rank
             self.wo_a = None
             self.wo_a_groups = nn.ModuleList(Linear(w["wo_a"].rows(g * R, (g + 1) * R), "fp8")
-                                             for g in range(cfg.o_groups))
+                                             for g in range(self.o_groups))
         else:
-            self.wo_a = w["wo_a"].view(cfg.o_groups, cfg.o_lora_rank, cfg.o_group_in)
+            self.wo_a = w["wo_a"].view(self.o_groups, cfg.o_lora_rank, cfg.o_group_in)
         self.q_norm, self.kv_norm = RMSNorm(w["q_norm"], eps), RMSNorm(w["kv_norm"], eps)
         self.sink = w["attn_sink"]
         if spec.role is Role.FULL:
@@ -93,9 +96,10 @@ class Attention(nn.Module):
         self.keep_window(ring, kv, batch, cache)
         o = self.rope(o, qb.positions, inverse=True).view(xq.shape[0], self.o_groups, -1)
         if self.wo_a is None:
-            return self.wo_b(torch.cat([wo_a(o[:, g]) for g, wo_a in enumerate(self.wo_a_groups)], -1))
-        z = torch.einsum("tgi,goi->tgo", o, self.wo_a).flatten(1)
-        return self.wo_b(z)
+            z = torch.cat([wo_a(o[:, g]) for g, wo_a in enumerate(self.wo_a_groups)], -1)
+        else:
+            z = torch.einsum("tgi,goi->tgo", o, self.wo_a).flatten(1)
+        return self.wo_b(z) if self.tp is None else self.tp.all_reduce(self.wo_b(z))
 
     def window_kv(self, x, batch):
         """The rows' window KV (FP8 QAT): what the layer's ring keeps of them."""

@@ -11,6 +11,7 @@ import custom_ops  # noqa: F401
 from v41 import quant
 from v41.layers import Linear, acc_dtype
 from v41.moe_route import route
+from v41.parallel import tensor_parallel
 
 ops = torch.ops.v41
 
@@ -28,6 +29,14 @@ class MoE(nn.Module):
         self.s_w1, self.s_w3 = Linear(w["shared_experts.w1"], "fp8"), Linear(w["shared_experts.w3"], "fp8")
         self.s_w2 = Linear(w["shared_experts.w2"], "fp8")
         self.top_k, self.route_scale, self.limit = top_k, route_scale, limit
+        # tensor parallelism (v41.parallel): this rank's whole experts [first, first + n_local)
+        # and/or its rows of the shared expert; the partial sums are all-reduced
+        n_experts, self.n_local = self.gate.shape[0], w["experts.w1"].shape[0]
+        shared_split = w["shared_experts.w1"].shape[0] < w["experts.w1"].shape[1]
+        tp = tensor_parallel()
+        self.first = tp.rank * self.n_local if self.n_local < n_experts else None
+        self.tp = tp if self.first is not None or shared_split else None
+        self.shared_here = shared_split or self.tp is None or tp.rank == 0   # a replicated one counts once
 
     def route(self, x):
         """(ids, weights) of the experts each token goes to (v41.moe_route.route)."""
@@ -36,13 +45,17 @@ class MoE(nn.Module):
     def forward(self, x):
         acc = acc_dtype(x.dtype)
         ids, w = self.route(x)
+        if self.first is not None:      # other ranks' experts: -1, which the expert ops skip
+            ids = ids - self.first
+            ids = ids.masked_fill((ids < 0) | (ids >= self.n_local), -1)
         y = torch.empty(x.shape, dtype=acc, device=x.device)
         if self.native:
             ops.moe_experts_w4a8(x, ids, w, self.w1, self.s1, self.w3, self.s3, self.w2, self.s2,
                                  self.limit, y)
         else:
             ops.moe_experts(x, ids, w, self.w1, self.w3, self.w2, self.limit, y)
-        g = self.s_w1(x).to(acc).clamp(max=self.limit)
-        u = self.s_w3(x).to(acc).clamp(-self.limit, self.limit)
-        y = y + self.s_w2((F.silu(g) * u).to(x.dtype)).to(acc)
-        return y.to(x.dtype)
+        if self.shared_here:
+            g = self.s_w1(x).to(acc).clamp(max=self.limit)
+            u = self.s_w3(x).to(acc).clamp(-self.limit, self.limit)
+            y = y + self.s_w2((F.silu(g) * u).to(x.dtype)).to(acc)
+        return (y if self.tp is None else self.tp.all_reduce(y)).to(x.dtype)

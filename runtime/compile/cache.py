@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 # topology derived from them is code: hashed), the runner (the Batch), and this package
 # (tests/test_compile_cache.py checks the model's imports)
 TRACED_SOURCES = ("v41/model.py", "v41/attention.py", "v41/moe.py", "v41/moe_route.py", "v41/mhc.py",
-                  "v41/layers.py", "v41/quant.py", "v41/engram/device.py", "v41/topology.py",
+                  "v41/layers.py", "v41/quant.py", "v41/engram/device.py", "v41/topology.py", "v41/parallel.py",
                   "runtime/model_runner.py",
                   *(f"runtime/compile/{m}.py" for m in ("__init__", "backend", "cache", "config", "debug",
                                                         "forward", "segments")))
