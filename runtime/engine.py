@@ -15,6 +15,8 @@ from runtime.model_runner import ModelRunner
 from runtime.sampler import SamplingTable, sample, token_logprobs
 from runtime.scheduler import Scheduler
 from runtime.sequence import SamplingParams, Sequence, Status
+from runtime.tensor_parallel import share_tokens
+from v41.parallel import shard_checkpoint, tensor_parallel
 
 log = logging.getLogger("v41")
 
@@ -30,12 +32,18 @@ class LLMEngine:
             import custom_ops.triton  # noqa: F401  (registers the CUDA kernels)
         from custom_ops import registry
         registry.log_selected(torch.device(device).type)
+        self.driver = None
+        if args.tensor_parallel_size > 1 and tensor_parallel().size == 1:    # rank 0: start the others
+            from runtime.tensor_parallel import Driver
+            self.driver = Driver(args)
         self.max_model_len = args.max_model_len or min(cfg.max_position_embeddings, 8192)
         self.tokenizer, token_map = load_tokenizer(args.model, cfg)
         t0 = time.perf_counter()
         if weights is None:
             weights = load_weights(args.model, cfg, device=device, load_format=args.load_format,
                                    seed=args.seed, wo_a="fp8" if args.weight_format == "native" else "bf16")
+        if args.tensor_parallel_size > 1:
+            weights = shard_checkpoint(cfg, weights, tensor_parallel().rank, args.tensor_parallel_size)
         pages_per_seq = -(-self.max_model_len // geo.page_tokens)
         # on CUDA without --num-pages the pool is sized from memory after a profiling forward on
         # a one-request pool; on the CPU every running request gets max_model_len
@@ -114,6 +122,8 @@ class LLMEngine:
             raise ValueError(f"request id {seq.request_id!r} is already running")
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
+        if self.driver is not None:
+            self.driver.send("add", prompt_token_ids, params, seq.request_id, logprobs)
         return seq
 
     def set_decoder_replay(self, on: bool) -> None:
@@ -123,11 +133,20 @@ class LLMEngine:
         if self.has_unfinished():
             raise ValueError("switch decoder bounded replay with no request in the engine")
         self.args.decoder_swa_bounded_replay = self.runner.decoder_replay = on
+        if self.driver is not None:
+            self.driver.send("decoder_replay", on)
 
     def abort(self, request_id: str) -> bool:
         seq = self.scheduler.abort(request_id)
         self.seqs.pop(request_id, None)
+        if self.driver is not None:
+            self.driver.send("abort", request_id)
         return seq is not None
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a no-op for one rank)."""
+        if self.driver is not None:
+            self.driver.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -137,6 +156,8 @@ class LLMEngine:
         """One engine step; returns the requests that got a token (finished ones included). A
         request whose own data makes sampling or its logprobs raise finishes alone, with
         finish_reason 'error' and `seq.error`; the rest of the batch goes on."""
+        if self.driver is not None:
+            self.driver.begin_step()
         sb = self.scheduler.schedule()
         if not sb.seqs:
             return []
@@ -156,7 +177,7 @@ class LLMEngine:
         if self.runner.spec is not None and sb.spec:
             drafts = sb.drafts
             rows, verified = self.runner.spec.accept(rows, [drafts[i] for i in np.flatnonzero(final)])
-        toks, errors = self._sample(rows, seqs, slots)
+        toks, errors = share_tokens(*self._sample(rows, seqs, slots))
         for j, (_, got) in verified.items():
             toks[j] = got           # greedy: the plain sample of the last row is not used
         lps = self._logprobs(rows, seqs, toks, errors)

@@ -9,6 +9,7 @@ import torch
 
 from runtime.geometry import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, AdmissionError, PoolGeometry
 from v41.config import V41Config, load_config, validate_page
+from v41.parallel import check_divisible
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float64": torch.float64}
@@ -70,7 +71,8 @@ class _EngineFields:
     load_format: str = _opt("auto", "auto, safetensors or dummy (random weights of a preset)")
     seed: int = _opt(0, "seed of a preset's random weights (v41.generate: --weight-seed; its --seed "
                         "seeds sampling)", aliases=("--weight-seed",))
-    tensor_parallel_size: int = _opt(1, "tensor-parallel ranks: only 1 is built")
+    tensor_parallel_size: int = _opt(1, "tensor-parallel ranks, one process each (eager): query heads and "
+                                        "whole routed experts split across them (v41/parallel.py)")
     pipeline_parallel_size: int = _opt(1, "pipeline-parallel ranks: only 1 (PP is not built in v41)")
     context_parallel_size: int = _opt(1, "context-parallel ranks: only 1 (CP is not built in v41)")
     kv_cache_dtype: str = _opt("bf16", f"main KV pool dtype: {' or '.join(KV_CACHE_DTYPES)}")
@@ -176,9 +178,9 @@ class EngineArgs(_EngineFields):
             raise _not_built("--pipeline-parallel-size", self.pipeline_parallel_size, "pipeline parallelism")
         if self.context_parallel_size != 1:
             raise _not_built("--context-parallel-size", self.context_parallel_size, "context parallelism")
-        if self.tensor_parallel_size != 1:
-            raise _not_built("--tensor-parallel-size", self.tensor_parallel_size,
-                             "tensor parallelism (only 1 rank)")
+        if self.tensor_parallel_size < 1:
+            raise AdmissionError(f"tensor_parallel_size: {self.tensor_parallel_size} (--tensor-parallel-size) "
+                                 "is not a positive rank count")
         if self.weight_format not in ("dequant", "native"):
             raise AdmissionError(f"weight_format: {self.weight_format!r} (--weight-format) is not dequant or native")
         if self.weight_format == "native" and self.dtype == "float64":
@@ -186,6 +188,13 @@ class EngineArgs(_EngineFields):
                                  "reference arithmetic; use --weight-format dequant")
         self._admit_speculation()
         cfg = load_config(self.model)
+        try:
+            check_divisible(cfg, self.tensor_parallel_size)
+        except ValueError as e:
+            raise AdmissionError(f"{e} (--tensor-parallel-size)") from None
+        if self.tensor_parallel_size > 1 and not self.enforce_eager:
+            raise AdmissionError("tensor_parallel_size > 1 (--tensor-parallel-size) runs the eager model: "
+                                 "all-reduces inside compiled graphs are not built; add --enforce-eager")
         if self.speculative_method is not None and cfg.n_draft < 1:
             raise AdmissionError(f"speculative_method='dspark' (--speculative-method): model {cfg.name} has no "
                                  f"DSpark draft stages (num_nextn_predict_layers = 0)")

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from runtime.sequence import SamplingParams
 from tests import harness as H
 from tests.test_runtime_parity import rel_err, teacher_forced
 from v41.config import ConfigError, preset
@@ -94,8 +95,47 @@ def test_shard_layout(toy_cfg, toy_weights):
 
 
 def test_refusals_name_the_field(toy_cfg, toy_weights):
-    with pytest.raises(ConfigError, match="num_attention_heads: 4 is not divisible by tensor_parallel_size 3"):
+    with pytest.raises(ConfigError, match="tensor_parallel_size: num_attention_heads = 4 is not divisible by TP 3"):
         shard_checkpoint(toy_cfg, toy_weights, 0, 3)
-    with pytest.raises(ConfigError, match="o_groups"):
+    with pytest.raises(ConfigError, match="tensor_parallel_size: index_n_heads = 2 is not divisible by TP 4"):
         shard_checkpoint(toy_cfg, toy_weights, 0, 4)
 
+
+
+def generate(eng, aborted: int = 2) -> list[list[int]]:
+    """Greedy and seeded sampled requests, one aborted after its prompt; their tokens."""
+    seqs = []
+    for i, p in enumerate(REQS):
+        sp = SamplingParams(max_tokens=6, ignore_eos=True) if i % 2 else \
+            SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.9, top_p=0.95, seed=10 + i)
+        seqs.append(eng.add_request(p, sp, request_id=f"r{i}"))
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        if steps == 3:
+            eng.abort(f"r{aborted}")
+    return [s.completion_token_ids for s in seqs]
+
+
+def test_the_engine_runs_its_own_ranks():
+    """--tensor-parallel-size 2 is all it takes: the engine spawns rank 1, steps it in lockstep,
+    and gives the tokens of one rank, sampled ones included; a rank that dies stops the next step
+    with a clear error instead of a hang."""
+    from runtime.engine import EngineArgs, LLMEngine
+    base = dict(model="toy", dtype="float64", device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
+                max_model_len=256, enable_prefix_caching=False)
+    want = generate(LLMEngine(EngineArgs(**base)))
+    eng = LLMEngine(EngineArgs(**base, tensor_parallel_size=2))
+    try:
+        assert [p.is_alive() for p in eng.driver.workers] == [True]
+        assert generate(eng) == want
+        eng.bm.check([])
+        eng.driver.workers[0].kill()
+        eng.driver.workers[0].join(30)
+        eng.add_request(REQS[0], SamplingParams(max_tokens=2), request_id="after")
+        with pytest.raises(RuntimeError, match="worker v41-tp-rank1 exited"):
+            eng.step()
+    finally:
+        eng.close()
+        set_tensor_parallel(TensorParallel())

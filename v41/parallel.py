@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from v41.config import ConfigError, V41Config
+from v41.config import ConfigError, V41Config, validate_parallelism
 
 GROUP = 32      # FP8 weight blocks and A8 activation groups: a split must keep them whole
 
@@ -72,16 +72,17 @@ _SHARED_COLS = re.compile(r"^layers\.\d+\.ffn\.shared_experts\.w2\.(weight|scale
 
 
 def check_divisible(cfg: V41Config, size: int) -> None:
-    """Refuse a rank count the split cannot honour, naming the config field (before loading)."""
-    for field, n in (("num_attention_heads", cfg.num_attention_heads), ("o_groups", cfg.o_groups),
-                     ("n_routed_experts", cfg.n_routed_experts)):
-        if n % size:
-            raise ConfigError(field, f"{n} is not divisible by tensor_parallel_size {size}")
+    """Refuse a rank count the split cannot honour, naming the field (before loading): the spec's
+    rules (§1.1, `validate_parallelism`: heads, index heads, o_groups and the expert width by TP,
+    experts by EP = TP here), and whole FP8 blocks in each rank's slices."""
+    if size == 1:
+        return
+    validate_parallelism(cfg, tp=size, ep=size)
     if (cfg.num_attention_heads // size * cfg.head_dim) % GROUP:
-        raise ConfigError("head_dim", f"a rank's {cfg.num_attention_heads // size} heads x {cfg.head_dim} "
-                          f"rows of wq_b are not whole {GROUP}-row FP8 blocks")
+        raise ConfigError("tensor_parallel_size", f"a rank's {cfg.num_attention_heads // size} heads x "
+                          f"{cfg.head_dim} rows of wq_b are not whole {GROUP}-row FP8 blocks")
     if (cfg.o_groups // size * cfg.o_lora_rank) % GROUP:
-        raise ConfigError("o_lora_rank", f"a rank's wo_b input columns are not whole {GROUP}-wide blocks")
+        raise ConfigError("tensor_parallel_size", f"a rank's wo_b input columns are not whole {GROUP}-wide blocks")
 
 
 def shared_expert_split(cfg: V41Config, size: int) -> bool:
