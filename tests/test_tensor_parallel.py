@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (v41.parallel): 2 gloo ranks, each a process running the same
 float64 toy engine on its shard of the checkpoint, against the unsharded engine (TP1):
 - greedy tokens equal, uninterrupted and under chunking, preemption and cancellation
-  (the schedule-invariance scenarios, whose hooks draw from the same seeded RNG on each rank);
+  (the schedule-invariance scenarios, whose hooks draw from the same seeded RNG on each rank),
+  and for prefix forks served from the cache in both StateTransfer modes;
 - teacher-forced logits of every prompt row within 1e-9 relative (partial sums change only the
   order of the additions);
 - every page and slot free afterwards (H.run checks).
@@ -31,6 +32,9 @@ TF_REQS = H.prompts((40, 70), seed=5)
 def unsharded(weights) -> dict:
     """What a TP1 engine computes: tokens per scenario and teacher-forced logits."""
     tokens = {sc.name: H.run(weights, REQS, max_tokens=6, scenario=sc) for sc in SCENARIOS}
+    for mode, transfer in (("copy", {"encoder_swa_bounded_replay": False}), ("replay", {})):
+        tokens[f"prefix forks, {mode}"] = H.run_in_order(weights, H.forks(), 4, enable_prefix_caching=True,
+                                                         max_prefill_chunk=48, **transfer)
     eng = H.make_engine(weights, decoder_swa_bounded_replay=False)
     return {"tokens": tokens, "logits": teacher_forced(eng, TF_REQS)}
 
