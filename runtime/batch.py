@@ -73,6 +73,11 @@ class StepBuffers:
         self._copied = None            # CUDA event behind the last step's copies
         self._views = {}               # (field, rows) -> the device buffer's first rows
 
+    @property
+    def host(self) -> dict:
+        """The host mirrors as written for the current step (numpy)."""
+        return self._np
+
     def begin(self) -> dict:
         """The host mirrors as numpy arrays, safe to write for one step: waits for the copies of
         the step before if they have not run (see the module docstring). Each field is written

@@ -214,8 +214,9 @@ class EngramStager:
 
 
 def engram_stager(weights, max_tokens: int, device) -> EngramStager | None:
-    """The stager of a `Weights` whose Engram tables are mapped (None when they are resident)."""
-    if not weights.mapped:
+    """The stager of a `Weights` whose Engram tables are mapped (None when they are resident, or
+    for a plain name -> tensor mapping)."""
+    if not getattr(weights, "mapped", None):
         return None
     cfg = weights.cfg
     tables = {l: weights.mapped[f"layers.{l}.engram.embed.weight"] for l in cfg.engram_layer_ids}
