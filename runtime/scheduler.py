@@ -122,13 +122,13 @@ class Scheduler:
         return seq.spec_token_ids[:max(0, min(left, budget - 1))]
 
     def schedule(self) -> ScheduledBatch:
-        seqs, num_new, budget, spec = [], [], self.max_tokens, []
+        seqs, num_new, budget, spec = [], [], self.max_tokens, {}      # spec: row -> drafts (DSpark)
         P, resumes, decode = self.bm.page_tokens, [], True
         i = 0
         while i < len(self.running) and budget > 0:  # preemption shortens the list as we go
             seq = self.running[i]
             c = seq.num_computed
-            d = self._drafts(seq, budget) if seq.spec_token_ids and len(seq.token_ids) == c + 1 else []
+            d = self._drafts(seq, budget) if seq.spec_token_ids and len(seq.token_ids) == c + 1 else None
             if d:
                 # a verify step: the anchor and the drafts, laid out as a chunk (docs/dspark.md §1)
                 while not self.bm.allocate(seq, 1 + len(d)):
@@ -138,10 +138,10 @@ class Scheduler:
                         break
                 if seq.status is not Status.RUNNING:
                     break
-                seqs.append(seq), num_new.append(1 + len(d)), spec.append(tuple(d))
+                spec[len(seqs)] = tuple(d)
+                seqs.append(seq), num_new.append(1 + len(d))
                 decode, budget, i = False, budget - 1 - len(d), i + 1
                 continue
-            spec.append(())
             if len(seq.token_ids) == c + 1 and c < len(seq.pages) * P and seq.slot is not None:
                 # a decode row whose page is already held: no chunking, nothing to allocate
                 seqs.append(seq), num_new.append(1)
@@ -156,7 +156,6 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
-                spec.pop()
                 break
             seqs.append(seq), num_new.append(n)
             budget -= n
@@ -179,11 +178,11 @@ class Scheduler:
                 seq.resume = None
                 self.bm.stats["hit_tokens"] += seq.num_cached_tokens
                 self.stats["replayed_rows"] += seq.num_cached_tokens - seq.num_computed
-            seqs.append(seq), num_new.append(n), spec.append(())
+            seqs.append(seq), num_new.append(n)
             budget -= n
         slots = np.fromiter([s.slot for s in seqs], dtype=np.int64, count=len(seqs))
         sb = ScheduledBatch(seqs, num_new, slots, self.bm.table[slots], resumes, decode=decode and bool(seqs),
-                            spec=spec if any(spec) else [])
+                            spec=[spec.get(j, ()) for j in range(len(seqs))] if spec else [])
         if self.state is not None and self.state.mode == "copy":
             self._plan_captures(sb)
         return sb
@@ -264,10 +263,14 @@ class Scheduler:
             if seq.status is not RUNNING:
                 continue  # aborted or preempted after scheduling
             toks = sampled.get(seq.seq_id)
-            toks = [toks] if isinstance(toks, int) else toks
             c = seq.num_computed
-            seq.num_computed = c + (n - len(d) + len(toks) - 1 if d and toks else n)
-            seq.spec_token_ids = []
+            if d and toks:          # a verify request: past the anchor and the accepted drafts
+                seq.num_computed = c + n - len(d) + len(toks) - 1
+            else:
+                seq.num_computed = c + n
+                toks = (toks,) if isinstance(toks, int) else toks
+            if seq.spec_token_ids:
+                seq.spec_token_ids = []
             # a prompt PAGE can only become full (and cacheable) while the prompt is computed
             if caching and c < seq.num_prompt_tokens:
                 self.bm.register(seq)
