@@ -22,7 +22,7 @@ def require_compiled_kernels() -> None:
         pytest.skip("needs a CUDA device", allow_module_level=True)
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1: the GPU tests need compiled kernels", allow_module_level=True)
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="triton is not installed")
 
 
 def run_under_interpreter(test_file: str, order: str, timeout: int, **env) -> None:

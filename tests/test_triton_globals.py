@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-triton = pytest.importorskip("triton")
+triton = pytest.importorskip("triton", reason="triton is not installed (make setup installs it)")
 import custom_ops.triton as kernels  # noqa: E402
 
 
