@@ -131,12 +131,7 @@ class Scheduler:
             d = self._drafts(seq, budget) if seq.spec_token_ids and len(seq.token_ids) == c + 1 else None
             if d:
                 # a verify step: the anchor and the drafts, laid out as a chunk (docs/dspark.md §1)
-                while not self.bm.allocate(seq, 1 + len(d)):
-                    victim = self.running[-1]
-                    self.preempt(victim)
-                    if victim is seq:
-                        break
-                if seq.status is not Status.RUNNING:
+                if not self._make_room(seq, 1 + len(d)):
                     break
                 spec[len(seqs)] = tuple(d)
                 seqs.append(seq), num_new.append(1 + len(d))
@@ -150,12 +145,7 @@ class Scheduler:
                 continue
             n = self._chunk(seq, budget)
             decode = decode and n == 1 and len(seq.token_ids) == c + 1   # a decode row taking a page
-            while not self.bm.allocate(seq, n):
-                victim = self.running[-1]
-                self.preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status is not Status.RUNNING:
+            if not self._make_room(seq, n):
                 break
             seqs.append(seq), num_new.append(n)
             budget -= n
@@ -228,6 +218,16 @@ class Scheduler:
         seq.num_computed = seq.write_from = seq.swa_floor = seq.num_cached_tokens = 0
         seq.resume = None
         seq.spec_token_ids = []     # drafts were never tokens: the recompute drafts again
+
+    def _make_room(self, seq: Sequence, n: int) -> bool:
+        """Pages for `n` more rows of a running request, preempting from the back of the running
+        list until they fit; False when the request itself had to go."""
+        while not self.bm.allocate(seq, n):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
 
     def preempt(self, seq: Sequence) -> None:
         """Free everything the request holds; it recomputes all its tokens when rescheduled."""

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from v41.config import ConfigError, V41Config, validate_parallelism
+from v41.layers import acc_dtype
+from v41.loader.placement import tp_axis
 
 GROUP = 32      # FP8 weight blocks and A8 activation groups: a split must keep them whole
 
@@ -44,8 +46,7 @@ class TensorParallel:
         if self.size == 1:
             return x
         import torch.distributed as dist
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        y = x.to(acc)
+        y = x.to(acc_dtype(x.dtype))
         dist.all_reduce(y, group=self.group)
         return y.to(x.dtype)
 
@@ -65,10 +66,15 @@ def set_tensor_parallel(tp: TensorParallel) -> None:
 
 
 _EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts\.)(\d+)(\..*)$")
-_HEAD_ROWS = re.compile(r"^layers\.\d+\.attn\.(wq_b\.(weight|scale)|wo_a\.(weight|scale)|attn_sink)$")
-_HEAD_COLS = re.compile(r"^layers\.\d+\.attn\.wo_b\.(weight|scale)$")
-_SHARED_ROWS = re.compile(r"^layers\.\d+\.ffn\.shared_experts\.(w1|w3)\.(weight|scale)$")
-_SHARED_COLS = re.compile(r"^layers\.\d+\.ffn\.shared_experts\.w2\.(weight|scale)$")
+
+
+def _split_axis(name: str, shared: bool) -> int | None:
+    """The axis a backbone tensor splits along: the spec's TP rule (v41.loader.placement.tp_axis)
+    less the embedding, head and DSpark stages (replicated here), and less the shared expert
+    unless `shared_expert_split`."""
+    if not name.startswith("layers.") or (not shared and ".shared_experts." in name):
+        return None
+    return tp_axis(name)
 
 
 def check_divisible(cfg: V41Config, size: int) -> None:
@@ -106,8 +112,7 @@ def shard_checkpoint(cfg: V41Config, weights, rank: int, size: int) -> dict:
             if rank * per <= e < (rank + 1) * per:
                 out[f"{m[1]}{e - rank * per}{m[3]}"] = t
             continue
-        axis = 0 if _HEAD_ROWS.match(name) or (shared and _SHARED_ROWS.match(name)) else \
-            1 if _HEAD_COLS.match(name) or (shared and _SHARED_COLS.match(name)) else None
+        axis = _split_axis(name, shared)
         out[name] = t if axis is None else _slice(name, t, axis, rank, size)
     return out
 
