@@ -25,6 +25,15 @@ no layer piece carries its layer index as a constant (`cache.ring[l]`): pieces o
 the same role are then the same graph, compiled once (see `runtime/compile/`) and found in the
 FX graph cache by every later process. Mutations stay in the piece that makes them, in program
 order, so cache writes of layer l land before layer l+1 reads.
+
+Under `--cudagraph-mode TR_HYBRID` a layer is also cut at its splitting ops (SPLITTING_OPS): each
+run of them becomes a piece of its own that runs eagerly (name `<layer>!<ops>`, `is_eager`),
+and the layer's ops between them become token pieces `<layer>`, `<layer>#1`, ... that depend on
+the token count alone (runtime/compile/piece_graphs.py captures them per token bucket):
+
+        submod_2 = layer 0          # norms, projections, RoPE, FP8 QAT: token-wise
+        submod_3 = layer 0!sparse_attn+scatter_rows      # eager, on the batch's metadata
+        submod_4 = layer 0#1        # inverse RoPE, wo_a/wo_b, mHC, MoE: token-wise
 """
 from __future__ import annotations
 
@@ -35,6 +44,15 @@ import torch
 from torch.fx.passes.split_module import split_module
 
 VIEWS = "views"
+EAGER = "!"           # marks a piece of splitting ops: `<layer>!<op>+<op>`
+# The v41 ops that read or write per-request state through the batch's metadata (block table,
+# window rows, batch ids, destinations) or whose work depends on the data (index top-k sizes its
+# scan by the largest visible position): sparse attention, index scoring/top-k, the ratio-2
+# compressor (FP32 tails across forwards) and every row scatter into rings, owner pages and
+# index planes. Everything else in a layer is token-wise (RMSNorm, RoPE by position, FP8/FP4
+# QAT, GEMMs, mHC, the MoE router and experts, the Engram gate on rows the runner gathered
+# before the forward), so a piece without these ops depends only on the token count.
+SPLITTING_OPS = ("v41::sparse_attn", "v41::index_topk", "v41::compress_pool", "v41::scatter_rows")
 _LAYER = re.compile(r"layers\.(\d+)$")
 # targets that only reinterpret an input (no data is read or written)
 _VIEW_METHODS = {"view", "t", "transpose", "permute", "unsqueeze", "squeeze", "select", "flatten",
@@ -108,13 +126,28 @@ def hoist_input_views(graph: torch.fx.Graph, roots_of=is_cache_input) -> set[tor
     return hoisted
 
 
-def partition_by_layer(graph: torch.fx.Graph) -> tuple[dict, list[str]]:
+def op_name(target) -> str | None:
+    """"v41::sparse_attn" for torch.ops.v41.sparse_attn or any of its overloads, else None."""
+    packet = getattr(target, "overloadpacket", target)
+    return getattr(packet, "_qualified_op_name", None)
+
+
+def is_eager(name: str) -> bool:
+    """A piece of splitting ops (runs eagerly, never captured)."""
+    return EAGER in name
+
+
+def partition_by_layer(graph: torch.fx.Graph, splitting_ops=()) -> tuple[dict, list[str]]:
     """Node -> partition id (0: hoisted views; then one partition per contiguous run of one
-    Block's ops, or of ops outside every Block), and the partitions' names."""
+    Block's ops, or of ops outside every Block, cut further at each run of `splitting_ops`
+    (qualified names), which gets a partition of its own), and the partitions' names."""
     hoisted = hoist_input_views(graph)
+    splitting = set(splitting_ops)
     part: dict[torch.fx.Node, int] = {}
     names = [VIEWS]
-    key = None
+    key = None                   # (block path, in a run of splitting ops)
+    done: set[str] = set()       # block paths whose ops have ended
+    runs: dict[str, int] = {}    # block path -> token runs so far
     outside = 0
     for n in graph.nodes:
         if n.op in ("placeholder", "output"):
@@ -124,23 +157,34 @@ def partition_by_layer(graph: torch.fx.Graph) -> tuple[dict, list[str]]:
             continue
         path = block_path(n)
         if path is None:
-            if key is not None and key.startswith("outside"):
-                path = key
+            if key is not None and key[0].startswith("outside"):
+                path = key[0]
             else:
                 path, outside = f"outside{outside}", outside + 1
-        if path != key:
-            if path in names:
+        eager = n.op == "call_function" and op_name(n.target) in splitting
+        if key is None or path != key[0]:
+            if path in done:
                 raise RuntimeError(f"graph split: ops of {path} are not contiguous (node {n.name})")
-            names.append(path)
-            key = path
+            if key is not None:
+                done.add(key[0])
+        if (path, eager) != key:
+            if eager:
+                names.append(f"{path}{EAGER}{op_name(n.target).split('::')[1]}")
+            else:
+                k = runs[path] = runs.get(path, -1) + 1
+                names.append(path if k == 0 else f"{path}#{k}")
+            key = (path, eager)
+        elif eager and not names[-1].endswith(op_name(n.target).split("::")[1]):
+            names[-1] += f"+{op_name(n.target).split('::')[1]}"
         part[n] = len(names) - 1
     return part, names
 
 
-def split_by_layer(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict[str, str]]:
-    """The split module and {submodule name: partition name} (layer path, "outside<k>" or
-    "views"). Submodules are called in the original order."""
-    part, names = partition_by_layer(gm.graph)
+def split_by_layer(gm: torch.fx.GraphModule, splitting_ops=()) -> tuple[torch.fx.GraphModule, dict[str, str]]:
+    """The split module and {submodule name: partition name} (layer path, "outside<k>",
+    "views", or with `splitting_ops` also `<path>#<k>` and `<path>!<ops>`). Submodules are
+    called in the original order."""
+    part, names = partition_by_layer(gm.graph, splitting_ops)
     gm.recompile()
     split = split_module(gm, None, lambda n: part[n], keep_original_order=True)
     pieces = {}

@@ -45,6 +45,11 @@ class CUDAGraphRunner:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, B)]
 
+    @staticmethod
+    def running(bs: int, sb) -> dict:
+        """The runner's running width for a step replayed at `bs`."""
+        return {"running_tokens": bs, "running_bs": bs}
+
     def capture(self, progress: bool = True) -> dict:
         """Capture every size, largest first (later graphs reuse the first one's pool), each after
         a warm-up call at its width. Returns {sizes, seconds, pool_bytes}."""
@@ -70,7 +75,17 @@ class CUDAGraphRunner:
                  len(self.sizes), report["seconds"], self.sizes[-1], report["pool_bytes"] / 2**20)
         return report
 
-    def replay(self, bs: int) -> torch.Tensor:
-        """Run the graph of width `bs` on what `prepare` published; its hidden rows [bs, ...]."""
+    def replay(self, bs: int, batch=None, cache=None) -> torch.Tensor:
+        """Run the graph of width `bs` on what `prepare` published (the graph reads the
+        buffers `batch` views); its hidden rows [bs, ...]."""
         self.graphs[bs].replay()
         return self.outputs[bs]
+
+
+def graph_runner(mode: str, runner, sizes):
+    """The runner's graphs for `--cudagraph-mode` (FULL: CUDAGraphRunner over decode batch
+    sizes; TR_HYBRID: runtime.token_graphs.TokenGraphRunner over token buckets)."""
+    if mode == "TR_HYBRID":
+        from runtime.token_graphs import TokenGraphRunner
+        return TokenGraphRunner(runner, sizes)
+    return CUDAGraphRunner(runner, sizes)

@@ -69,8 +69,8 @@ class LLMEngine:
         self.compile_report = compile_runner(self.runner, args, ccfg) if ccfg is not None else None
         self.graph_report = None
         if graph_sizes:
-            from runtime.cuda_graph import CUDAGraphRunner
-            graphs = CUDAGraphRunner(self.runner, graph_sizes)
+            from runtime.cuda_graph import graph_runner
+            graphs = graph_runner(args.graph_mode(), self.runner, graph_sizes)
             self.graph_report = graphs.capture()
             self.runner.graphs = graphs
         self.bm = BlockManager(num_pages, args.max_num_seqs, geo.page_tokens, pages_per_seq,

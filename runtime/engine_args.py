@@ -100,12 +100,15 @@ class _EngineFields:
                                                "~/.cache/v41/compile; python -m v41.prebuild fills it)")
     capture_sizes: str | None = _opt(None, "token counts warmed up after compiling, e.g. 1,2,4,8,512 "
                                            "(default: 1,2,4,8 and max-num-batched-tokens)")
-    cudagraph_mode: str | None = _opt(None, "NONE, FULL or TR_HYBRID (not built yet): FULL replays a captured "
-                                            "CUDA graph of the compiled forward for decode steps that fit a "
-                                            "captured batch size (default: FULL on CUDA when compiled, else NONE)")
-    cudagraph_capture_sizes: str | None = _opt(None, "decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8 "
-                                                     "(default: 1, 2, 4, 8, then every 8 up to max-num-seqs, "
-                                                     "at most 512)")
+    cudagraph_mode: str | None = _opt(None, "NONE, FULL or TR_HYBRID: FULL replays a captured CUDA graph of the "
+                                            "compiled forward for decode steps that fit a captured batch size; "
+                                            "TR_HYBRID replays token graphs of the compiled pieces between eager "
+                                            "attention ops for any step that fits a token bucket (default: FULL "
+                                            "on CUDA when compiled, else NONE)")
+    cudagraph_capture_sizes: str | None = _opt(None, "FULL: decode batch sizes, e.g. 1,2,4,8 (default: 1, 2, 4, 8, "
+                                                     "then every 8 up to max-num-seqs, at most 512); TR_HYBRID: "
+                                                     "token buckets (default: powers of 2 up to 512 and "
+                                                     "max-num-batched-tokens when at most 512)")
     gpu_memory_utilization: float = _opt(0.9, "share of the GPU's memory the engine may use: the KV pool gets "
                                               "what weights, activations, the graph pool and scratch leave "
                                               "(CUDA only; --num-pages wins)")
@@ -259,7 +262,8 @@ class EngineArgs(_EngineFields):
 
     def graph_mode(self) -> str:
         """The CUDA-graph mode this engine runs: the flag, or FULL on CUDA when compiled, else
-        NONE. Graphs on the CPU, of the eager model, or TR_HYBRID are refused by name."""
+        NONE. Graphs on the CPU or of the eager model, and TR_HYBRID until its GPU run, are
+        refused by name."""
         mode = self.cudagraph_mode
         cuda = torch.device(self.resolved_device()).type == "cuda"
         if mode is None:
@@ -267,20 +271,24 @@ class EngineArgs(_EngineFields):
         if mode not in CUDAGRAPH_MODES:
             raise AdmissionError(f"cudagraph_mode: {mode!r} (--cudagraph-mode) is not one of "
                                  f"{', '.join(CUDAGRAPH_MODES)}")
-        if mode == "TR_HYBRID":
-            raise _not_built("--cudagraph-mode", mode, "TR_HYBRID (token graphs with eager attention)")
-        if mode == "FULL" and not cuda:
-            raise AdmissionError(f"cudagraph_mode='FULL' (--cudagraph-mode): CUDA graphs need a CUDA device; "
+        if mode == "TR_HYBRID":         # built, tested on the CPU only (tests/test_token_graphs.py)
+            raise _not_built("--cudagraph-mode", mode, "TR_HYBRID (token graphs with eager attention), "
+                             "until its GPU run (tests/test_cuda_graph_gpu.py)")
+        if mode != "NONE" and not cuda:
+            raise AdmissionError(f"cudagraph_mode={mode!r} (--cudagraph-mode): CUDA graphs need a CUDA device; "
                                  f"this engine runs on {self.resolved_device()} (use NONE)")
-        if mode == "FULL" and self.enforce_eager:
-            raise AdmissionError("cudagraph_mode='FULL' (--cudagraph-mode) captures the compiled forward: "
+        if mode != "NONE" and self.enforce_eager:
+            raise AdmissionError(f"cudagraph_mode={mode!r} (--cudagraph-mode) captures the compiled forward: "
                                  "add --no-enforce-eager (-O3)")
         return mode
 
     def graph_sizes(self) -> tuple:
-        """Decode batch sizes captured under FULL (validated even when graphs are off)."""
+        """Decode batch sizes captured under FULL, token buckets under TR_HYBRID (the flag is
+        validated even when graphs are off)."""
         mode = self.graph_mode()
-        top = min(self.max_num_seqs, self.max_num_batched_tokens, 512)
+        hybrid = mode == "TR_HYBRID"
+        top = self.max_num_batched_tokens if hybrid else min(self.max_num_seqs, self.max_num_batched_tokens)
+        limit = "max_num_batched_tokens" if hybrid else "min(max_num_seqs, max_num_batched_tokens)"
         spec = self.cudagraph_capture_sizes
         if spec:
             try:
@@ -288,10 +296,14 @@ class EngineArgs(_EngineFields):
             except ValueError:
                 raise AdmissionError(f"cudagraph_capture_sizes: {spec!r} (--cudagraph-capture-sizes) is not a "
                                      f"list of integers") from None
-            bad = [s for s in sizes if not 1 <= s <= min(self.max_num_seqs, self.max_num_batched_tokens)]
+            bad = [s for s in sizes if not 1 <= s <= top]
             if bad or not sizes:
-                raise AdmissionError(f"cudagraph_capture_sizes: {bad or spec!r} (--cudagraph-capture-sizes) not in [1, min(max_num_seqs, "
-                                     f"max_num_batched_tokens) = {min(self.max_num_seqs, self.max_num_batched_tokens)}]")
+                raise AdmissionError(f"cudagraph_capture_sizes: {bad or spec!r} (--cudagraph-capture-sizes) not in "
+                                     f"[1, {limit} = {top}]")
+        elif hybrid:
+            from runtime.token_graphs import token_buckets
+            sizes = token_buckets(top)
         else:
+            top = min(top, 512)
             sizes = sorted({s for s in (1, 2, 4, 8) if s <= top} | set(range(8, top + 1, 8)) | {top})
-        return tuple(sizes) if mode == "FULL" else ()
+        return tuple(sizes) if mode != "NONE" else ()

@@ -68,7 +68,7 @@ class ModelRunner:
         self._hash = None               # hash_layers' stacked constants
         self._row_views = {}            # rows -> the Batch fields' first rows (batch_view)
         self._no_image = np.full(max_num_batched_tokens, -1, np.int64)
-        self.graphs = None              # runtime.cuda_graph.CUDAGraphRunner (FULL), when captured
+        self.graphs = None              # runtime.cuda_graph.graph_runner (FULL, TR_HYBRID), when captured
         self.use_forward(self.model, static_shapes=False)
         self.spec = None                # runtime.spec_step.SpecStep with DSpark
         if spec_tokens:
@@ -400,17 +400,17 @@ class ModelRunner:
         """Forward one step. Returns logits of each request's last row (the sampling rows; with
         decoder replay NaN for requests whose chunk is not final), of the final chunks' last rows
         only (`final_only`, what the engine samples), or of every row when `all_rows` (teacher
-        forcing). A pure decode step that fits a captured CUDA graph replays it."""
+        forcing). A step that fits a captured CUDA graph replays it (FULL: decode; TR_HYBRID: any)."""
         graph = self.graphs.width_for(sb) if self.graphs is not None and not width and not all_rows else None
         if graph is not None:
-            width = {"running_tokens": graph, "running_bs": graph}
+            width = self.graphs.running(graph, sb)
         batch = self.prepare(sb, **width)
         if all_rows and batch.decoder is not None:
             raise ValueError("every row's logits (teacher forcing) need the decoder on every row: "
                              "--no-decoder-swa-bounded-replay")
         if self.spec is not None:
             self.model.taps = []
-        h = self.graphs.replay(graph) if graph is not None else self.forward(batch, self.cache)
+        h = self.graphs.replay(graph, batch, self.cache) if graph is not None else self.forward(batch, self.cache)
         self.commit(sb)
         if self.spec is not None:
             self.spec.keep_context(self.model.taps, batch, self._fields, sb.scheduled_tokens)

@@ -2,6 +2,7 @@
 (a recording stand-in for the graph API) both run on an engine whose runner replays graphs."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from runtime.sequence import SamplingParams
@@ -19,21 +20,30 @@ def decoding(eng, n: int, seed: int = 0, max_tokens: int = 32):
 
 
 def replay_equals_plain_forward(eng, width: int, steps: int = 3) -> None:
-    """Each of `steps` decode steps replays at `width` and gives the logits and cache of the same
+    """Each of `steps` steps replays at `width` and gives the logits and cache of the same
     forward run without a graph at that width, from the same cache state (bit for bit)."""
-    r = eng.runner
     for _ in range(steps):
         sb = eng.scheduler.schedule()
-        assert r.graphs.width_for(sb) == width
-        snap, cursor = snapshot(r.cache), r.cache.cursor.clone()
-        graphed = r.run(sb).clone()
-        after = snapshot(r.cache)
-        restore(r.cache, snap)
-        r.cache.cursor.copy_(cursor)
-        plain = r.run(sb, running_tokens=width, running_bs=width)
-        assert torch.equal(graphed, plain)
-        assert all(torch.equal(after[k], v) for k, v in snapshot(r.cache).items())
-        eng.scheduler.postprocess(sb, {s.seq_id: int(t) for s, t in zip(sb.seqs, plain.argmax(-1).tolist())})
+        assert eng.runner.graphs.width_for(sb) == width
+        step_equals_plain_forward(eng, sb)
+
+
+def step_equals_plain_forward(eng, sb) -> None:
+    """The scheduled step `sb` replayed at its width equals the same forward without graphs at
+    that width (logits, NaN rows included, and every cache plane); then it is committed."""
+    r = eng.runner
+    width = r.graphs.width_for(sb)
+    assert width is not None
+    snap, cursor = snapshot(r.cache), r.cache.cursor.clone()
+    graphed = r.run(sb).clone()
+    after = snapshot(r.cache)
+    restore(r.cache, snap)
+    r.cache.cursor.copy_(cursor)
+    plain = r.run(sb, **r.graphs.running(width, sb))
+    torch.testing.assert_close(graphed, plain, rtol=0, atol=0, equal_nan=True)
+    assert all(torch.equal(after[k], v) for k, v in snapshot(r.cache).items())
+    final = np.flatnonzero(sb.is_final_chunk)
+    eng.scheduler.postprocess(sb, {sb.seqs[i].seq_id: int(plain[i].argmax()) for i in final})
 
 
 def planes_written_by_a_step(eng, n: int = 3, seed: int = 2) -> list[torch.Tensor]:

@@ -46,6 +46,21 @@ def tensors_in(obj, seen=None):
             yield from tensors_in(v, seen)
 
 
+def outputs(out) -> list:
+    """The tensors a call returned (one, or a tuple/list of them and plain values)."""
+    return [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+
+
+def recorded(fn):
+    """`fn`, recording each call made while a RecordedGraph captures."""
+    def call(*args):
+        out = fn(*args)
+        if RecordedGraph.recording is not None:
+            RecordedGraph.recording.record(fn, args, out)
+        return out
+    return call
+
+
 class RecordedGraph:
     """torch.cuda.CUDAGraph stand-in: see the module docstring."""
     recording: RecordedGraph | None = None
@@ -64,7 +79,8 @@ class RecordedGraph:
         forward, args, out, inputs = self.call
         moved = [tuple(shape) for t, ptr, shape in inputs if t.data_ptr() != ptr or t.shape != shape]
         assert not moved, f"a captured input was reallocated: {moved[:4]}"
-        out.copy_(forward(*args))
+        for o, v in zip(outputs(out), outputs(forward(*args)), strict=True):
+            o.copy_(v)
         self.replays += 1
 
 

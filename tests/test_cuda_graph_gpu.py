@@ -1,10 +1,13 @@
-"""FULL CUDA graphs and the sync-free step on a GPU (`pytest -m gpu tests/test_cuda_graph_gpu.py`
-on the H200). Not yet run on a GPU: written for the first run there.
+"""FULL and TR_HYBRID CUDA graphs and the sync-free step on a GPU (`pytest -m gpu
+tests/test_cuda_graph_gpu.py` on the H200). The TR_HYBRID tests are not yet run on a GPU
+(their CPU versions with a recording stand-in: tests/test_token_graphs.py).
 
 - A replayed decode graph gives bitwise the logits of the same compiled forward run without
   capture at the same running width (toy, float32), from the same cache state.
-- The schedule-invariance harness gives the same greedy tokens with FULL and with NONE
-  (compiled both ways), and leaks no page or slot.
+- The schedule-invariance harness gives the same greedy tokens with FULL, with TR_HYBRID and
+  with NONE (compiled each way), and leaks no page or slot.
+- TR_HYBRID: a replayed prefill, mixed and decode step gives bitwise the logits and cache of the
+  compiled forward without graphs at the same padded width; padding rows write nothing.
 - One decode step runs under `torch.cuda.set_sync_debug_mode("error")` but for the sampler's
   one copy of the ids.
 """
@@ -17,7 +20,7 @@ from runtime.compile import TraceCache
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.sampler import SamplingTensors, sample_tensors
 from tests import harness as H
-from tests.graph_checks import decoding, planes_written_by_a_step, replay_equals_plain_forward
+from tests.graph_checks import decoding, planes_written_by_a_step, replay_equals_plain_forward, step_equals_plain_forward
 
 pytestmark = pytest.mark.gpu
 
@@ -70,15 +73,44 @@ SCENARIOS = [
 
 
 @pytest.mark.parametrize("sc", SCENARIOS, ids=[s.name for s in SCENARIOS])
-def test_schedule_invariance_full_vs_none(cuda_weights, traces, sc):
+@pytest.mark.parametrize("mode", ["FULL", "TR_HYBRID"])
+def test_schedule_invariance_graphs_vs_none(cuda_weights, traces, sc, mode):
     reqs = H.prompts()
     cuda = {k: v for k, v in BASE.items() if k not in ("model", "dtype", "max_num_seqs")}
     got = {}
-    for mode in ("NONE", "FULL"):
-        scenario = H.Scenario(sc.name, engine={**cuda, **sc.engine, "cudagraph_mode": mode},
+    for m in ("NONE", mode):
+        scenario = H.Scenario(sc.name, engine={**cuda, **sc.engine, "cudagraph_mode": m},
                               arrival_steps=sc.arrival_steps, hook=sc.hook, seed=sc.seed)
-        got[mode] = H.run(cuda_weights, reqs, max_tokens=8, scenario=scenario, dtype="float32")
-    assert got["FULL"] == got["NONE"]
+        got[m] = H.run(cuda_weights, reqs, max_tokens=8, scenario=scenario, dtype="float32")
+    assert got[mode] == got["NONE"]
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["decoder-replay", "no-decoder-replay"])
+def test_tr_hybrid_replays_equal_the_compiled_forward(cuda_weights, replay):
+    """A prefill step, mixed steps (a prompt arriving while others decode, chunked) and decode
+    steps, each replayed at its token bucket: the compiled forward's logits and cache at that
+    width, bit for bit; no page or slot leaked."""
+    from runtime.sequence import SamplingParams
+    eng = engine(cuda_weights, cudagraph_mode="TR_HYBRID", decoder_swa_bounded_replay=replay, max_prefill_chunk=9)
+    rep = eng.graph_report
+    assert rep["graphs"] == rep["pieces"] * len(rep["sizes"]) and rep["pool_bytes"] >= 0
+    p = SamplingParams(max_tokens=6, ignore_eos=True)
+    seqs = [eng.add_request(t, p) for t in H.prompts((5, 17, 40), seed=4)]
+    steps = 0
+    while eng.has_unfinished():
+        if steps == 2:
+            seqs.append(eng.add_request(H.prompts((23,), seed=9)[0], p))
+        step_equals_plain_forward(eng, eng.scheduler.schedule())
+        steps += 1
+    eng.bm.check([])
+    assert eng.bm.all_free and eng.runner.forward.piece_graphs.counts()["replays"] > 0
+
+
+def test_tr_hybrid_padding_rows_are_inert(cuda_weights):
+    graphed = planes_written_by_a_step(engine(cuda_weights, cudagraph_mode="TR_HYBRID", cudagraph_capture_sizes="4"))
+    plain = planes_written_by_a_step(engine(cuda_weights, cudagraph_mode="NONE"))
+    assert all(torch.equal(a, b) for a, b in zip(graphed, plain))
+    assert any(a.any() for a in graphed)
 
 
 def test_a_decode_step_does_not_synchronize(cuda_weights, traces, monkeypatch):

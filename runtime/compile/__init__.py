@@ -48,7 +48,9 @@ The package, one concern per module (like vLLM's `compilation/`): `config` (Comp
 parse_sizes), `segments` (SplitPoints, the segment modules, split_forward, the token-shaped
 tensors and their dynamic dim), `backend` (PiecewiseBackend, piece keys, post_grad_eager),
 `cache` (key factors, compile_key, the keyed cache directory), `forward` (CompiledForward,
-TraceCache, compile_runner) and `debug` (dump routing, depyf). Import the names from here.
+TraceCache, compile_runner), `piece_graphs` (TR_HYBRID: each token piece's CUDA graphs per token
+bucket, the pieces cut at passes/split.py's SPLITTING_OPS) and `debug` (dump routing, depyf).
+Import the names from here.
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """The Dynamo backend of one segment: its graph split per layer (passes/split.py), each distinct
 layer piece compiled once (Inductor with the v41 passes, or Inductor's graph pipeline without code
-generation, `post_grad_eager`), identical pieces reusing it by their structural key."""
+generation, `post_grad_eager`), identical pieces reusing it by their structural key. With
+splitting ops (TR_HYBRID) the pieces of those ops stay eager FX modules, and every compiled token
+piece is installed behind a PieceGraph of its own (runtime/compile/piece_graphs.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -69,8 +71,10 @@ class PieceStats:
 class PiecewiseBackend:
     """The Dynamo backend of one segment (see the module docstring)."""
 
-    def __init__(self, segment: str, ccfg: CompileConfig, pass_manager=None):
+    def __init__(self, segment: str, ccfg: CompileConfig, pass_manager=None, piece_graphs=None):
+        """`piece_graphs`: a PieceGraphs (TR_HYBRID) that gets each token piece's call site."""
         self.segment, self.ccfg, self.pass_manager = segment, ccfg, pass_manager
+        self.piece_graphs = piece_graphs
         self.compiled: dict[str, Callable] = {}
         self.stats: list[PieceStats] = []
         self.graphs = 0
@@ -84,27 +88,34 @@ class PiecewiseBackend:
         return p
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        from passes.split import VIEWS, split_by_layer
+        from passes.split import split_by_layer
         self.graphs += 1
         if p := self.dump_path("computation_graph.py"):
             p.write_text(gm.print_readable(print_output=False, include_stride=True))
-        split_gm, pieces = split_by_layer(gm)
+        split_gm, pieces = split_by_layer(gm, self.ccfg.splitting_ops)
         log.info("%s: Dynamo graph of %d nodes, %d pieces", self.segment, len(gm.graph.nodes),
-                 sum(v != VIEWS for v in pieces.values()))
+                 sum(map(_compiled, pieces.values())))
         if p := self.dump_path("split_graph.py"):
             p.write_text(split_gm.print_readable(print_output=False))
         # each piece's inputs carry Dynamo's example values (split_module copies node meta onto
         # the placeholders); without them, propagate fake values through the split module
         todo = [(n.target, self._piece_inputs(getattr(split_gm, n.target)))
-                for n in split_gm.graph.nodes if n.op == "call_module" and pieces[n.target] != VIEWS]
+                for n in split_gm.graph.nodes if n.op == "call_module" and _compiled(pieces[n.target])]
         if all(args is not None for _, args in todo):
             for target, args in todo:
-                sub = getattr(split_gm, target)
-                split_gm.__dict__[target] = self.compile_piece(sub, args, target, pieces[target])
-                self.installed.append((split_gm, target, sub))
+                self.install(split_gm, target, args, pieces[target])
         else:
             self._compile_by_propagation(gm, split_gm, pieces)
         return split_gm
+
+    def install(self, split_gm, target: str, args, name: str) -> None:
+        """The compiled piece in place of its submodule (behind a PieceGraph with TR_HYBRID)."""
+        sub = getattr(split_gm, target)
+        fn = self.compile_piece(sub, args, target, name)
+        if self.piece_graphs is not None:
+            fn = self.piece_graphs.add(fn, args, f"{self.segment}.{target}.{name}")
+        split_gm.__dict__[target] = fn
+        self.installed.append((split_gm, target, sub))
 
     @staticmethod
     def _piece_inputs(sub: torch.fx.GraphModule):
@@ -116,7 +127,6 @@ class PiecewiseBackend:
         return args
 
     def _compile_by_propagation(self, gm, split_gm, pieces) -> None:
-        from passes.split import VIEWS
         fake_args = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
         # Dynamo's own fake mode (the tracing context holds a fresh one for the backend; AOT
         # re-fakes these inputs into it)
@@ -125,11 +135,9 @@ class PiecewiseBackend:
 
         class Compiler(torch.fx.Interpreter):
             def call_module(self, target, args, kwargs):
-                sub = self.fetch_attr(target)
                 out = super().call_module(target, args, kwargs)
-                if pieces[target] != VIEWS:
-                    self.module.__dict__[target] = backend.compile_piece(sub, args, target, pieces[target])
-                    backend.installed.append((self.module, target, sub))
+                if _compiled(pieces[target]):
+                    backend.install(self.module, target, args, pieces[target])
                 return out
 
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
@@ -211,6 +219,12 @@ def _make_tuple_output(gm: torch.fx.GraphModule) -> bool:
     out.args = ((out.args[0],),)
     gm.recompile()
     return True
+
+
+def _compiled(name: str) -> bool:
+    """Pieces that are compiled: not the hoisted views, not a run of splitting ops."""
+    from passes.split import VIEWS, is_eager
+    return name != VIEWS and not is_eager(name)
 
 
 def _slug(name: str) -> str:

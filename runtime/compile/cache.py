@@ -79,7 +79,8 @@ def key_factors(cfg, args, ccfg: CompileConfig, device) -> dict:
         "runtime": {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
                     if f.name not in NOT_KEYED},
         "compile": {"level": ccfg.level, "backend": str(ccfg.backend), "passes": ccfg.passes,
-                    "fused_lowering": ccfg.fused_lowering},
+                    "fused_lowering": ccfg.fused_lowering,
+                    **({"splitting_ops": list(ccfg.splitting_ops)} if ccfg.splitting_ops else {})},
         "split": ({"segments": ["_EarlyLayers", "_LateLayers"], "early": [0, points.boundary],
                    "late": [points.boundary + 1, points.last], "eager": list(points.eager)}
                   if ccfg.split else {"segments": ["_Backbone"]}),

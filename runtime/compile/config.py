@@ -21,16 +21,19 @@ class CompileConfig:
     dump_dir: str | None = None
     cache_dir: str | None = None           # root of the keyed compile cache directories
     capture_sizes: tuple = ()              # token counts warmed up (later: CUDA-graph capture)
+    splitting_ops: tuple = ()              # TR_HYBRID: passes/split.py SPLITTING_OPS, pieces run eager
 
     @classmethod
     def from_engine_args(cls, args, max_tokens: int) -> "CompileConfig | None":
         """None when the engine runs the eager model."""
         if args.enforce_eager or args.compilation_level == 0:
             return None
+        from passes.split import SPLITTING_OPS
         sizes = parse_sizes(args.capture_sizes, max_tokens)
         return cls(level=args.compilation_level, split=args.decoder_swa_bounded_replay,
                    dump_dir=args.dump_dir, cache_dir=args.compile_cache_dir or str(default_cache_root("compile")),
-                   capture_sizes=sizes, fused_lowering=os.environ.get("V41_FUSED_LOWERING", "auto"))
+                   capture_sizes=sizes, fused_lowering=os.environ.get("V41_FUSED_LOWERING", "auto"),
+                   splitting_ops=SPLITTING_OPS if args.graph_mode() == "TR_HYBRID" else ())
 
 
 def parse_sizes(spec, max_tokens: int) -> tuple:

@@ -22,6 +22,7 @@ from runtime.compile.backend import PiecewiseBackend
 from runtime.compile.cache import CacheDir, key_factors
 from runtime.compile.config import CompileConfig
 from runtime.compile.debug import _depyf
+from runtime.compile.piece_graphs import PieceGraphs
 from runtime.compile.segments import SplitPoints, _Backbone, _EarlyLayers, _LateLayers, mark_tokens, split_forward
 from v41.keyed_dir import default_cache_root
 
@@ -129,8 +130,11 @@ class CompiledForward:
             self.segments = {"_Backbone": _Backbone(model)}
         self.backends: dict[str, Any] = {}
         self.raw: dict[str, Callable] = {}       # the segment functions Dynamo caches on
+        # TR_HYBRID: the token pieces' graphs, bound to this model's weights and this cache, so
+        # such a forward never shares its trace
+        self.piece_graphs = PieceGraphs() if ccfg.splitting_ops else None
         sig = static_signature(model, cache)
-        if traces is None:
+        if traces is None or self.piece_graphs is not None:
             share_key = None
         shared = traces.get(share_key, sig) if share_key is not None else None
         if shared is not None:
@@ -153,7 +157,7 @@ class CompiledForward:
         elif ccfg.backend == "eager":
             backend = "eager"
         else:
-            backend = PiecewiseBackend(name, ccfg, self.pass_manager)
+            backend = PiecewiseBackend(name, ccfg, self.pass_manager, self.piece_graphs)
         self.backends[name] = backend
         fn = _fresh_function(type(seg).forward, f"{name}_{id(self):x}")
         self.raw[name] = fn

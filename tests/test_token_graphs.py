@@ -1,0 +1,204 @@
+"""TR_HYBRID on the CPU: the forward compiled with splitting ops (passes/split.py), each token
+piece behind a PieceGraph (runtime/compile/piece_graphs.py) captured per token bucket by the
+runtime's TokenGraphRunner, with torch.cuda's graph API replaced by the recorder of
+tests/test_cuda_graph_cpu.py (a replay re-runs the captured piece on the captured tensors, so a
+wrapper that forgot to copy an input, or a graph fed from a moved tensor, computes stale rows).
+
+The mini model (every layer role in 8 layers) in float64, compiled with post_grad_eager
+(Inductor's graph pipeline and our passes, no code generation), one engine per module fixture:
+- the split: which pieces each layer role has, no splitting op inside a compiled piece, every
+  eager piece made of splitting ops only, one graph per piece and bucket;
+- a replayed decode, prefill and mixed step equals the compiled forward without graphs at the
+  same padded width, logits and every cache plane bit for bit (decoder bounded replay off: every
+  piece replays; on: the decoder's gathered rows run compiled);
+- requests through the engine get the tokens of the eager engine, with no leaked page or slot;
+- padding rows of a replay write nothing (NaN-poisoned planes come back as a plain step's).
+The GPU versions: tests/test_cuda_graph_gpu.py (marked gpu).
+"""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from passes.split import SPLITTING_OPS, is_eager, op_name
+from runtime import compile as C
+from runtime.engine import EngineArgs, LLMEngine
+from runtime.sequence import SamplingParams
+from runtime.token_graphs import TokenGraphRunner, token_buckets
+from tests import harness as H
+from tests.graph_checks import decoding, planes_written_by_a_step, step_equals_plain_forward
+from tests.test_cuda_graph_cpu import cpu_graphs, recorded  # noqa: F401  (cpu_graphs: a fixture)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+REQS = H.prompts((5, 17, 40), seed=4)
+# token pieces of a layer, by role: before and after its attention (sparse_attn and the ring's
+# scatter_rows run as one eager piece between them); a FULL owner also cuts at its compression
+# (compress_pool with ratio 2, the main, index and scale scatters) and a scorer at its top-k
+EXPECTED_PIECES = {"WINDOW": {2}, "REUSE2": {2}, "REUSE1": {2}, "REINDEX1": {3}, "FULL1": {5}, "FULL2": {6}}
+
+
+@pytest.fixture(scope="module")
+def mini_dir(tmp_path_factory):
+    from v41.loader import dummy_weights
+    cfg = H.mini_cfg()
+    d = tmp_path_factory.mktemp("mini")
+    (d / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    return str(d), dummy_weights(cfg, progress=False)
+
+
+def engine(mini_dir, **kw) -> LLMEngine:
+    path, w = mini_dir
+    args = EngineArgs(model=path, device="cpu", **{"dtype": "float64", "max_num_seqs": 4,
+                                                   "max_num_batched_tokens": 64, **kw})
+    return LLMEngine(args, weights=w)
+
+
+def hybrid(mini_dir, monkeypatch, **kw) -> LLMEngine:
+    """A float64 CPU engine whose forward is compiled with the splitting ops and whose token
+    pieces replay recorded graphs at BUCKETS."""
+    eng = engine(mini_dir, **kw)
+    r = eng.runner
+    fwd = C.CompiledForward(r.model, r.cache, C.CompileConfig(backend="post_grad_eager", splitting_ops=SPLITTING_OPS,
+                                                              split=eng.args.decoder_swa_bounded_replay))
+    r.use_forward(fwd, static_shapes=True)
+    with torch.inference_mode():
+        fwd(r.padding_batch(BUCKETS[-1]), r.cache)
+    fwd.finish_warmup()
+    for p in fwd.piece_graphs.pieces:
+        p.fn = recorded(p.fn)
+    with monkeypatch.context() as m:
+        m.setattr(r, "device", SimpleNamespace(type="cuda"))      # TokenGraphRunner's device check
+        r.graphs = TokenGraphRunner(r, BUCKETS)
+        eng.graph_report = r.graphs.capture(progress=False)
+    return eng
+
+
+@pytest.fixture(scope="module")
+def module_patch():
+    with pytest.MonkeyPatch.context() as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def every_row(mini_dir, module_patch):
+    """TR_HYBRID with decoder bounded replay off: every layer runs every row."""
+    from tests.test_cuda_graph_cpu import RecordedGraph, recording
+    module_patch.setattr(torch.cuda, "CUDAGraph", RecordedGraph)
+    module_patch.setattr(torch.cuda, "graph", recording)
+    module_patch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    module_patch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: 0)
+    return hybrid(mini_dir, module_patch, decoder_swa_bounded_replay=False)
+
+
+@pytest.fixture(scope="module")
+def bounded(mini_dir, module_patch, every_row):
+    """TR_HYBRID with decoder bounded replay on (the default): _EarlyLayers/_LateLayers."""
+    return hybrid(mini_dir, module_patch)
+
+
+def test_the_split_cuts_each_layer_at_its_splitting_ops(every_row):
+    eng = every_row
+    fwd = eng.runner.forward
+    graphs = fwd.piece_graphs
+    (seg, be), = fwd.backends.items()
+    assert seg == "_Backbone"
+    split_gm = be.installed[0][0]
+    for gm, target, sub in be.installed:
+        for n in sub.graph.nodes:            # the Dynamo piece behind each compiled one
+            assert n.op != "call_function" or op_name(n.target) not in SPLITTING_OPS, (target, n)
+    installed = {t for _, t, _ in be.installed}
+    eager = [n.target for n in split_gm.graph.nodes if n.op == "call_module" and n.target not in installed]
+    ops_in_eager = set()
+    for t in eager[1:]:                      # eager[0]: the hoisted cache views
+        sub = getattr(split_gm, t)
+        calls = [n for n in sub.graph.nodes if n.op == "call_function"]
+        assert calls and all(op_name(n.target) in SPLITTING_OPS for n in calls), t
+        ops_in_eager |= {op_name(n.target) for n in calls}
+    assert ops_in_eager == set(SPLITTING_OPS)
+    # token pieces per layer, by role: one before and one after attention (WINDOW; REUSE reads
+    # its owner's top-k), more where a FULL owner compresses and scores between them
+    per_layer = {}
+    for p in graphs.pieces:
+        layer = p.name.split("layers.")[1].split("#")[0] if "layers." in p.name else "outside"
+        per_layer[layer] = per_layer.get(layer, 0) + 1
+    roles = [s.role.name + (str(s.ratio) if s.ratio else "") for s in eng.cfg.topology.backbone]
+    assert per_layer.pop("outside") == 2                     # the embedding, the final norm
+    got = {}
+    for k, v in per_layer.items():
+        got.setdefault(roles[int(k)], set()).add(v)
+    assert got == EXPECTED_PIECES, got
+    assert graphs.counts()["graphs"] == len(graphs.pieces) * len(BUCKETS)
+    assert eng.graph_report["graphs"] == len(graphs.pieces) * len(BUCKETS)
+
+
+def steps_through(eng, step, max_tokens=6) -> tuple[list, list]:
+    """REQS through `eng`, `step(sb)` running each scheduled step (a prefill step first, then
+    decode steps, and a prompt arriving on the third step: mixed steps); returns the step kinds
+    and each request's tokens, after checking that no page or slot leaked."""
+    p = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    seqs = [eng.add_request(t, p) for t in REQS]
+    kinds = []
+    while eng.has_unfinished():
+        if len(kinds) == 2:
+            seqs += [eng.add_request(t, p) for t in H.prompts((23,), seed=9)]
+        sb = eng.scheduler.schedule()
+        kinds.append("decode" if sb.decode else "prefill" if not any(s.num_computed for s in sb.seqs) else "mixed")
+        step(sb)
+    eng.bm.check([])
+    assert eng.bm.all_free
+    return kinds, [s.completion_token_ids for s in seqs]
+
+
+def engine_step(eng):
+    """What LLMEngine.step does with a scheduled batch (run, sample, commit)."""
+    def step(sb):
+        eng.scheduler.schedule = lambda: sb
+        try:
+            eng.step()
+        finally:
+            del eng.scheduler.schedule
+    return step
+
+
+@pytest.mark.parametrize("name", ["every_row", "bounded"])
+def test_a_replayed_step_equals_the_compiled_forward_at_its_width(request, name):
+    eng = request.getfixturevalue(name)
+    graphs = eng.runner.forward.piece_graphs
+    before = graphs.counts()
+    kinds, _ = steps_through(eng, lambda sb: step_equals_plain_forward(eng, sb))
+    assert {"prefill", "decode", "mixed"} <= set(kinds)
+    after = graphs.counts()
+    assert after["replays"] - before["replays"] >= len(kinds) * len(graphs.pieces) // 2
+    if name == "every_row":
+        assert after["misses"] == before["misses"]           # every piece of every step replayed
+
+
+@pytest.mark.parametrize("name", ["every_row", "bounded"])
+def test_tokens_through_the_engine_equal_the_eager_engine(request, mini_dir, name):
+    eng = request.getfixturevalue(name)
+    plain = engine(mini_dir, decoder_swa_bounded_replay=eng.args.decoder_swa_bounded_replay)
+    for e in (plain, eng):
+        e.scheduler.max_prefill_chunk = 9                     # chunked prompts beside decode rows
+    graphs = eng.runner.forward.piece_graphs
+    replays = graphs.counts()["replays"]
+    want = steps_through(plain, engine_step(plain))
+    got = steps_through(eng, engine_step(eng))
+    eng.scheduler.max_prefill_chunk = eng.args.max_num_batched_tokens
+    assert got == want
+    assert graphs.counts()["replays"] > replays
+
+
+def test_padding_rows_of_a_replay_write_nothing(every_row, mini_dir):
+    graphed = planes_written_by_a_step(every_row)         # 3 decoding requests at bucket 4
+    plain = planes_written_by_a_step(engine(mini_dir, decoder_swa_bounded_replay=False))
+    assert all(torch.equal(a, b) for a, b in zip(graphed, plain))
+    assert any(a.any() for a in graphed)
+
+
+def test_token_buckets():
+    assert token_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert token_buckets(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+    assert token_buckets(8192) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
