@@ -262,8 +262,7 @@ class EngineArgs(_EngineFields):
 
     def graph_mode(self) -> str:
         """The CUDA-graph mode this engine runs: the flag, or FULL on CUDA when compiled, else
-        NONE. Graphs on the CPU or of the eager model, and TR_HYBRID until its GPU run, are
-        refused by name."""
+        NONE. Graphs on the CPU or of the eager model are refused by name."""
         mode = self.cudagraph_mode
         cuda = torch.device(self.resolved_device()).type == "cuda"
         if mode is None:
@@ -271,9 +270,6 @@ class EngineArgs(_EngineFields):
         if mode not in CUDAGRAPH_MODES:
             raise AdmissionError(f"cudagraph_mode: {mode!r} (--cudagraph-mode) is not one of "
                                  f"{', '.join(CUDAGRAPH_MODES)}")
-        if mode == "TR_HYBRID":         # built, tested on the CPU only (tests/test_token_graphs.py)
-            raise _not_built("--cudagraph-mode", mode, "TR_HYBRID (token graphs with eager attention), "
-                             "until its GPU run (tests/test_cuda_graph_gpu.py)")
         if mode != "NONE" and not cuda:
             raise AdmissionError(f"cudagraph_mode={mode!r} (--cudagraph-mode): CUDA graphs need a CUDA device; "
                                  f"this engine runs on {self.resolved_device()} (use NONE)")

@@ -61,6 +61,8 @@ class TokenGraphRunner:
         """Capture every piece at every bucket, largest first, each forward after a warm-up
         forward at its width. Returns {sizes, seconds, pool_bytes, pieces, graphs}."""
         r, dev = self.runner, self.runner.device
+        log.warning("CUDA graphs (TR_HYBRID): tested on the CPU with a stand-in for the graph API only; "
+                    "tests/test_cuda_graph_gpu.py has not yet run on a GPU")
         self.pieces.static_storages.update(t.untyped_storage().data_ptr()
                                            for t in (*r.bufs.dev.values(), *r.engram_buf.values()))
         t0 = time.perf_counter()

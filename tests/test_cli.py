@@ -43,7 +43,7 @@ REFUSED = [
     (["--speculative-method", "eagle"], "--speculative-method", "not built in v41 yet"),
     (["--method", "dspark", "--num-speculative-tokens", "4"], "--num-speculative-tokens", "drafts five tokens"),
     (["--method", "dspark", "--no-enforce-eager"], "--speculative-method", "DSpark runs eager for now"),
-    (["--cudagraph-mode", "TR_HYBRID"], "--cudagraph-mode", "not built in v41 yet"),
+    (["--cudagraph-mode", "TR_HYBRID"], "--cudagraph-mode", "CUDA graphs need a CUDA device"),
     (["--cudagraph-mode", "FULL"], "--cudagraph-mode", "CUDA graphs need a CUDA device"),
     (["--cudagraph-mode", "PIECEWISE"], "--cudagraph-mode", "is not one of NONE, FULL, TR_HYBRID"),
     (["--cudagraph-capture-sizes", "1,4,9999"], "--cudagraph-capture-sizes", "[9999]"),
