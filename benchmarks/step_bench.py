@@ -4,12 +4,14 @@ CUDA events after warm-up, median of several steps, each case beside the summed 
 one more step of it under torch.profiler (`device_ms`: wall / device says how host-bound it is).
 The variants share one engine and its weights (flash-slice's 62 GB of bf16 weights fit once on
 an H200, not twice): eager, compiled (the compiled segments), full (compiled + the FULL CUDA
-graphs captured at decode sizes 1-64; prefill runs compiled). They alternate case by case.
+graphs captured at decode sizes 1-64; prefill runs compiled), tr_hybrid (a second compile cut at
+the splitting ops, its token pieces captured at buckets 1-512; the 1x512 prefill replays, larger
+steps run that compile without graphs). They alternate case by case.
 `--weight-format native` runs the same with the FP8/FP4 weights kept native. `--profile DIR`
 also writes a torch.profiler table of one decode step (batch 1) and one prefill step (1x4096)
 per variant: where the time goes.
 
-    python benchmarks/step_bench.py --variants eager,compiled,full --out benchmarks/results/graphs-flash-slice-h200.json
+    python benchmarks/step_bench.py --variants eager,compiled,full,tr_hybrid --out benchmarks/results/graphs-flash-slice-h200.json
 """
 from __future__ import annotations
 
@@ -156,11 +158,11 @@ def main():
     variants = a.variants.split(",")
     res["weights_gib"] = round((torch.cuda.memory_allocated() - runner.cache.nbytes) / 2**30, 2)
     forwards = {"eager": runner.model}
-    graphs = None
+    graphs = {}
 
     def use(v):
         runner.use_forward(forwards["compiled" if v == "full" else v], static_shapes=v != "eager")
-        runner.graphs = graphs if v == "full" else None
+        runner.graphs = graphs.get(v)
 
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
@@ -195,12 +197,25 @@ def main():
         save()
     if "full" in variants:
         from runtime.cuda_graph import CUDAGraphRunner
-        graphs = CUDAGraphRunner(runner, (1, 2, 4, 8, 16, 32, 64))
+        graphs["full"] = CUDAGraphRunner(runner, (1, 2, 4, 8, 16, 32, 64))
         use("compiled")
-        res["graphs"] = graphs.capture()
+        res["graphs"] = graphs["full"].capture()
         print(f"graphs: {json.dumps(res['graphs'])}", flush=True)
         save()
+    if "tr_hybrid" in variants:
+        from runtime.compile import CompileConfig, compile_runner
+        from runtime.token_graphs import TokenGraphRunner, token_buckets
+        hargs = dataclasses.replace(args, enforce_eager=False, cudagraph_mode="TR_HYBRID")
+        res["compile_tr_hybrid"] = compile_runner(runner, hargs, CompileConfig.from_engine_args(hargs, runner.max_tokens))
+        forwards["tr_hybrid"] = runner.forward
+        graphs["tr_hybrid"] = TokenGraphRunner(runner, token_buckets(runner.max_tokens))
+        use("tr_hybrid")
+        res["graphs_tr_hybrid"] = graphs["tr_hybrid"].capture()
+        print(f"graphs (tr_hybrid): {json.dumps(res['graphs_tr_hybrid'])}", flush=True)
+        save()
     cases = [("decode", bs, 1024) for bs in (1, 16, 64)] + [("prefill", 1, 4096), ("prefill", 8, 1024)]
+    if "tr_hybrid" in variants:
+        cases.append(("prefill", 1, 512))      # the largest token bucket: a prefill that replays
     run_cases(eng, cases, variants, use, a.steps, res, save)
     if a.profile:
         for v in variants:

@@ -3,8 +3,10 @@
 # every output under OUT (logs, result JSONs). Run from the repository root with the server
 # packages importable (pip install -e '.[serve]', or PYTHONPATH holding their wheels).
 #
-#   tools/gpu_checks.sh OUT tests     # every `-m gpu` module, one per log, first failure's traceback kept
+#   tools/gpu_checks.sh OUT tests       # the `-m gpu` kernel/compile modules, one log each, first failure's traceback kept
+#   tools/gpu_checks.sh OUT graphtests  # tests/test_cuda_graph_gpu.py (FULL and TR_HYBRID) the same way
 #   tools/gpu_checks.sh OUT graphs    # step_bench: eager / compiled / full, wall and kernel time
+#   tools/gpu_checks.sh OUT hybrid    # step_bench: compiled / full / tr_hybrid (after graphs: warm compile cache)
 #   tools/gpu_checks.sh OUT native    # step_bench with --weight-format native, then native_gemm_bench
 #   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
 #   tools/gpu_checks.sh OUT serve     # flash-slice server + serve_bench on chat text prompts
@@ -19,12 +21,19 @@ py=python3
 step() { echo "== $* ($(date +%T))"; }
 
 case $PART in
-tests)
-  for m in tests/test_native_gemm_gpu.py tests/test_cuda_graph_gpu.py tests/test_memory.py \
-           tests/test_compile_gpu.py tests/test_kernels_gpu.py tests/test_fused_ops_gpu.py; do
+tests|graphtests)
+  # tests: the kernel and compile modules; graphtests: the CUDA-graph module alone (it compiles
+  # the toy for FULL and for TR_HYBRID)
+  if [ "$PART" = tests ]; then
+    mods="tests/test_native_gemm_gpu.py tests/test_memory.py tests/test_compile_gpu.py tests/test_kernels_gpu.py tests/test_fused_ops_gpu.py"
+    limit=150
+  else
+    mods=tests/test_cuda_graph_gpu.py limit=560
+  fi
+  for m in $mods; do
     step "$m"
     # -x: the first failure's traceback is printed before a time limit can cut the run
-    timeout 240 $py -m pytest -q -x -m gpu --timeout=180 --tb=long -p no:cacheprovider "$m" \
+    timeout $limit $py -m pytest -q -x -m gpu --timeout=300 --tb=long -p no:cacheprovider "$m" \
       > "$OUT/$(basename "$m" .py).log" 2>&1
     echo "rc=$?"; tail -3 "$OUT/$(basename "$m" .py).log"
   done ;;
@@ -33,6 +42,11 @@ graphs)
   timeout 560 $py benchmarks/step_bench.py --variants eager,compiled,full --no-agreement \
     --out "$OUT/graphs-flash-slice-h200.json" > "$OUT/graphs.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|^graphs:|Error' "$OUT/graphs.log" | tail -20 ;;
+hybrid)
+  step "step_bench compiled,full,tr_hybrid"
+  timeout 560 $py benchmarks/step_bench.py --variants compiled,full,tr_hybrid --no-agreement \
+    --out "$OUT/graphs-tr-hybrid-flash-slice-h200.json" > "$OUT/hybrid.log" 2>&1
+  echo "rc=$?"; grep -E '^\{"variant|^graphs|Error' "$OUT/hybrid.log" | tail -24 ;;
 native)
   step "step_bench --weight-format native"
   timeout 420 $py benchmarks/step_bench.py --weight-format native --variants compiled,full --no-agreement \
@@ -62,5 +76,5 @@ serve)
   echo "rc=$?"; grep -E 'TTFT|TPOT|ITL|throughput' "$OUT/serve-bench.log"
   kill $pid; wait $pid 2> /dev/null ;;
 *)
-  echo "unknown part $PART: tests, graphs, native, replay or serve" >&2; exit 2 ;;
+  echo "unknown part $PART: tests, graphtests, graphs, hybrid, native, replay or serve" >&2; exit 2 ;;
 esac
