@@ -176,10 +176,10 @@ class LLMEngine:
         verified = {}
         if self.runner.spec is not None and sb.spec:
             drafts = sb.drafts
-            rows, verified = self.runner.spec.accept(rows, [drafts[i] for i in np.flatnonzero(final)])
+            rows, verified = self.runner.spec.accept(rows, [drafts[i] for i in np.flatnonzero(final)], seqs)
         toks, errors = share_tokens(*self._sample(rows, seqs, slots))
         for j, (_, got) in verified.items():
-            toks[j] = got           # greedy: the plain sample of the last row is not used
+            toks[j] = got           # the plain sample of the last row is not used
         lps = self._logprobs(rows, seqs, toks, errors)
         for j, msg in errors.items():
             self._fail(seqs[j], msg)

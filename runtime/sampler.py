@@ -274,6 +274,13 @@ def draw(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return tok.clamp(max=x.shape[-1] - 1)
 
 
+def draw_probs(x: torch.Tensor) -> torch.Tensor:
+    """The distribution `draw` samples each row of `x` from, float64 (DSpark's sampled verify
+    compares drafts against it: runtime.spec_step)."""
+    w = torch.exp(x - x.amax(-1, keepdim=True)).to(torch.float64)
+    return w / w.sum(-1, keepdim=True)
+
+
 def sample_tensors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """The chosen token of every row, on the device."""
     x = process_logits(logits, st)

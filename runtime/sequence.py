@@ -139,11 +139,14 @@ class Sequence:
 
     @property
     def may_draft(self) -> bool:
-        """The request may carry DSpark drafts: greedy with nothing that makes a token depend on
-        the output so far beyond the argmax (penalties, logit bias, min_tokens still pending),
-        and no logprobs. Other requests decode one token per step under DSpark."""
+        """The request may carry DSpark drafts: greedy, or sampled with any temperature, top-k,
+        top-p and min-p (verified by rejection sampling, runtime.spec_step). Excluded, decoding
+        one token per step under DSpark: penalties and a pending min_tokens (they make a verify
+        row's distribution depend on the drafts before it), logit bias (not built on verify
+        rows: SamplingTensors lays it out one row per request), and logprobs (refused with
+        DSpark)."""
         p = self.params
-        return (p.temperature < 1e-5 and not p.penalized and not p.logit_bias and self.num_logprobs is None
+        return (not p.penalized and not p.logit_bias and self.num_logprobs is None
                 and len(self.token_ids) - self.num_prompt_tokens >= p.min_tokens)
 
     @property

@@ -7,6 +7,9 @@ Greedy verification is exact match with the target's argmax. Sampled verificatio
 rejection sampling, so every emitted token is distributed as the target's: accept d_i with
 probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection draw from max(0, p_i - q_i)
 normalized; after k acceptances draw the bonus from p_k. A greedy draft is q_i = one-hot(d_i).
+
+`forced_accept` is the benchmark-only override (EngineArgs.dspark_forced_acceptance): a given
+count of drafts is taken whatever the target says, then the target's own token at that row.
 """
 from __future__ import annotations
 
@@ -40,12 +43,14 @@ def rejection_accept(target_probs: torch.Tensor, draft_tokens: torch.Tensor, u_a
                      u_draw: torch.Tensor, draft_probs: torch.Tensor | None = None):
     """Sampled verification. target_probs [B, k+1, V] (the request's sampling distribution at
     each row, filters applied), draft_probs [B, k, V] the distributions the drafts were drawn
-    from (None: greedy drafts, q = one-hot), u_accept [B, k] and u_draw [B] uniforms in [0, 1)."""
+    from (None: greedy drafts, q = one-hot), u_accept [B, k] uniforms in [0, 1), and u_draw the
+    uniform of the final draw: [B], or [B, k+1] where the draw after a acceptances takes
+    u_draw[:, a] (so each output position can have its own)."""
     k = _check(target_probs, draft_tokens)
     B, V = target_probs.shape[0], target_probs.shape[2]
-    if u_accept.shape != (B, k) or u_draw.shape != (B,):
+    if u_accept.shape != (B, k) or u_draw.shape not in ((B,), (B, k + 1)):
         raise ValueError(f"u_accept/u_draw: shapes {tuple(u_accept.shape)}/{tuple(u_draw.shape)}, "
-                         f"expected [{B}, {k}]/[{B}]")
+                         f"expected [{B}, {k}]/[{B}] or [{B}, {k + 1}]")
     if draft_probs is None:
         draft_probs = torch.nn.functional.one_hot(draft_tokens, V).to(target_probs.dtype)
     elif draft_probs.shape != (B, k, V):
@@ -55,13 +60,32 @@ def rejection_accept(target_probs: torch.Tensor, draft_tokens: torch.Tensor, u_a
     q_d = draft_probs.gather(2, d).squeeze(2)
     a = _accepted(u_accept * q_d < p_d)                              # u < p/q without dividing
     rows = torch.arange(B, device=a.device)
+    if u_draw.dim() == 2:
+        u_draw = u_draw[rows, a]
     p = target_probs[rows, a]                                        # [B, V]
     q = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], 1)[rows, a]   # 0 after k accepts
     resid = (p - q).clamp(min=0)
     total = resid.sum(-1, keepdim=True)
     # p = q leaves no residual, but then the draft is never rejected: only rounding gets here
     dist = torch.where(total > 0, resid / total.clamp(min=torch.finfo(total.dtype).tiny), p)
+    return a, _draw(dist, u_draw)
+
+
+def _draw(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of dist [B, V], the token whose CDF interval (vocab order) holds u x the mass."""
     cdf = dist.cumsum(-1)
-    target = u_draw[:, None].to(cdf.dtype) * cdf[:, -1:]
-    nxt = torch.searchsorted(cdf, target, right=True).clamp(max=V - 1).squeeze(1)
-    return a, nxt
+    target = u[:, None].to(cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).clamp(max=dist.shape[-1] - 1).squeeze(1)
+
+
+def forced_accept(target: torch.Tensor, draft_tokens: torch.Tensor, accepted: torch.Tensor,
+                  u_draw: torch.Tensor | None = None):
+    """Benchmark only: `accepted` [B] (each in 0..k) drafts are taken whatever the target says,
+    then the target's own token at row `accepted`: the argmax of target logits (u_draw None:
+    greedy requests), or a draw from target probs at u_draw [B, k+1] (its column `accepted`)."""
+    k = _check(target, draft_tokens)
+    if accepted.shape != (target.shape[0],) or bool(((accepted < 0) | (accepted > k)).any()):
+        raise ValueError(f"accepted: {accepted.tolist()}, expected [{target.shape[0]}] counts in 0..{k}")
+    rows = torch.arange(target.shape[0], device=target.device)
+    at = target[rows, accepted]
+    return accepted, at.argmax(-1) if u_draw is None else _draw(at, u_draw[rows, accepted])

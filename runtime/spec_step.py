@@ -5,7 +5,9 @@
   to staging rows past the slots, so the slot's own tail is not touched;
 - `keep_context` (after the forward): the draft's context keys of every tapped row; rows of
   prefill chunks enter the draft rings now, verify rows wait for acceptance;
-- `accept`: greedy verification (runtime.spec_decode) of each verify request's rows;
+- `accept`: verification (runtime.spec_decode) of each verify request's rows: exact match for
+  greedy requests, rejection sampling against the plain sampler's distribution for sampled ones
+  (`_sampled` says which uniforms it consumes); or, benchmark only, `forced` acceptance;
 - `commit` (before the scheduler appends the tokens): rejected rows get their saved ring bytes
   back, the staged tail of the last committed even position moves into the slot, the cursor is
   written from the accepted tokens, accepted rows enter the draft rings;
@@ -16,11 +18,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from runtime.sampler import GREEDY_BELOW, SamplingTensors, draw_probs, filter_logits, process_logits, uniforms
 from runtime.sequence import Status
-from runtime.spec_decode import greedy_accept
+from runtime.spec_decode import forced_accept, greedy_accept, rejection_accept
 from v41.dspark import DSpark
 
 ops = torch.ops.v41
+
+# The counters of a sampled request's acceptance tests: ACCEPT_STREAM + output position, apart
+# from the draws' counters (the output position itself, as the plain sampler's); positions stay
+# below 2**30, so the two never meet.
+ACCEPT_STREAM = 1 << 30
 
 
 class SpecStep:
@@ -36,6 +44,10 @@ class SpecStep:
                       "acceptance_length": [0] * (k + 2)}
         self._verify = None
         self._ctx = None
+        # benchmark only (EngineArgs.dspark_forced_acceptance): the mean accepted drafts per
+        # verify step, whatever the target says; None: real verification
+        self.forced: float | None = None
+        self._forced_owed = 0.0
 
     # ---- before the forward ---------------------------------------------------------------
     def stage(self, sb, fields: dict, starts: np.ndarray, n: np.ndarray) -> None:
@@ -94,24 +106,68 @@ class SpecStep:
                 ops.scatter_rows(ring, key, d)
 
     # ---- acceptance and commit -------------------------------------------------------------
-    def accept(self, rows: torch.Tensor, drafts: list) -> tuple[torch.Tensor, dict]:
-        """`rows`: the sampled rows of the final requests (runner.run, final_only) and their
-        drafts. Returns each request's last row (what a plain step samples) and, for the verify
-        requests, {index: (accepted count, [accepted drafts..., next token])}."""
+    def accept(self, rows: torch.Tensor, drafts: list, seqs: list) -> tuple[torch.Tensor, dict]:
+        """`rows`: the sampled rows of the final requests (runner.run, final_only), their drafts
+        and their requests. Returns each request's last row (what a plain step samples) and, for
+        the verify requests, {index: (accepted count, [accepted drafts..., next token])}."""
         cnt = np.array([1 + len(d) for d in drafts], np.int64)
         ends = np.cumsum(cnt) - 1
         last = rows if len(cnt) == len(rows) else rows.index_select(0, torch.as_tensor(ends, device=rows.device))
-        out = {}
-        for k in sorted({len(d) for d in drafts} - {0}):
-            js = [j for j, d in enumerate(drafts) if len(d) == k]
+        out, groups = {}, {}
+        for j, d in enumerate(drafts):          # one batched verification per (k, greedy or sampled)
+            if d:
+                groups.setdefault((len(d), seqs[j].params.temperature >= GREEDY_BELOW), []).append(j)
+        for (k, sampled), js in sorted(groups.items()):
             idx = torch.as_tensor(np.concatenate([np.arange(ends[j] - k, ends[j] + 1) for j in js]),
                                   device=rows.device)
-            a, nxt = greedy_accept(rows.index_select(0, idx).view(len(js), k + 1, -1),
-                                   torch.as_tensor([drafts[j] for j in js], device=rows.device))
+            target = rows.index_select(0, idx).view(len(js), k + 1, -1)
+            d = torch.as_tensor([drafts[j] for j in js], device=rows.device)
+            if sampled:
+                a, nxt = self._sampled(target, d, [seqs[j] for j in js])
+            elif self.forced is None:
+                a, nxt = greedy_accept(target, d)
+            else:
+                a, nxt = forced_accept(target, d, self._forced_counts(len(js), k, rows.device))
             for j, aj, t in zip(js, a.tolist(), nxt.tolist()):
                 out[j] = (aj, list(drafts[j][:aj]) + [t])
                 self._count(k, aj)
         return last, out
+
+    def _sampled(self, target: torch.Tensor, d: torch.Tensor, seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rejection sampling (q = one-hot: the draft is greedy) against each row's sampling
+        distribution, computed as the plain sampler computes the one it draws from
+        (runtime.sampler: process_logits, filter_logits with the request's temperature and
+        filters, then `draw`'s distribution). Uniforms come from the request's seed, by output
+        position: with g tokens generated (the anchor the last), the test of draft d_i, a
+        candidate for output position g+i-1, takes uniforms(seed, ACCEPT_STREAM + g+i-1), and the
+        token drawn after a acceptances (position g+a: a correction or the bonus) takes
+        uniforms(seed, g+a), the plain sampler's counter for that position. A failed test ends
+        the step, so no counter's value decides more than one emitted token."""
+        B, k1, V = target.shape
+        st = SamplingTensors.build(seqs, V, target.device, torch.promote_types(target.dtype, torch.float32))
+        if st.bias_at.numel() or st.banned_at.numel() or st.use_repetition or st.use_output_penalty:
+            raise RuntimeError("a drafting request has logit_bias, min_tokens or penalties (Sequence.may_draft)")
+        rep = lambda t: t.repeat_interleave(k1)  # noqa: E731  (each request's parameters on its 1 + k rows)
+        x = filter_logits(process_logits(target.reshape(B * k1, V), st), rep(st.temperature), rep(st.top_k),
+                          rep(st.top_p), rep(st.min_p), st.top_k_max, st.use_top_p, st.use_min_p,
+                          st.top_p_sorts_all)
+        p = draw_probs(x).view(B, k1, V)
+        at = st.step[:, None] + torch.arange(k1, device=target.device)          # output positions g..g+k
+        u = lambda c: uniforms(st.seed_lo[:, None].expand_as(c), st.seed_hi[:, None].expand_as(c), c)  # noqa: E731
+        if self.forced is not None:
+            return forced_accept(p, d, self._forced_counts(B, k1 - 1, target.device), u(at))
+        return rejection_accept(p, d, u(ACCEPT_STREAM + at[:, :-1]), u(at))
+
+    def _forced_counts(self, B: int, k: int, device) -> torch.Tensor:
+        """Benchmark only: B accepted counts, each floor or ceil of what keeps the running mean
+        at `forced` (the shortfall of a request with fewer than that many drafts is carried to
+        the next ones)."""
+        out = []
+        for _ in range(B):
+            a = min(k, int(self._forced_owed + self.forced + 1e-9))
+            self._forced_owed += self.forced - a
+            out.append(a)
+        return torch.tensor(out, dtype=torch.long, device=device)
 
     def _count(self, k: int, a: int) -> None:
         s = self.stats

@@ -119,16 +119,24 @@ def test_abort_mid_run(toy_weights, reqs, baseline):
     assert all(got[i] == baseline[i] for i in got)
 
 
-def test_sampled_and_logprob_requests(toy_weights, reqs, baseline):
-    """A sampled request decodes without drafts (its seeded tokens are the plain engine's);
-    logprobs with DSpark are refused by name."""
-    p = SamplingParams(max_tokens=10, temperature=0.8, seed=3)
+@pytest.mark.parametrize("params", [dict(presence_penalty=0.5), dict(logit_bias={5: 2.0}), dict(min_tokens=10)],
+                         ids=["penalty", "logit-bias", "min-tokens"])
+def test_requests_that_do_not_draft(toy_weights, reqs, params):
+    """Penalties, logit bias and a pending min_tokens keep a sampled request off drafts (one
+    token per step, Sequence.may_draft): its seeded tokens are the plain engine's. (Sampled
+    requests without them draft: tests/test_dspark_sampled.py.)"""
+    p = SamplingParams(max_tokens=10, temperature=0.8, seed=3, **params)
     plain = H.make_engine(toy_weights)
     a = plain.add_request(reqs[2], p)
     while plain.has_unfinished():
         plain.step()
-    got, _ = run_dspark(toy_weights, [reqs[2]], {}, oracle=False, params=p)
+    got, eng = run_dspark(toy_weights, [reqs[2]], {}, oracle=False, params=p)
     assert got[0] == a.completion_token_ids
+    assert eng.runner.spec.stats["drafts"] == 0
+
+
+def test_logprob_requests_are_refused(toy_weights, reqs):
+    """Logprobs with DSpark are refused by name."""
     eng = H.make_engine(toy_weights, **DSPARK)
     with pytest.raises(ValueError, match="logprobs"):
         eng.add_request(reqs[0], SamplingParams(), logprobs=2)

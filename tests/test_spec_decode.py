@@ -1,12 +1,13 @@
 """Verification of drafted tokens (runtime/spec_decode.py): greedy exact match by hand-made
 rows, and rejection sampling's output distribution on a vocabulary of 5 against the target's
-(chi-square, each comparison at a 0.001 false-alarm rate; seeds fixed, so a run is repeatable)."""
+(chi-square, each comparison at a 0.001 false-alarm rate; seeds fixed, so a run is repeatable);
+the per-count draw uniforms; the benchmark-only forced acceptance."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runtime.spec_decode import greedy_accept, rejection_accept
+from runtime.spec_decode import forced_accept, greedy_accept, rejection_accept
 
 V, K = 5, 3
 CHI2_001 = 18.47          # chi-square 0.999 quantile, df = V - 1 = 4
@@ -92,3 +93,39 @@ def test_all_accepted_when_draft_equals_target():
                               torch.rand(2000, generator=g, dtype=torch.float64), p[:K].expand(2000, -1, -1))
     assert (a == K).all()
     assert _chi2(nxt, p[K]) < CHI2_001
+
+
+def test_draw_uniform_per_accepted_count():
+    """u_draw [B, k+1]: the draw after a acceptances takes column a (the same tokens as
+    passing that column as u_draw [B])."""
+    g = torch.Generator().manual_seed(5)
+    n = 500
+    p = _dists(g).expand(n, -1, -1)
+    drafts = torch.tensor([2, 0, 3]).expand(n, -1)
+    u_acc = torch.rand(n, K, generator=g, dtype=torch.float64)
+    u_draw = torch.rand(n, K + 1, generator=g, dtype=torch.float64)
+    a, nxt = rejection_accept(p, drafts, u_acc, u_draw)
+    a1, nxt1 = rejection_accept(p, drafts, u_acc, u_draw[torch.arange(n), a])
+    assert torch.equal(a, a1) and torch.equal(nxt, nxt1)
+    assert len(set(a.tolist())) > 2
+
+
+def test_forced_accept_takes_the_count_then_the_targets_token():
+    """Benchmark only: the given count of drafts whatever the target says, then the target's
+    argmax (logits) or its draw (probs at u_draw[:, a]) at that row; a count outside 0..k is
+    refused."""
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(4, K + 1, V, generator=g, dtype=torch.float64)
+    drafts = torch.tensor([[1, 2, 3]] * 4)
+    count = torch.tensor([0, 1, 2, 3])
+    a, nxt = forced_accept(logits, drafts, count)
+    assert torch.equal(a, count)
+    assert nxt.tolist() == [int(logits[i, i].argmax()) for i in range(4)]
+    p = torch.softmax(logits, -1)
+    u = torch.rand(4, K + 1, generator=g, dtype=torch.float64)
+    _, drawn = forced_accept(p, drafts, count, u)
+    for i in range(4):
+        cdf = p[i, i].cumsum(-1)
+        assert int(drawn[i]) == int(torch.searchsorted(cdf, u[i, i] * cdf[-1], right=True))
+    with pytest.raises(ValueError, match="accepted"):
+        forced_accept(logits, drafts, torch.tensor([0, 1, 2, 4]))
