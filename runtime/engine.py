@@ -57,6 +57,8 @@ class LLMEngine:
                                   DTYPES[args.dtype], transfer, num_images, args.decoder_swa_bounded_replay,
                                   native_weights=args.weight_format == "native", spec_tokens=args.spec_tokens)
         del weights     # dequantized weights leave the checkpoint's FP8/FP4 tensors unreferenced: free them
+        if self.runner.spec is not None:    # benchmark only (EngineArgs.dspark_forced_acceptance)
+            self.runner.spec.forced = args.dspark_forced_acceptance
         graph_sizes = args.graph_sizes()
         self.pool_plan = None
         if sized:

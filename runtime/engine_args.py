@@ -122,6 +122,11 @@ class _EngineFields:
                                           aliases=("--method",))
     num_speculative_tokens: int | None = _opt(None, "tokens drafted per verify step with --speculative-method "
                                                     "(DSpark drafts 5, the default)")
+    dspark_forced_acceptance: float | None = _opt(None, "BENCHMARK ONLY: every DSpark verify step accepts this many "
+                                                        "drafts on average (0..k, floor/ceil counts), whatever the "
+                                                        "target says, so random weights run at a given acceptance; "
+                                                        "the tokens are not the model's. The server refuses it "
+                                                        "without --allow-benchmark-only")
     extra: dict = _opt({}, "not a flag")
 
 
@@ -238,10 +243,13 @@ class EngineArgs(_EngineFields):
 
     def _admit_speculation(self) -> None:
         """DSpark's refusals by name (docs/dspark.md §4)."""
-        method, k = self.speculative_method, self.num_speculative_tokens
+        method, k, forced = self.speculative_method, self.num_speculative_tokens, self.dspark_forced_acceptance
         if method is None:
             if k is not None:
                 raise AdmissionError(f"num_speculative_tokens={k} (--num-speculative-tokens) needs "
+                                     f"--speculative-method dspark")
+            if forced is not None:
+                raise AdmissionError(f"dspark_forced_acceptance={forced} (--dspark-forced-acceptance) needs "
                                      f"--speculative-method dspark")
             return
         if method != "dspark":
@@ -249,6 +257,9 @@ class EngineArgs(_EngineFields):
         if k is not None and k != 5:
             raise AdmissionError(f"num_speculative_tokens={k} (--num-speculative-tokens): native DSpark "
                                  f"drafts five tokens")
+        if forced is not None and not 0 <= forced <= self.spec_tokens:     # NaN fails both
+            raise AdmissionError(f"dspark_forced_acceptance={forced} (--dspark-forced-acceptance): the mean "
+                                 f"accepted drafts per verify step is in [0, {self.spec_tokens}]")
         if self.kv_cache_dtype != "bf16":
             raise AdmissionError(f"kv_cache_dtype={self.kv_cache_dtype!r} (--kv-cache-dtype): DSpark runs on "
                                  f"the bf16 main pool (a packed/FP4 main pool with DSpark is refused)")

@@ -198,7 +198,18 @@ def test_state_after_sampled_verify_steps_is_plain_decode(toy_weights):
     (tokens,), _ = _run(toy_weights, [(prompt, p)], want)
     eng = H.make_engine(toy_weights, **DSPARK)
     oracle_drafts(eng, want, right=5)
-    plain = H.make_engine(toy_weights)
+    seq, verified = follow_with_plain(toy_weights, eng, prompt, p, tokens)
+    assert seq.completion_token_ids == tokens          # the second run: the same tokens
+    st = eng.runner.spec.stats
+    assert verified >= 3 and st["accepted"] > 0 and st["acceptance_length"][1] > 0, st
+
+
+def follow_with_plain(weights, eng, prompt: list, p: SamplingParams, tokens: list):
+    """Run `prompt` on the DSpark engine `eng`; after every step, check its STATE slot against a
+    plain engine's that decoded the same `tokens` (its draws replaced by them): readable ring
+    rows and tails to 1e-12 relative, the cursor bit for bit. Returns (the request, the number
+    of verify steps)."""
+    plain = H.make_engine(weights)
     plain._sample = lambda rows, seqs, slots: ([tokens[len(s.completion_token_ids)] for s in seqs], {})
     seq, ref = eng.add_request(prompt, p, request_id="q0"), plain.add_request(prompt, p, request_id="q0")
     verified = 0
@@ -217,6 +228,6 @@ def test_state_after_sampled_verify_steps_is_plain_decode(toy_weights):
             torch.testing.assert_close(gv, wv, rtol=1e-12, atol=1e-12 * float(wv.abs().max()))
             torch.testing.assert_close(gg, wg, rtol=1e-12, atol=1e-12 * float(wg.abs().max()))
         assert torch.equal(got[2], exp[2])
-    assert seq.completion_token_ids == tokens          # the second run: the same tokens
-    st = eng.runner.spec.stats
-    assert verified >= 3 and st["accepted"] > 0 and st["acceptance_length"][1] > 0, st
+    eng.bm.check([])
+    assert eng.bm.all_free, "pages or slots leaked"
+    return seq, verified

@@ -1,0 +1,135 @@
+"""DSpark against plain decode at a forced acceptance (issue 17's benchmark): random-weight
+models draft nonsense, so the DSpark variant runs with `--dspark-forced-acceptance A`
+(benchmark only: every verify step accepts A drafts on average whatever the target says, the
+rollback of the rejected rows running as for a real acceptance) and is timed against plain
+decode of the same model, variants alternating round by round, at each batch size.
+
+Each case: `requests` prompts of `--ctx` random tokens are prefilled, one more step runs
+untimed, then `--steps` engine steps are timed (wall clock around LLMEngine.step, which copies
+the tokens to the host, so the device has finished); tokens_per_s = tokens generated in those
+steps / their time, ms_per_step = their median. The weights are loaded once and each variant
+builds its engine from them in turn (one engine's compute weights in memory at a time). Both
+variants run eager: DSpark's compiled forward and CUDA graphs are not built.
+
+    python benchmarks/dspark_bench.py --model flash-slice --device cuda --forced-acceptance 3.51 --out dspark.json
+    python benchmarks/dspark_bench.py --model toy --device cpu --dtype float32 --ctx 24 --steps 3   # smoke
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import time
+
+import torch
+
+from runtime.engine import EngineArgs, LLMEngine
+from runtime.sequence import SamplingParams
+
+K = 5                     # DSpark drafts five tokens
+
+
+def case(eng: LLMEngine, bs: int, ctx: int, steps: int) -> dict:
+    """Time `steps` decode steps of `bs` requests after their prompts."""
+    g = torch.Generator().manual_seed(bs)
+    vocab = min(120000, eng.cfg.vocab_size)
+    p = SamplingParams(max_tokens=(steps + 2) * (K + 1) + 1, ignore_eos=True)     # none finishes while timed
+    seqs = [eng.add_request(torch.randint(3, vocab, (ctx,), generator=g).tolist(), p) for _ in range(bs)]
+    while any(s.num_computed < s.num_prompt_tokens for s in seqs):
+        eng.step()
+    eng.step()
+    spec = eng.runner.spec
+    before = dict(spec.stats) if spec is not None else None
+    n0 = sum(len(s.completion_token_ids) for s in seqs)
+    ts = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.step()
+        if torch.device(eng.runner.device).type == "cuda":
+            torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t)
+    tokens = sum(len(s.completion_token_ids) for s in seqs) - n0
+    assert not any(s.is_finished for s in seqs), "a request finished while timed"
+    for s in seqs:
+        eng.abort(s.request_id)
+    out = {"requests": bs, "tokens_per_s": round(tokens / sum(ts), 2), "ms_per_step": round(statistics.median(ts) * 1e3, 3),
+           "tokens_per_step": round(tokens / steps / bs, 3)}
+    if spec is not None:
+        drafts = spec.stats["drafts"] - before["drafts"]
+        out["measured_acceptance"] = round((spec.stats["accepted"] - before["accepted"]) / max(drafts, 1), 3)
+    return out
+
+
+def engine_args(a, variant: str) -> EngineArgs:
+    spec = {"speculative_method": "dspark", "dspark_forced_acceptance": a.forced_acceptance} if variant == "dspark" else {}
+    batch = max(a.batch_sizes)
+    return EngineArgs(model=a.model, device=a.device, dtype=a.dtype, load_format="dummy" if a.dummy else "auto",
+                      max_num_seqs=batch, max_num_batched_tokens=max(a.max_num_batched_tokens, batch * (K + 1)),
+                      max_model_len=a.ctx + (a.steps + 2) * (K + 1) + 8, enable_prefix_caching=False,
+                      num_pages=a.num_pages, **spec)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="flash-slice")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dummy", action=argparse.BooleanOptionalAction, default=True,
+                    help="random weights of the preset (default; --no-dummy: the checkpoint at --model)")
+    ap.add_argument("--forced-acceptance", type=float, default=3.51,
+                    help="mean accepted drafts per DSpark verify step, 0..5 (default 3.51)")
+    ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
+    ap.add_argument("--ctx", type=int, default=1024, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per case")
+    ap.add_argument("--rounds", type=int, default=2, help="plain then dspark, this many times")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from GPU memory)")
+    ap.add_argument("--out", default=None, help="write the JSON here (default: print it only)")
+    a = ap.parse_args(argv)
+    cuda = torch.device(a.device).type == "cuda"
+    triton = None
+    try:
+        import triton as _triton
+        triton = _triton.__version__
+    except ImportError:
+        pass
+    res = {"benchmark": "dspark_vs_plain", "model": a.model, "dtype": a.dtype,
+           "device": torch.cuda.get_device_name() if cuda else a.device, "torch": torch.__version__,
+           "triton": triton, "date": datetime.date.today().isoformat(), "forced_acceptance": a.forced_acceptance,
+           "context_tokens": a.ctx, "steps": a.steps,
+           "method": "wall clock around LLMEngine.step (tokens copied to the host each step), median step and "
+                     "tokens over the timed steps, after the prompts and one untimed step; eager both; "
+                     "dspark with --dspark-forced-acceptance (benchmark only); variants alternate by round",
+           "results": []}
+
+    def save():
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+
+    args = engine_args(a, "plain")
+    cfg, _ = args.admit()
+    from v41.loader import load_weights
+    weights = load_weights(a.model, cfg, device=args.resolved_device(), load_format=args.load_format, seed=args.seed)
+    for r in range(a.rounds):
+        for variant in ("plain", "dspark"):
+            eng = LLMEngine(engine_args(a, variant), weights=weights)
+            for bs in a.batch_sizes:
+                row = {"variant": variant, "forced_acceptance": a.forced_acceptance if variant == "dspark" else None,
+                       **case(eng, bs, a.ctx, a.steps), "round": r}
+                res["results"].append(row)
+                print(json.dumps(row), flush=True)
+                save()
+            assert eng.bm.all_free, "pages or slots leaked"
+            del eng
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    save()
+    return res
+
+
+if __name__ == "__main__":
+    main()
