@@ -57,8 +57,8 @@ class ModelRunner:
         self.max_tokens, self.max_seqs = T, B
         self.engram_stager = engram_stager(weights, T, self.device)    # tables mapped on the host
         ids_width = self.m * self.layout.n_heads
-        self.bufs = StepBuffers(step_fields(T, B, self.W, self.max_pages,
-                                            {l: ids_width for l in cfg.engram_layer_ids}, geo.page_tokens), self.device)
+        self.bufs = StepBuffers(step_fields(T, B, self.W, self.max_pages, {l: ids_width for l in cfg.engram_layer_ids},
+                                            geo.page_tokens) | replay.step_fields(T), self.device)
         self.buf = {k: self.bufs.dev[k] for k in (*PAD, "block_table")}    # the Batch's fields
         width = cfg.engram_width
         self.engram_buf = {l: torch.zeros(T, width, dtype=dtype, device=self.device)
@@ -107,10 +107,11 @@ class ModelRunner:
         return rows if keep else None
 
     # ---- metadata ------------------------------------------------------------------------
-    def prepare(self, sb: ScheduledBatch, running_tokens: int | None = None,
-                running_bs: int | None = None) -> Batch:
+    def prepare(self, sb: ScheduledBatch, running_tokens: int | None = None, running_bs: int | None = None,
+                decoder_buckets: tuple | None = None) -> Batch:
         """Host metadata for the step, written into the host mirrors and copied to the device
-        buffers. Prefix hits get their state first (a restored image, or a replay cursor)."""
+        buffers. Prefix hits get their state first (a restored image, or a replay cursor).
+        `decoder_buckets`: the decoder's rows run padded to one of them (TR_HYBRID)."""
         host = self.bufs.begin()
         seqs, B = sb.seqs, len(sb.seqs)
         n = np.asarray(sb.num_new, dtype=np.int64)
@@ -159,9 +160,7 @@ class ModelRunner:
         host["final_last"][:len(sampled)] = sampled
         rows.update(sample_rows=B, final_rows=F, final_last=len(sampled))
         if dec is not None:
-            host["dec_rows"][:len(dec[0])], host["dec_win"][:len(dec[0])] = dec[0], dec[1]
-            host["dec_queries"][:len(dec[2])] = dec[2]
-            rows.update(dec_rows=len(dec[0]), dec_win=len(dec[0]), dec_queries=len(dec[2]))
+            rows.update(replay.stage(host, fields, *dec, decoder_buckets))
         dev = self.bufs.publish(rows)
         self._commit = (dev["commit_slots"], dev["commit_cursor"])
         self._sample = (B, T, F, dev["sample_rows"], dev["final_rows"], dev["final_last"])
@@ -169,8 +168,7 @@ class ModelRunner:
         batch = self.batch_view(Tr, Br, engram, sb.captures)
         self._fields = fields if self.spec is not None else None
         if dec is not None:
-            views = {"rows": dev["dec_rows"], "win": dev["dec_win"], "queries": dev["dec_queries"]}
-            batch.decoder = replay.decoder_rows(batch, *dec, Batch, put=lambda k, a: views[k])
+            batch.decoder = replay.decoder_rows(batch, dev, Batch)
             self.rows_run["decoder"] += len(dec[0])
         else:
             self.rows_run["decoder"] += T

@@ -15,11 +15,13 @@ no decoder ring row below s is ever written or read.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from runtime.batch import PAD
 from v41.attention import QueryRows
 
 
@@ -72,18 +74,51 @@ def plan(pos, bid, starts, tails, slots, sampled, W: int, S: int):
     return rows, win, queries
 
 
-def decoder_rows(batch, rows: np.ndarray, win: np.ndarray, queries: np.ndarray, batch_cls,
-                 put=None) -> DecoderRows:
-    """The DecoderRows of `batch` (device tensors gathered from it). `put(name, array)` puts
-    "rows", "win" and "queries" on the device (default: a blocking copy each)."""
-    dev = batch.positions.device
-    put = put or (lambda k, a: torch.from_numpy(a).to(dev))  # noqa: E731
-    r = put("rows", rows)
-    none = lambda: torch.full((len(rows),), -1, dtype=torch.long, device=dev)  # noqa: E731
-    w = put("win", win)
-    sub = batch_cls(batch.input_ids[r], batch.positions[r], batch.batch_ids[r], batch.block_table, w,
-                    batch.ring_dest[r], {k: none() for k in batch.owner_dest}, none(), none(),
+# the decoder Batch's per-row fields held in step buffers of their own (`dec_<field>`, beside
+# dec_rows / dec_win / dec_queries), so a TR_HYBRID graph of the late layers reads them in place;
+# owner_dest, tail_src and tail_dst are -1 on every decoder row (`dec_none`)
+FIELDS = ("input_ids", "positions", "batch_ids", "ring_dest", "image_dest")
+
+
+def step_fields(T: int) -> dict:
+    """Shapes of the decoder's extra step buffers (runtime.batch.step_fields has the rest)."""
+    return {f"dec_{k}": (T,) for k in (*FIELDS, "none")}
+
+
+def stage(host: dict, fields: dict, rows: np.ndarray, win: np.ndarray, queries: np.ndarray,
+          buckets=None) -> dict:
+    """The decoder's rows into the host mirrors, padded to the smallest of `buckets` holding them
+    (a token graph's width; None: exact) with inert rows: gathered from row 0, batch id -1, every
+    destination and window -1; they are never query rows, so nothing reads what they compute.
+    `fields`: the step's per-row host fields. Returns the rows to publish per field."""
+    n = len(rows)
+    width = buckets[bisect.bisect_left(buckets, n)] if buckets else n
+    host["dec_rows"][:n], host["dec_rows"][n:width] = rows, 0
+    host["dec_win"][:n], host["dec_win"][n:width] = win, -1
+    host["dec_queries"][:len(queries)] = queries
+    for k in FIELDS:
+        host[f"dec_{k}"][:n], host[f"dec_{k}"][n:width] = fields[k][rows], PAD[k]
+    host["dec_none"][:width] = -1
+    return {"dec_rows": width, "dec_win": width, "dec_queries": len(queries), "dec_none": width} | \
+        {f"dec_{k}": width for k in FIELDS}
+
+
+def decoder_rows(batch, dev: dict, batch_cls) -> DecoderRows:
+    """The DecoderRows of `batch` over the published decoder buffers (`dev`: their device views,
+    `stage`'s row counts): per-row fields read in place, Engram rows gathered from the batch's."""
+    r, w, none = dev["dec_rows"], dev["dec_win"], dev["dec_none"]
+    sub = batch_cls(dev["dec_input_ids"], dev["dec_positions"], dev["dec_batch_ids"], batch.block_table, w,
+                    dev["dec_ring_dest"], {k: none for k in batch.owner_dest}, none, none,
                     {l: e[r] for l, e in batch.engram_rows.items()},
-                    None if batch.image_dest is None else batch.image_dest[r])
-    qr = put("queries", queries)
+                    None if batch.image_dest is None else dev["dec_image_dest"])
+    qr = dev["dec_queries"]
     return DecoderRows(r, sub, QueryRows(qr, sub.positions[qr], sub.batch_ids[qr], w[qr], batch.block_table))
+
+
+def padding_decoder(bufs, batch, width: int, batch_cls) -> DecoderRows:
+    """A decoder of `width` padding rows and no query row over the decoder buffers: a TR_HYBRID
+    capture runs the late layers' pieces on it (runtime.token_graphs)."""
+    empty = np.zeros(0, np.int64)
+    rows = stage(bufs.begin(), {k: empty for k in FIELDS}, empty, np.zeros((0, bufs.host["dec_win"].shape[1]),
+                                                                           np.int64), empty, (width,))
+    return decoder_rows(batch, bufs.publish(rows), batch_cls)

@@ -6,9 +6,15 @@ them (runtime/compile/piece_graphs.py), so prefill, mixed and decode steps all r
 A step of T tokens runs at the smallest token bucket b >= T (`width_for`): the runner pads it to
 b rows (batch id -1, every destination -1: the eager ops read and write nothing for them, the
 token pieces compute rows nobody reads) and every piece that sees b rows replays its graph of b.
-Steps above the largest bucket run the compiled forward without graphs. Under decoder bounded
-replay the decoder's rows of a step that finishes a prompt are gathered per step and are not a
-bucket in general: those pieces run compiled (PieceGraphs.counts()["misses"]).
+Steps above the largest bucket run the compiled forward without graphs.
+
+Under decoder bounded replay a step that finishes a prompt runs the late layers on the decoder's
+rows only (runtime/replay.py). Those are padded to a bucket too (the smallest one holding them;
+padding rows gathered from row 0 with batch id -1 and every destination and window -1, never a
+query row of the last layer, so nothing reads them), and their per-row fields live in step
+buffers of their own (dec_*), so the late pieces replay: each is captured twice per bucket, on
+the runner's buffers (steps without a decoder: decode steps) and on the decoder's
+(`padding_decoder`), right after, so replays in a step stay in capture order (piece_graphs.py).
 
 tests/test_token_graphs.py runs this on the CPU with the recording stand-in of torch.cuda's graph
 API (tests/test_cuda_graph_cpu.py); tests/test_cuda_graph_gpu.py holds the GPU checks.
@@ -21,6 +27,9 @@ import time
 
 import torch
 from tqdm import tqdm
+
+from runtime import replay
+from runtime.batch import Batch
 
 log = logging.getLogger("v41")
 
@@ -52,14 +61,15 @@ class TokenGraphRunner:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, T)]
 
-    @staticmethod
-    def running(width: int, sb) -> dict:
-        """The runner's running width for a step at `width` (its requests stay as scheduled)."""
-        return {"running_tokens": width}
+    def running(self, width: int, sb) -> dict:
+        """The runner's running width for a step at `width` (its requests stay as scheduled; the
+        decoder's rows, under bounded replay, at a bucket as well)."""
+        return {"running_tokens": width, "decoder_buckets": self.sizes}
 
     def capture(self, progress: bool = True) -> dict:
         """Capture every piece at every bucket, largest first, each forward after a warm-up
-        forward at its width. Returns {sizes, seconds, pool_bytes, pieces, graphs}."""
+        forward at its width; under decoder bounded replay each bucket's late pieces once more on
+        a padding decoder. Returns {sizes, seconds, pool_bytes, pieces, graphs}."""
         r, dev = self.runner, self.runner.device
         log.warning("CUDA graphs (TR_HYBRID): tested on the CPU with a stand-in for the graph API only; "
                     "tests/test_cuda_graph_gpu.py has not yet run on a GPU")
@@ -71,10 +81,13 @@ class TokenGraphRunner:
         with torch.inference_mode():
             for b in tqdm(sorted(self.sizes, reverse=True), desc="token graphs", unit="bucket", disable=not progress):
                 batch = r.padding_batch(b)
-                r.forward(batch, r.cache)                      # warm-up: autotuning, lazy allocations
-                torch.cuda.synchronize(dev)
-                with self.pieces.replaying(b, capture=True):
-                    r.forward(batch, r.cache)
+                for decoder in (False, True) if r.decoder_replay else (False,):
+                    if decoder:
+                        batch.decoder = replay.padding_decoder(r.bufs, batch, b, Batch)
+                    r.forward(batch, r.cache)                      # warm-up: autotuning, lazy allocations
+                    torch.cuda.synchronize(dev)
+                    with self.pieces.replaying(b, capture=True):
+                        r.forward(batch, r.cache)
         torch.cuda.synchronize(dev)
         counts = self.pieces.counts()
         report = {"sizes": list(self.sizes), "seconds": round(time.perf_counter() - t0, 2),

@@ -9,8 +9,10 @@ The mini model (every layer role in 8 layers) in float64, compiled with post_gra
 - the split: which pieces each layer role has, no splitting op inside a compiled piece, every
   eager piece made of splitting ops only, one graph per piece and bucket;
 - a replayed decode, prefill and mixed step equals the compiled forward without graphs at the
-  same padded width, logits and every cache plane bit for bit (decoder bounded replay off: every
-  piece replays; on: the decoder's gathered rows run compiled);
+  same padded width, logits and every cache plane bit for bit, and every piece replays (decoder
+  bounded replay off; on, with the decoder's rows padded to a bucket);
+- under decoder bounded replay the decoder's padding rows are inert: a prompt-finishing and a
+  mixed step leave the cache planes of the same forward on the exact rows (logits: to rounding);
 - requests through the engine get the tokens of the eager engine, with no leaked page or slot;
 - padding rows of a replay write nothing (NaN-poisoned planes come back as a plain step's).
 The GPU versions: tests/test_cuda_graph_gpu.py (marked gpu).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,7 +32,7 @@ from runtime.engine import EngineArgs, LLMEngine
 from runtime.sequence import SamplingParams
 from runtime.token_graphs import TokenGraphRunner, token_buckets
 from tests import harness as H
-from tests.graph_checks import decoding, planes_written_by_a_step, step_equals_plain_forward
+from tests.graph_checks import planes_written_by_a_step
 from tests.test_cuda_graph_cpu import cpu_graphs, recorded  # noqa: F401  (cpu_graphs: a fixture)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -163,17 +166,89 @@ def engine_step(eng):
     return step
 
 
+def planes(cache) -> list[torch.Tensor]:
+    """Every cache plane: ring, cursors, images, and each owner's main, index and tail planes."""
+    owned = [t for o in cache.owners.values() for t in (o.main, o.index, o.index_scale, o.tail_v, o.tail_g)
+             if t is not None]
+    return [cache.ring, cache.cursor, cache.image_ring, cache.image_cursor, *owned]
+
+
+def run_from(r, sb, state, **width) -> tuple[torch.Tensor, list]:
+    """`sb` run from cache `state` (a planes() copy): its logits and the planes after it."""
+    for t, v in zip(planes(r.cache), state):
+        t.copy_(v)
+    lg = r.run(sb, **width).clone()
+    return lg, [t.clone() for t in planes(r.cache)]
+
+
+def same(a, b) -> bool:
+    """Bit for bit (NaN rows and FP8/FP4 planes included)."""
+    return all(torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+               for x, y in zip(a, b, strict=True))
+
+
+def replayed_equals_plain(eng, sb, seen: list) -> None:
+    """`sb` replayed at its width == the compiled forward without graphs at that width (logits,
+    NaN rows included, and every cache plane, bit for bit); `seen` gets (decoder rows, of them
+    padding) of the step. Then the step is committed."""
+    r = eng.runner
+    width = r.graphs.width_for(sb)
+    assert width is not None
+    state = [t.clone() for t in planes(r.cache)]
+    graphed, after = run_from(r, sb, state)
+    dec = r.prepare(sb, **r.graphs.running(width, sb)).decoder
+    if dec is not None:
+        seen.append((len(dec.rows), int((dec.batch.batch_ids == -1).sum())))
+    plain, after_plain = run_from(r, sb, state, **r.graphs.running(width, sb))
+    assert same([graphed, *after], [plain, *after_plain])
+    final = np.flatnonzero(sb.is_final_chunk)
+    eng.scheduler.postprocess(sb, {sb.seqs[i].seq_id: int(plain[i].argmax()) for i in final})
+
+
 @pytest.mark.parametrize("name", ["every_row", "bounded"])
 def test_a_replayed_step_equals_the_compiled_forward_at_its_width(request, name):
     eng = request.getfixturevalue(name)
     graphs = eng.runner.forward.piece_graphs
-    before = graphs.counts()
-    kinds, _ = steps_through(eng, lambda sb: step_equals_plain_forward(eng, sb))
+    before, seen = graphs.counts(), []
+    kinds, _ = steps_through(eng, lambda sb: replayed_equals_plain(eng, sb, seen))
     assert {"prefill", "decode", "mixed"} <= set(kinds)
     after = graphs.counts()
     assert after["replays"] - before["replays"] >= len(kinds) * len(graphs.pieces) // 2
-    if name == "every_row":
-        assert after["misses"] == before["misses"]           # every piece of every step replayed
+    assert after["misses"] == before["misses"]           # every piece of every step replayed
+    if name == "bounded":        # the prompt-finishing steps ran the decoder on padded rows
+        assert len(seen) >= 2 and all(n in BUCKETS for n, _ in seen) and any(pad for _, pad in seen), seen
+
+
+def test_padding_the_decoder_rows_changes_no_real_row(bounded):
+    """A prompt-finishing step and a mixed step, compiled without graphs at the step's width:
+    the decoder's rows padded to a bucket are inert (batch id, window and every destination -1,
+    never a query row) and leave the cache planes of the exact rows bit for bit. The logits
+    agree to rounding only: the CPU's float64 GEMM rounds a row by the row count (rows of a
+    [37, K] @ W differ in the last bit from the same rows of [64, K] @ W), as for the main
+    batch's padding to its bucket, which is why replay is compared at the same width."""
+    eng, r = bounded, bounded.runner
+    graphs, padded = r.graphs, 0
+
+    def step(sb):
+        nonlocal padded
+        width = graphs.running(graphs.width_for(sb), sb)
+        state = [t.clone() for t in planes(r.cache)]
+        exact = run_from(r, sb, state, running_tokens=width["running_tokens"])
+        pad = run_from(r, sb, state, **width)
+        assert same(exact[1], pad[1])
+        torch.testing.assert_close(pad[0], exact[0], rtol=1e-12, atol=1e-12, equal_nan=True)
+        dec = r.prepare(sb, **width).decoder
+        if dec is not None:
+            b, n = dec.batch, int((dec.batch.batch_ids >= 0).sum())
+            assert len(dec.rows) in BUCKETS and (b.batch_ids[:n] >= 0).all() and bool((dec.queries.rows < n).all())
+            for t in (b.batch_ids, b.win_idx, b.ring_dest, b.tail_src, b.tail_dst, *b.owner_dest.values()):
+                assert (t[n:] == -1).all()
+            assert b.image_dest is None or (b.image_dest[n:] == -1).all()
+            padded += n < len(dec.rows)
+        final = np.flatnonzero(sb.is_final_chunk)
+        eng.scheduler.postprocess(sb, {sb.seqs[i].seq_id: int(pad[0][i].argmax()) for i in final})
+    kinds, _ = steps_through(eng, step)
+    assert {"prefill", "mixed"} <= set(kinds) and padded >= 2
 
 
 @pytest.mark.parametrize("name", ["every_row", "bounded"])
@@ -189,6 +264,7 @@ def test_tokens_through_the_engine_equal_the_eager_engine(request, mini_dir, nam
     eng.scheduler.max_prefill_chunk = eng.args.max_num_batched_tokens
     assert got == want
     assert graphs.counts()["replays"] > replays
+    assert graphs.counts()["misses"] == 0
 
 
 def test_padding_rows_of_a_replay_write_nothing(every_row, mini_dir):

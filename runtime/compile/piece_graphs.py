@@ -15,15 +15,20 @@ Static inputs. A replay reads the addresses its capture read. A piece's tensor i
 - other token tensors (what the eager parts between the segments allocate: the boundary
   layer's outputs, the decoder's gathered rows): the PieceGraph copies them into buffers of
   its own at capture, and copies again before each replay.
-A replay whose persistent inputs are not at their captured addresses (the decoder's rows under
-bounded replay are gathered each step; a piece fed by a piece that did not replay) runs the
-compiled piece instead, counted in `misses`: correct, only slower.
+A piece keeps a graph per bucket and set of persistent input addresses: under decoder bounded
+replay the late layers' pieces read the runner's buffers on some steps and the decoder's on
+others (runtime/token_graphs.py captures both). A replay whose persistent inputs are at none of
+its captures' addresses (a piece fed by a piece that did not replay) runs the compiled piece
+instead, counted in `misses`: correct, only slower.
 
 Memory. Each call site owns its graphs (identical layers share a compiled callable, never a
 graph: a graph's outputs are its own buffers); all graphs share one memory pool, captured
-largest bucket first, and every captured output stays referenced, so a smaller bucket's graph
-never writes into a larger one's outputs. A step replays its buckets in non-increasing order
-(the decoder's rows are at most the step's), which keeps that safe within a step too.
+largest bucket first, and every captured output stays referenced, so a later capture never
+writes into an earlier one's outputs (only into memory earlier captures used for their
+intermediates). A step replays its graphs in the order they were captured: its early pieces at
+its bucket, then the late ones at the decoder's bucket, no larger, captured after (for the
+same bucket, the decoder's pass follows the runner's), so no replay in a step overwrites an
+output an earlier replay of that step left.
 """
 from __future__ import annotations
 
@@ -71,7 +76,7 @@ class PieceGraphs:
             self.width, self.capturing = None, False
 
     def counts(self) -> dict:
-        return {"pieces": len(self.pieces), "graphs": sum(len(p.graphs) for p in self.pieces),
+        return {"pieces": len(self.pieces), "graphs": sum(map(len, (c for p in self.pieces for c in p.graphs.values()))),
                 "replays": sum(p.replays for p in self.pieces), "misses": sum(p.misses for p in self.pieces)}
 
 
@@ -98,7 +103,7 @@ class PieceGraph:
     def __init__(self, fn: Callable, example_args, name: str, owner: PieceGraphs):
         self.fn, self.name, self.owner = fn, name, owner
         self.token_args = tuple(i for i, a in enumerate(example_args) if _token_dim(a))
-        self.graphs: dict[int, _Captured] = {}
+        self.graphs: dict[int, list[_Captured]] = {}     # bucket -> its captures
         self.replays = self.misses = 0
 
     def __call__(self, *args):
@@ -106,15 +111,15 @@ class PieceGraph:
         if own.width is None or not self.token_args:
             return self.fn(*args)
         n = args[self.token_args[0]].shape[0]
-        cap = self.graphs.get(n)
-        if cap is None and own.capturing and n == own.width:
+        for cap in self.graphs.get(n, ()):
+            out = cap.replay(args)
+            if out is not None:
+                self.replays += 1
+                return out
+        if own.capturing and n == own.width:
             return self.capture(n, args)
-        out = cap.replay(args) if cap is not None else None
-        if out is None:
-            self.misses += 1
-            return self.fn(*args)
-        self.replays += 1
-        return out
+        self.misses += 1
+        return self.fn(*args)
 
     def capture(self, n: int, args):
         """Capture this piece at token count `n` on `args` (a warm-up call first), then replay it
@@ -135,6 +140,6 @@ class PieceGraph:
         if own.pool is None:
             own.pool = g.pool()
         own.static_storages.update(t.untyped_storage().data_ptr() for t in _tensors(out))
-        self.graphs[n] = _Captured(g, static, copies, fixed, out)
+        self.graphs.setdefault(n, []).append(_Captured(g, static, copies, fixed, out))
         g.replay()
         return out
