@@ -1,8 +1,10 @@
-"""DSpark against plain decode at a forced acceptance (issue 17's benchmark): random-weight
-models draft nonsense, so the DSpark variant runs with `--dspark-forced-acceptance A`
-(benchmark only: every verify step accepts A drafts on average whatever the target says, the
-rollback of the rejected rows running as for a real acceptance) and is timed against plain
-decode of the same model, variants alternating round by round, at each batch size.
+"""DSpark against plain decode at a forced acceptance length (issue 17's benchmark): random-weight
+models draft nonsense, so the DSpark variant runs with `--spec-decode-acceptance-length L`
+(ATOM's flag, benchmark only: every verify step commits L tokens on average, 1 + accepted
+drafts, whatever the target says, the rollback of the rejected rows running as for a real
+acceptance) and is timed against plain decode of the same model, variants alternating round by
+round, at each batch size. The JSON's "forced_acceptance" (issue 17's field) holds L, and
+"measured_acceptance_length" the mean 1 + accepted drafts per verify step of the timed steps.
 
 Each case: `requests` prompts of `--ctx` random tokens are prefilled, one more step runs
 untimed, then `--steps` engine steps are timed (wall clock around LLMEngine.step, which copies
@@ -11,7 +13,7 @@ steps / their time, ms_per_step = their median. The weights are loaded once and 
 builds its engine from them in turn (one engine's compute weights in memory at a time). Both
 variants run eager: DSpark's compiled forward and CUDA graphs are not built.
 
-    python benchmarks/dspark_bench.py --model flash-slice --device cuda --forced-acceptance 3.51 --out dspark.json
+    python benchmarks/dspark_bench.py --model flash-slice --device cuda --acceptance-length 3.51 --out dspark.json
     python benchmarks/dspark_bench.py --model toy --device cpu --dtype float32 --ctx 24 --steps 3   # smoke
 """
 from __future__ import annotations
@@ -58,12 +60,14 @@ def case(eng: LLMEngine, bs: int, ctx: int, steps: int) -> dict:
            "tokens_per_step": round(tokens / steps / bs, 3)}
     if spec is not None:
         drafts = spec.stats["drafts"] - before["drafts"]
-        out["measured_acceptance"] = round((spec.stats["accepted"] - before["accepted"]) / max(drafts, 1), 3)
+        accepted = spec.stats["accepted"] - before["accepted"]
+        out["measured_acceptance_length"] = round(1 + accepted / max(drafts, 1), 3)
     return out
 
 
 def engine_args(a, variant: str) -> EngineArgs:
-    spec = {"speculative_method": "dspark", "dspark_forced_acceptance": a.forced_acceptance} if variant == "dspark" else {}
+    spec = ({"speculative_method": "dspark", "spec_decode_acceptance_length": a.acceptance_length}
+            if variant == "dspark" else {})
     batch = max(a.batch_sizes)
     return EngineArgs(model=a.model, device=a.device, dtype=a.dtype, load_format="dummy" if a.dummy else "auto",
                       max_num_seqs=batch, max_num_batched_tokens=max(a.max_num_batched_tokens, batch * (K + 1)),
@@ -78,8 +82,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--dummy", action=argparse.BooleanOptionalAction, default=True,
                     help="random weights of the preset (default; --no-dummy: the checkpoint at --model)")
-    ap.add_argument("--forced-acceptance", type=float, default=3.51,
-                    help="mean accepted drafts per DSpark verify step, 0..5 (default 3.51)")
+    ap.add_argument("--acceptance-length", type=float, default=3.51,
+                    help="mean tokens a DSpark verify step commits, 1 + accepted drafts, 1..6 (default 3.51, "
+                         "the recipe's; --spec-decode-acceptance-length of the engine)")
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     ap.add_argument("--ctx", type=int, default=1024, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per case")
@@ -97,11 +102,11 @@ def main(argv=None) -> dict:
         pass
     res = {"benchmark": "dspark_vs_plain", "model": a.model, "dtype": a.dtype,
            "device": torch.cuda.get_device_name() if cuda else a.device, "torch": torch.__version__,
-           "triton": triton, "date": datetime.date.today().isoformat(), "forced_acceptance": a.forced_acceptance,
+           "triton": triton, "date": datetime.date.today().isoformat(), "forced_acceptance": a.acceptance_length,
            "context_tokens": a.ctx, "steps": a.steps,
            "method": "wall clock around LLMEngine.step (tokens copied to the host each step), median step and "
                      "tokens over the timed steps, after the prompts and one untimed step; eager both; "
-                     "dspark with --dspark-forced-acceptance (benchmark only); variants alternate by round",
+                     "dspark with --spec-decode-acceptance-length (benchmark only); variants alternate by round",
            "results": []}
 
     def save():
@@ -117,7 +122,7 @@ def main(argv=None) -> dict:
         for variant in ("plain", "dspark"):
             eng = LLMEngine(engine_args(a, variant), weights=weights)
             for bs in a.batch_sizes:
-                row = {"variant": variant, "forced_acceptance": a.forced_acceptance if variant == "dspark" else None,
+                row = {"variant": variant, "forced_acceptance": a.acceptance_length if variant == "dspark" else None,
                        **case(eng, bs, a.ctx, a.steps), "round": r}
                 res["results"].append(row)
                 print(json.dumps(row), flush=True)

@@ -57,8 +57,9 @@ class LLMEngine:
                                   DTYPES[args.dtype], transfer, num_images, args.decoder_swa_bounded_replay,
                                   native_weights=args.weight_format == "native", spec_tokens=args.spec_tokens)
         del weights     # dequantized weights leave the checkpoint's FP8/FP4 tensors unreferenced: free them
-        if self.runner.spec is not None:    # benchmark only (EngineArgs.dspark_forced_acceptance)
-            self.runner.spec.forced = args.dspark_forced_acceptance
+        L = args.spec_decode_acceptance_length      # benchmark only: L tokens per verify step, L - 1 drafts
+        if self.runner.spec is not None and L is not None:
+            self.runner.spec.forced = L - 1
         graph_sizes = args.graph_sizes()
         self.pool_plan = None
         if sized:

@@ -118,15 +118,15 @@ class _EngineFields:
                                          "kept FP8/FP4 and multiplied by the W8A8/W4A8 GEMMs (Triton on CUDA), "
                                          "about 2.5x less weight memory but slower GEMMs today (docs/weights.md)")
     speculative_method: str | None = _opt(None, "speculative decoding: dspark (V4.1's native five-token "
-                                                "draft, docs/dspark.md; eager, greedy requests draft)",
+                                                "draft, docs/dspark.md; eager; greedy and sampled requests draft)",
                                           aliases=("--method",))
     num_speculative_tokens: int | None = _opt(None, "tokens drafted per verify step with --speculative-method "
                                                     "(DSpark drafts 5, the default)")
-    dspark_forced_acceptance: float | None = _opt(None, "BENCHMARK ONLY: every DSpark verify step accepts this many "
-                                                        "drafts on average (0..k, floor/ceil counts), whatever the "
-                                                        "target says, so random weights run at a given acceptance; "
-                                                        "the tokens are not the model's. The server refuses it "
-                                                        "without --allow-benchmark-only")
+    spec_decode_acceptance_length: float | None = _opt(
+        None, "BENCHMARK ONLY (ATOM's flag): every DSpark verify step commits this many tokens on average, "
+              "1 + accepted drafts (1..k+1; floor/ceil accepted counts), whatever the target says, so random "
+              "weights run at a given acceptance length (the recipe's 3.51); the tokens are not the model's. "
+              "The server refuses it without --allow-benchmark-only")
     extra: dict = _opt({}, "not a flag")
 
 
@@ -243,23 +243,24 @@ class EngineArgs(_EngineFields):
 
     def _admit_speculation(self) -> None:
         """DSpark's refusals by name (docs/dspark.md §4)."""
-        method, k, forced = self.speculative_method, self.num_speculative_tokens, self.dspark_forced_acceptance
+        method, k, length = self.speculative_method, self.num_speculative_tokens, self.spec_decode_acceptance_length
         if method is None:
             if k is not None:
                 raise AdmissionError(f"num_speculative_tokens={k} (--num-speculative-tokens) needs "
                                      f"--speculative-method dspark")
-            if forced is not None:
-                raise AdmissionError(f"dspark_forced_acceptance={forced} (--dspark-forced-acceptance) needs "
-                                     f"--speculative-method dspark")
+            if length is not None:
+                raise AdmissionError(f"spec_decode_acceptance_length={length} (--spec-decode-acceptance-length) "
+                                     f"needs --speculative-method dspark")
             return
         if method != "dspark":
             raise _not_built("--speculative-method", method, f"speculative method {method!r} (only dspark)")
         if k is not None and k != 5:
             raise AdmissionError(f"num_speculative_tokens={k} (--num-speculative-tokens): native DSpark "
                                  f"drafts five tokens")
-        if forced is not None and not 0 <= forced <= self.spec_tokens:     # NaN fails both
-            raise AdmissionError(f"dspark_forced_acceptance={forced} (--dspark-forced-acceptance): the mean "
-                                 f"accepted drafts per verify step is in [0, {self.spec_tokens}]")
+        if length is not None and not 1 <= length <= 1 + self.spec_tokens:     # NaN fails both
+            raise AdmissionError(f"spec_decode_acceptance_length={length} (--spec-decode-acceptance-length): the "
+                                 f"mean tokens a verify step commits (1 + accepted drafts) is in "
+                                 f"[1, {1 + self.spec_tokens}]")
         if self.kv_cache_dtype != "bf16":
             raise AdmissionError(f"kv_cache_dtype={self.kv_cache_dtype!r} (--kv-cache-dtype): DSpark runs on "
                                  f"the bf16 main pool (a packed/FP4 main pool with DSpark is refused)")

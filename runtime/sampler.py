@@ -268,17 +268,11 @@ def filter_logits(x: torch.Tensor, temperature, top_k, top_p, min_p, top_k_max: 
 
 
 def draw(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Per row, the token whose CDF interval (vocab order, float64) holds u x the row's mass."""
+    """Per row, the token whose CDF interval (vocab order, float64) holds u x the row's mass
+    (DSpark's sampled verify draws its rows with it too: runtime.spec_step)."""
     cdf = torch.exp(x - x.amax(-1, keepdim=True)).cumsum(-1, dtype=torch.float64)
     tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     return tok.clamp(max=x.shape[-1] - 1)
-
-
-def draw_probs(x: torch.Tensor) -> torch.Tensor:
-    """The distribution `draw` samples each row of `x` from, float64 (DSpark's sampled verify
-    compares drafts against it: runtime.spec_step)."""
-    w = torch.exp(x - x.amax(-1, keepdim=True)).to(torch.float64)
-    return w / w.sum(-1, keepdim=True)
 
 
 def sample_tensors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -5,9 +5,10 @@
   to staging rows past the slots, so the slot's own tail is not touched;
 - `keep_context` (after the forward): the draft's context keys of every tapped row; rows of
   prefill chunks enter the draft rings now, verify rows wait for acceptance;
-- `accept`: verification (runtime.spec_decode) of each verify request's rows: exact match for
-  greedy requests, rejection sampling against the plain sampler's distribution for sampled ones
-  (`_sampled` says which uniforms it consumes); or, benchmark only, `forced` acceptance;
+- `accept`: verification (runtime.spec_decode) of each verify request's rows: the drafts are
+  matched against the token a plain step would emit at each row (the argmax, or for a sampled
+  request the plain sampler's own draw at that output position: `_draws`), which for greedy
+  drafts is rejection sampling; or, benchmark only, `forced` acceptance;
 - `commit` (before the scheduler appends the tokens): rejected rows get their saved ring bytes
   back, the staged tail of the last committed even position moves into the slot, the cursor is
   written from the accepted tokens, accepted rows enter the draft rings;
@@ -18,17 +19,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.sampler import GREEDY_BELOW, SamplingTensors, draw_probs, filter_logits, process_logits, uniforms
+from runtime.sampler import GREEDY_BELOW, SamplingTensors, draw, filter_logits, process_logits, uniforms
 from runtime.sequence import Status
-from runtime.spec_decode import forced_accept, greedy_accept, rejection_accept
+from runtime.spec_decode import forced_accept, match_accept
 from v41.dspark import DSpark
 
 ops = torch.ops.v41
-
-# The counters of a sampled request's acceptance tests: ACCEPT_STREAM + output position, apart
-# from the draws' counters (the output position itself, as the plain sampler's); positions stay
-# below 2**30, so the two never meet.
-ACCEPT_STREAM = 1 << 30
 
 
 class SpecStep:
@@ -44,8 +40,8 @@ class SpecStep:
                       "acceptance_length": [0] * (k + 2)}
         self._verify = None
         self._ctx = None
-        # benchmark only (EngineArgs.dspark_forced_acceptance): the mean accepted drafts per
-        # verify step, whatever the target says; None: real verification
+        # benchmark only (EngineArgs.spec_decode_acceptance_length L): the mean accepted drafts
+        # per verify step, L - 1, whatever the target says; None: real verification
         self.forced: float | None = None
         self._forced_owed = 0.0
 
@@ -122,27 +118,25 @@ class SpecStep:
                                   device=rows.device)
             target = rows.index_select(0, idx).view(len(js), k + 1, -1)
             d = torch.as_tensor([drafts[j] for j in js], device=rows.device)
-            if sampled:
-                a, nxt = self._sampled(target, d, [seqs[j] for j in js])
-            elif self.forced is None:
-                a, nxt = greedy_accept(target, d)
+            tokens = self._draws(target, [seqs[j] for j in js]) if sampled else target.argmax(-1)
+            if self.forced is None:
+                a, nxt = match_accept(tokens, d)
             else:
-                a, nxt = forced_accept(target, d, self._forced_counts(len(js), k, rows.device))
+                a, nxt = forced_accept(tokens, d, self._forced_counts(len(js), k, rows.device))
             for j, aj, t in zip(js, a.tolist(), nxt.tolist()):
                 out[j] = (aj, list(drafts[j][:aj]) + [t])
                 self._count(k, aj)
         return last, out
 
-    def _sampled(self, target: torch.Tensor, d: torch.Tensor, seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rejection sampling (q = one-hot: the draft is greedy) against each row's sampling
-        distribution, computed as the plain sampler computes the one it draws from
-        (runtime.sampler: process_logits, filter_logits with the request's temperature and
-        filters, then `draw`'s distribution). Uniforms come from the request's seed, by output
-        position: with g tokens generated (the anchor the last), the test of draft d_i, a
-        candidate for output position g+i-1, takes uniforms(seed, ACCEPT_STREAM + g+i-1), and the
-        token drawn after a acceptances (position g+a: a correction or the bonus) takes
-        uniforms(seed, g+a), the plain sampler's counter for that position. A failed test ends
-        the step, so no counter's value decides more than one emitted token."""
+    @staticmethod
+    def _draws(target: torch.Tensor, seqs: list) -> torch.Tensor:
+        """The token the plain sampler would draw at each row [B, k+1] of sampled requests:
+        the same arithmetic (runtime.sampler: process_logits, filter_logits with the request's
+        temperature and filters, `draw`) and the same uniform, uniforms(seed, g+i) for row i
+        with g tokens generated (the anchor the last): the counter of output position g+i.
+        Matching greedy drafts against these draws is rejection sampling (runtime.spec_decode),
+        and every emitted token is the one plain decoding draws there from the same logits, so
+        a seeded request's tokens do not depend on DSpark, its drafts or its batch."""
         B, k1, V = target.shape
         st = SamplingTensors.build(seqs, V, target.device, torch.promote_types(target.dtype, torch.float32))
         if st.bias_at.numel() or st.banned_at.numel() or st.use_repetition or st.use_output_penalty:
@@ -151,12 +145,8 @@ class SpecStep:
         x = filter_logits(process_logits(target.reshape(B * k1, V), st), rep(st.temperature), rep(st.top_k),
                           rep(st.top_p), rep(st.min_p), st.top_k_max, st.use_top_p, st.use_min_p,
                           st.top_p_sorts_all)
-        p = draw_probs(x).view(B, k1, V)
-        at = st.step[:, None] + torch.arange(k1, device=target.device)          # output positions g..g+k
-        u = lambda c: uniforms(st.seed_lo[:, None].expand_as(c), st.seed_hi[:, None].expand_as(c), c)  # noqa: E731
-        if self.forced is not None:
-            return forced_accept(p, d, self._forced_counts(B, k1 - 1, target.device), u(at))
-        return rejection_accept(p, d, u(ACCEPT_STREAM + at[:, :-1]), u(at))
+        at = (st.step[:, None] + torch.arange(k1, device=target.device)).reshape(-1)     # output positions
+        return draw(x, uniforms(rep(st.seed_lo), rep(st.seed_hi), at)).view(B, k1)
 
     def _forced_counts(self, B: int, k: int, device) -> torch.Tensor:
         """Benchmark only: B accepted counts, each floor or ceil of what keeps the running mean

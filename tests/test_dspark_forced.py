@@ -1,10 +1,11 @@
-"""The benchmark-only forced acceptance (EngineArgs.dspark_forced_acceptance, issue 17): the
-engine's measured mean acceptance is the one asked for, the committed tokens are the drafts up
-to the forced count then the target's own token at that row, the STATE slot after every verify
-step is a plain decode's of those tokens (the rollback runs as for a real acceptance), nothing
-leaks; admission refuses it without DSpark or out of [0, k], the server refuses it unless
---allow-benchmark-only; benchmarks/dspark_bench.py runs on the CPU toy and writes issue 17's
-JSON shape."""
+"""The benchmark-only forced acceptance length (EngineArgs.spec_decode_acceptance_length, ATOM's
+`--spec-decode-acceptance-length L`, issue 17): L counts the tokens a verify step commits, 1 +
+accepted drafts. The engine's measured mean acceptance length is the one asked for, the
+committed tokens are the drafts up to the forced count then the target's own token at that row,
+the STATE slot after every verify step is a plain decode's of those tokens (the rollback runs as
+for a real acceptance), nothing leaks; admission refuses it without DSpark or out of [1, k+1],
+the server refuses it unless --allow-benchmark-only; benchmarks/dspark_bench.py runs on the CPU
+toy and writes issue 17's JSON shape ("forced_acceptance": L)."""
 from __future__ import annotations
 
 import json
@@ -20,13 +21,14 @@ from tests.test_dspark_engine import DSPARK
 from tests.test_dspark_sampled import follow_with_plain
 from v41 import serve
 
-A = 3.51
+L = 3.51                  # the recipe's acceptance length: 2.51 accepted drafts per verify step
 
 
 def test_measured_acceptance_is_the_forced_one(toy_weights):
-    """Eight requests of 100 tokens (greedy and sampled): over 176 verify steps the mean
-    accepted drafts per step (SpecStep.stats, what /metrics publishes) is A within 0.05."""
-    eng = H.make_engine(toy_weights, **DSPARK, dspark_forced_acceptance=A)
+    """Eight requests of 100 tokens (greedy and sampled): over their verify steps the mean
+    acceptance length, 1 + accepted drafts per step (SpecStep.stats, what /metrics publishes),
+    is L within 0.05."""
+    eng = H.make_engine(toy_weights, **DSPARK, spec_decode_acceptance_length=L)
     for i, p in enumerate(H.prompts((5, 16, 17, 33, 9, 40, 21, 12), seed=3)):
         sp = SamplingParams(max_tokens=100, ignore_eos=True, **({"temperature": 0.8, "seed": i} if i % 2 else {}))
         eng.add_request(p, sp, request_id=f"r{i}")
@@ -36,8 +38,8 @@ def test_measured_acceptance_is_the_forced_one(toy_weights):
     assert eng.bm.all_free, "pages or slots leaked"
     st = eng.runner.spec.stats
     assert st["drafts"] > 150, st
-    assert abs(st["accepted"] / st["drafts"] - A) < 0.05, st
-    assert set(i for i, n in enumerate(st["acceptance_length"]) if n) >= {4, 5}, st   # floor and ceil of A
+    assert abs(1 + st["accepted"] / st["drafts"] - L) < 0.05, st
+    assert set(i for i, n in enumerate(st["acceptance_length"]) if n) >= {3, 4}, st   # floor and ceil of L
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
@@ -48,7 +50,7 @@ def test_forced_tokens_and_state(toy_weights, sampled):
     prompt = H.prompts((19,), seed=8)[0]
     p = SamplingParams(max_tokens=30, ignore_eos=True, **({"temperature": 0.7, "seed": 5} if sampled else {}))
     first, _ = _forced_run(toy_weights, prompt, p)
-    eng = H.make_engine(toy_weights, **DSPARK, dspark_forced_acceptance=A)
+    eng = H.make_engine(toy_weights, **DSPARK, spec_decode_acceptance_length=L)
     spec, steps = eng.runner.spec, []
     accept = spec.accept
 
@@ -61,11 +63,11 @@ def test_forced_tokens_and_state(toy_weights, sampled):
     assert seq.completion_token_ids == first and verified >= 4
     for drafts, a, toks in steps:
         assert a <= len(drafts) and toks[:-1] == drafts[:a]
-    assert {a for _, a, _ in steps} >= {3, 4}
+    assert {a for _, a, _ in steps} >= {2, 3}
 
 
 def _forced_run(weights, prompt, p):
-    eng = H.make_engine(weights, **DSPARK, dspark_forced_acceptance=A)
+    eng = H.make_engine(weights, **DSPARK, spec_decode_acceptance_length=L)
     seq = eng.add_request(prompt, p, request_id="q0")
     while eng.has_unfinished():
         eng.step()
@@ -73,33 +75,39 @@ def _forced_run(weights, prompt, p):
 
 
 @pytest.mark.parametrize("kw, why", [
-    ({"dspark_forced_acceptance": 3.5}, "needs --speculative-method dspark"),
-    ({**DSPARK, "dspark_forced_acceptance": 5.5}, "in [0, 5]"),
-    ({**DSPARK, "dspark_forced_acceptance": -0.1}, "in [0, 5]"),
-    ({**DSPARK, "dspark_forced_acceptance": float("nan")}, "in [0, 5]")])
+    ({"spec_decode_acceptance_length": 3.5}, "needs --speculative-method dspark"),
+    ({**DSPARK, "spec_decode_acceptance_length": 6.5}, "in [1, 6]"),
+    ({**DSPARK, "spec_decode_acceptance_length": 0.9}, "in [1, 6]"),
+    ({**DSPARK, "spec_decode_acceptance_length": float("nan")}, "in [1, 6]")])
 def test_admission_refuses(kw, why):
-    with pytest.raises(AdmissionError, match=r"--dspark-forced-acceptance.*" + why.replace("[", r"\[")):
+    with pytest.raises(AdmissionError, match=r"--spec-decode-acceptance-length.*" + why.replace("[", r"\[")):
         EngineArgs(model="toy", **kw).admit()
 
 
+@pytest.mark.parametrize("length", [1, 6])
+def test_admission_takes_the_ends(length):
+    """L = 1 (no draft accepted) and L = k + 1 (all five) are admitted."""
+    EngineArgs(model="toy", **DSPARK, spec_decode_acceptance_length=length).admit()
+
+
 def test_server_refuses_it_without_allow_benchmark_only(monkeypatch, capsys):
-    """`python -m v41.serve --method dspark --dspark-forced-acceptance 3.51`: refused before any
-    weight is read, naming both flags; with --allow-benchmark-only the server's checks pass."""
+    """`python -m v41.serve --method dspark --spec-decode-acceptance-length 3.51`: refused before
+    any weight is read, naming both flags; with --allow-benchmark-only the server's checks pass."""
     import v41.loader
     monkeypatch.setattr(v41.loader, "load_weights", lambda *a, **k: pytest.fail("weights loaded"))
-    argv = ["--port", "0", "--method", "dspark", "--dspark-forced-acceptance", "3.51"]
+    argv = ["--port", "0", "--method", "dspark", "--spec-decode-acceptance-length", "3.51"]
     assert serve.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
-    assert "--dspark-forced-acceptance" in err and "--allow-benchmark-only" in err and "benchmark-only" in err
+    assert "--spec-decode-acceptance-length" in err and "--allow-benchmark-only" in err and "benchmark-only" in err
     a = serve.build_parser()[0].parse_args(argv + ["--allow-benchmark-only"])
     serve.check_server_args(a)
-    assert EngineArgs.from_cli_args(a).dspark_forced_acceptance == A
+    assert EngineArgs.from_cli_args(a).spec_decode_acceptance_length == L
 
 
 def test_bench_smoke(tmp_path):
     """benchmarks/dspark_bench.py on the CPU toy, tiny sizes: plain and dspark rows of issue
-    17's shape at each batch size, DSpark at the forced acceptance."""
+    17's shape at each batch size, DSpark at the forced acceptance length (the default 3.51)."""
     out = tmp_path / "bench.json"
     res = dspark_bench.main(["--model", "toy", "--device", "cpu", "--dtype", "float32", "--ctx", "20",
                              "--steps", "3", "--batch-sizes", "1,2", "--rounds", "1", "--out", str(out)])
@@ -111,6 +119,8 @@ def test_bench_smoke(tmp_path):
     for r in rows:
         assert {"variant", "forced_acceptance", "requests", "tokens_per_s", "ms_per_step"} <= set(r)
         assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0
-        assert r["forced_acceptance"] == (A if r["variant"] == "dspark" else None)
+        assert r["forced_acceptance"] == (L if r["variant"] == "dspark" else None)
+    assert res["forced_acceptance"] == L
     assert all(r["tokens_per_step"] == 1 for r in rows[:2])
-    assert all(3 <= r["measured_acceptance"] <= 4 and r["tokens_per_step"] > 4 for r in rows[2:])
+    # three timed steps: 1 + floor/ceil counts of 2.51 accepted drafts, and as many tokens per step
+    assert all(3 <= r["measured_acceptance_length"] <= 4 and 3 <= r["tokens_per_step"] <= 4 for r in rows[2:])

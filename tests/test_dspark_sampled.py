@@ -1,5 +1,7 @@
-"""DSpark's sampled verification in the engine (runtime/spec_step.py `SpecStep._sampled`,
-docs/dspark.md §5), float64 toy.
+"""DSpark's sampled verification in the engine (runtime/spec_step.py `SpecStep._draws`,
+docs/dspark.md §5), float64 toy: the drafts are matched against the plain sampler's own draw at
+each row, so a seeded request's tokens are the plain engine's, and the output follows the
+target's distribution.
 
 Statistics: 512 seeded requests of one prompt (temperature 0.9, top-k 3, so the first three
 tokens take 27 values), with DSpark and without; the empirical distribution of the first three
@@ -14,11 +16,14 @@ bonus tokens all occur. Half the requests stop at 3 tokens (one draft: a test, t
 a plain draw), half at 4 (two drafts: two tests). The same statistic rejects a wrong
 acceptance (accept every draft) on the same requests: the test can fail.
 
-Then: a seeded request's tokens are the same on a second run and in another batch; the STATE
-slot after sampled verify steps is a plain decode's of the same tokens; no page or slot leaks."""
+Then: seeded requests (temperature, top-k, top-p, min-p, beside greedy ones) give the plain
+engine's tokens in ragged batches, with chunked prompts, preemption and a step budget that
+cuts drafts; the STATE slot after sampled verify steps is a plain decode's of the same tokens;
+no page or slot leaks."""
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 import pytest
@@ -28,7 +33,7 @@ import runtime.spec_step
 from runtime.sampler import probs
 from runtime.sequence import SamplingParams
 from tests import harness as H
-from tests.test_dspark_engine import DSPARK, _slot_state, oracle_drafts
+from tests.test_dspark_engine import DSPARK, LENS, _slot_state, oracle_drafts
 
 TEMPERATURE, TOP_K = 0.9, 3
 PROMPT = H.prompts((4,), seed=21)[0]      # not shorter: float64 subnormals slow the toy's first positions
@@ -120,30 +125,25 @@ def plain_run(toy_weights, exact):
 
 
 def test_sampled_tokens_follow_the_target(toy_weights, exact, plain_run):
-    """With DSpark and without, the first three tokens' distribution is the target's; the
-    first token (the prompt's draw, no verification) is the plain engine's, request by request."""
+    """With DSpark and without, the first three tokens' distribution is the target's, and
+    with DSpark every request's tokens are the plain engine's (drafts accepted and rejected)."""
     stat, crit = chi_square(plain_run, exact)
     assert stat < crit, ("plain", stat, crit)
     got, eng = first_three(toy_weights, exact, dspark=True)
     stat, crit = chi_square(got, exact)
     assert stat < crit, ("dspark", stat, crit)
-    assert [t[0] for t in got] == [t[0] for t in plain_run]
+    assert got == plain_run
     st = eng.runner.spec.stats
     hist = st["acceptance_length"]
     assert hist[1] > N // 10 and hist[2] > N // 10 and hist[3] > N // 20, st   # rejected, 1 and 2 accepted
-    assert got != plain_run                       # drafts were verified, not the plain sampler's draws
 
 
 def test_a_wrong_acceptance_fails_the_same_statistic(toy_weights, exact, monkeypatch):
-    """Accepting every draft (then drawing the bonus from the last row) on the first 128 of
-    the same requests: the statistic passes its critical value. The test above can fail."""
-    def accept_all(p, d, u_accept, u_draw):
-        k = d.shape[1]
-        a = torch.full((d.shape[0],), k, dtype=torch.long)
-        rows = torch.arange(d.shape[0])
-        cdf = p[rows, k].cumsum(-1)
-        return a, torch.searchsorted(cdf, (u_draw[:, k] * cdf[:, -1])[:, None], right=True).squeeze(1)
-    monkeypatch.setattr(runtime.spec_step, "rejection_accept", accept_all)
+    """Accepting every draft (then the draw at the last row) on the first 128 of the same
+    requests: the statistic passes its critical value. The test above can fail."""
+    def accept_all(tokens, d):
+        return torch.full((d.shape[0],), d.shape[1], dtype=torch.long), tokens[:, -1]
+    monkeypatch.setattr(runtime.spec_step, "match_accept", accept_all)
     got, _ = first_three(toy_weights, exact, dspark=True, n=128)
     stat, crit = chi_square(got, exact)
     assert stat > crit, (stat, crit)
@@ -169,23 +169,72 @@ def greedy_tokens(weights, prompts: list, max_tokens: int) -> dict:
     return {f"q{i}": t for i, t in H.run(weights, prompts, max_tokens).items()}
 
 
-def test_seeded_requests_are_reproducible_and_batch_independent(toy_weights):
-    """A seeded request (temperature, top-k, top-p and min-p) gives the same tokens on a second
-    run and beside other requests (greedy, other seeds and filters), with drafts accepted and
-    rejected."""
-    prompts = H.prompts((12, 30, 7, 19), seed=33)
-    mine = SamplingParams(max_tokens=16, temperature=0.05, top_k=3, top_p=0.9, min_p=0.02, seed=7, ignore_eos=True)
-    others = [SamplingParams(max_tokens=16, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=1.2, top_k=5, seed=8, ignore_eos=True),
-              SamplingParams(max_tokens=9, temperature=0.1, seed=9, ignore_eos=True)]
-    want = greedy_tokens(toy_weights, prompts, 16)
-    alone, eng = _run(toy_weights, [(prompts[0], mine)], want)
+SEEDED = [SamplingParams(max_tokens=14, temperature=0.8, seed=1, ignore_eos=True),
+          SamplingParams(max_tokens=14, temperature=1.1, top_k=5, seed=2, ignore_eos=True),
+          SamplingParams(max_tokens=14, ignore_eos=True),                                      # greedy
+          SamplingParams(max_tokens=14, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True),
+          SamplingParams(max_tokens=11, temperature=1.0, min_p=0.05, seed=4, ignore_eos=True),
+          SamplingParams(max_tokens=14, temperature=0.7, top_k=4, top_p=0.9, min_p=0.02, seed=5, ignore_eos=True),
+          SamplingParams(max_tokens=9, temperature=1.3, seed=6, ignore_eos=True)]
+ARRIVALS = [0, 0, 2, 3, 5, 6, 9]
+
+
+def _seeded_run(weights, reqs, dspark: bool, want: dict | None = None, hook=None, **engine):
+    """Every request with its SEEDED params, arriving at ARRIVALS: completions, the engine, and
+    (with DSpark) how many verify steps the step budget cut short."""
+    eng = H.make_engine(weights, **(DSPARK if dspark else {}), **engine)
+    cut = 0             # verify steps that checked fewer drafts than max_tokens allows: the step budget's cut
+    if want is not None:
+        oracle_drafts(eng, want, seed=3)
+        accept = eng.runner.spec.accept
+
+        def counted(rows, drafts, seqs):
+            nonlocal cut
+            for d, s in zip(drafts, seqs):
+                left = s.params.max_tokens - (len(s.token_ids) - s.num_prompt_tokens) - 1
+                cut += 0 < len(d) < min(5, left)
+            return accept(rows, drafts, seqs)
+        eng.runner.spec.accept = counted
+    rng, live, step = random.Random(4), {}, 0
+    while len(live) < len(reqs) or eng.has_unfinished():
+        for i in range(len(reqs)):
+            if i not in live and ARRIVALS[i] <= step:
+                live[i] = eng.add_request(reqs[i], SEEDED[i], request_id=f"r{i}")
+        if hook is not None:
+            hook(eng, live, step, rng)
+        eng.step()
+        step += 1
+        assert step < 2000
+    eng.bm.check([])
+    assert eng.bm.all_free, "pages or slots leaked"
+    return {i: s.completion_token_ids for i, s in live.items()}, eng, cut
+
+
+@pytest.fixture(scope="module")
+def seeded_plain(toy_weights):
+    reqs = H.prompts(LENS, seed=5)
+    return reqs, _seeded_run(toy_weights, reqs, dspark=False)[0]
+
+
+@pytest.mark.parametrize("case", ["batch", "chunk7", "preempt", "tight-budget"])
+def test_seeded_tokens_equal_plain(toy_weights, seeded_plain, case):
+    """Seeded sampled requests (temperature, top-k, top-p, min-p) beside a greedy one, ragged
+    prompts arriving beside verify steps: with DSpark each gives the plain engine's tokens,
+    with prompts in chunks of 7, with requests preempted mid-stream, and with a step budget of
+    8 tokens that cuts verify steps short (fewer drafts checked, the case that changed a seeded
+    request's tokens when acceptance had uniforms of its own). Drafts: the plain tokens, the
+    first j of five right (j random), so runs of every length are accepted and rejected."""
+    reqs, plain = seeded_plain
+    engine = {"chunk7": {"max_prefill_chunk": 7}, "tight-budget": {"max_num_batched_tokens": 8}}.get(case, {})
+    hook = H.preempt_randomly(0.2, "decode") if case == "preempt" else None
+    got, eng, cut = _seeded_run(toy_weights, reqs, dspark=True, want={f"r{i}": t for i, t in plain.items()},
+                                hook=hook, **engine)
+    assert got == plain
     st = eng.runner.spec.stats
-    assert st["accepted"] > 0 and st["acceptance_length"][1] > 0, st
-    again, _ = _run(toy_weights, [(prompts[0], mine)], want)
-    assert again == alone
-    batch, eng = _run(toy_weights, list(zip(prompts, [mine] + others)), want)
-    assert batch[0] == alone[0]
+    assert st["accepted"] > st["drafts"] and st["acceptance_length"][1] > 0, st      # long runs and rejections
+    if case == "preempt":
+        assert eng.scheduler.num_preemptions > 0
+    assert (cut > 0) == (case == "tight-budget"), cut
 
 
 def test_state_after_sampled_verify_steps_is_plain_decode(toy_weights):

@@ -57,7 +57,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     s.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the one-request warm-up before the port opens")
     s.add_argument("--allow-benchmark-only", action="store_true",
-                   help="serve with benchmark-only engine settings (--dspark-forced-acceptance: tokens that are "
+                   help="serve with benchmark-only engine settings (--spec-decode-acceptance-length: tokens that are "
                         "not the model's); refused without this flag")
     names = EngineArgs.add_cli_args(ap)
     return ap, names
@@ -76,11 +76,11 @@ def check_server_args(a) -> None:
     if a.max_queued_requests < a.max_choices_per_request:
         raise AdmissionError(f"max_queued_requests: {a.max_queued_requests} is below max_choices_per_request "
                              f"{a.max_choices_per_request}: a request of that many choices could never be queued")
-    forced = getattr(a, "dspark_forced_acceptance", None)
-    if forced is not None and not a.allow_benchmark_only:
-        raise AdmissionError(f"dspark_forced_acceptance={forced} (--dspark-forced-acceptance) is a benchmark-only "
-                             f"switch (verify steps accept drafts whatever the model says): the server refuses it "
-                             f"unless --allow-benchmark-only is given")
+    length = getattr(a, "spec_decode_acceptance_length", None)
+    if length is not None and not a.allow_benchmark_only:
+        raise AdmissionError(f"spec_decode_acceptance_length={length} (--spec-decode-acceptance-length) is a "
+                             f"benchmark-only switch (verify steps accept drafts whatever the model says): the "
+                             f"server refuses it unless --allow-benchmark-only is given")
     if a.api_key is not None and not a.api_key.strip():
         raise AdmissionError("api_key: empty")
     dev = getattr(a, "device", None)

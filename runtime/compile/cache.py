@@ -36,7 +36,7 @@ TRACED_SOURCES = ("v41/model.py", "v41/attention.py", "v41/moe.py", "v41/moe_rou
 NOT_KEYED = {"model", "device", "seed", "load_format", "max_prefill_chunk", "speculative_method",
              "enforce_eager", "compilation_level", "decoder_swa_bounded_replay", "compile_cache_dir",
              "capture_sizes", "dump_dir", "extra", "cudagraph_mode", "cudagraph_capture_sizes",
-             "gpu_memory_utilization"}
+             "gpu_memory_utilization", "spec_decode_acceptance_length"}
 
 
 def _file_hash(paths) -> str:
