@@ -30,7 +30,6 @@ import torch
 
 from v41.config import ConfigError, V41Config, validate_parallelism
 from v41.layers import acc_dtype
-from v41.loader.placement import tp_axis
 
 GROUP = 32      # FP8 weight blocks and A8 activation groups: a split must keep them whole
 
@@ -72,6 +71,8 @@ def _split_axis(name: str, shared: bool) -> int | None:
     """The axis a backbone tensor splits along: the spec's TP rule (v41.loader.placement.tp_axis)
     less the embedding, head and DSpark stages (replicated here), and less the shared expert
     unless `shared_expert_split`."""
+    # imported here: sharding a checkpoint is load-time work, not model code the compile traces
+    from v41.loader.placement import tp_axis
     if not name.startswith("layers.") or (not shared and ".shared_experts." in name):
         return None
     return tp_axis(name)

@@ -29,11 +29,11 @@ TRACED_SOURCES = ("v41/model.py", "v41/attention.py", "v41/moe.py", "v41/moe_rou
                   "v41/layers.py", "v41/quant.py", "v41/engram/device.py", "v41/topology.py", "v41/parallel.py",
                   "runtime/model_runner.py",
                   *(f"runtime/compile/{m}.py" for m in ("__init__", "backend", "cache", "config", "debug",
-                                                        "forward", "segments")))
+                                                        "forward", "piece_graphs", "segments")))
 # EngineArgs fields that cannot change a compiled graph (every other field is in the key: opt-out,
 # so a new engine setting is keyed until someone decides otherwise). The model is keyed by its
 # config, the device by its arch, the compile settings by CompileConfig.
-NOT_KEYED = {"model", "device", "seed", "load_format", "max_prefill_chunk", "speculative_method",
+NOT_KEYED = {"model", "device", "seed", "load_format", "max_prefill_chunk",
              "enforce_eager", "compilation_level", "decoder_swa_bounded_replay", "compile_cache_dir",
              "capture_sizes", "dump_dir", "extra", "cudagraph_mode", "cudagraph_capture_sizes",
              "gpu_memory_utilization", "spec_decode_acceptance_length"}
