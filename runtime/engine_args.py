@@ -264,10 +264,6 @@ class EngineArgs(_EngineFields):
         if self.kv_cache_dtype != "bf16":
             raise AdmissionError(f"kv_cache_dtype={self.kv_cache_dtype!r} (--kv-cache-dtype): DSpark runs on "
                                  f"the bf16 main pool (a packed/FP4 main pool with DSpark is refused)")
-        if not self.enforce_eager:
-            raise AdmissionError("speculative_method='dspark' (--speculative-method) with --no-enforce-eager: "
-                                 "DSpark runs eager for now (the compiled forward and graphs are not built "
-                                 "for it)")
 
     def resolved_device(self) -> str:
         return self.device or ("cuda" if torch.cuda.is_available() else "cpu")

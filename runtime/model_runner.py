@@ -406,13 +406,10 @@ class ModelRunner:
         if all_rows and batch.decoder is not None:
             raise ValueError("every row's logits (teacher forcing) need the decoder on every row: "
                              "--no-decoder-swa-bounded-replay")
-        if self.spec is not None:
-            self.model.taps = []
         h = self.graphs.replay(graph, batch, self.cache) if graph is not None else self.forward(batch, self.cache)
         self.commit(sb)
         if self.spec is not None:
-            self.spec.keep_context(self.model.taps, batch, self._fields, sb.scheduled_tokens)
-            self.model.taps = None
+            self.spec.keep_context(batch, self._fields, sb.scheduled_tokens)
         for _, end, img in sb.captures:
             self.state.seal(img, end)
         B, T, F, last, final_rows, final_last = self._sample

@@ -35,6 +35,10 @@ class SpecStep:
         self.staging_per_request = k // 2 + 1        # the even positions among 1 + k rows
         self.draft = DSpark(cfg, weights, runner.model.embed_weight, runner.model.head, runner.dtype,
                             runner.device, max_pos=runner.max_model_len)
+        # the target's taps, written by its forward (compiled and graphed too) at the tapped layers
+        self.taps = torch.zeros(len(cfg.topology.dspark_taps), runner.max_tokens, cfg.hidden_size,
+                                dtype=runner.dtype, device=runner.device)
+        runner.model.record_taps(self.taps)
         # counted for /metrics (runtime.metrics.ServingMetrics.spec_decode)
         self.stats = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * k,
                       "acceptance_length": [0] * (k + 2)}
@@ -74,15 +78,18 @@ class SpecStep:
         return np.repeat(first, cnt) + np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
 
     # ---- after the forward ----------------------------------------------------------------
-    def keep_context(self, taps: list, batch, fields: dict, T: int) -> None:
+    def keep_context(self, batch, fields: dict, T: int) -> None:
         """Context keys of the tapped rows; those not verifying enter the draft rings (and the
         images the step captures) now."""
-        if len(taps) < len(self.draft.cfg.dspark_target_layer_ids):
+        dec, host = batch.decoder, self.runner.bufs.host
+        # the decoder's rows, less the padding rows a TR_HYBRID step ends them with (batch id -1)
+        rows = np.arange(T) if dec is None else host["dec_rows"][:int((host["dec_batch_ids"][:len(dec.rows)] >= 0).sum())].copy()
+        if not len(rows):
             return          # no row reached the tapped layers (a chunk below its tail start)
-        dec = batch.decoder
-        rows = np.arange(T) if dec is None else self.runner.bufs._np["dec_rows"][:len(dec.rows)].copy()
-        taps = [t if dec is None or on_dec else t[dec.rows] for t, on_dec in taps]
-        taps = [t[:len(rows)] for t in taps]
+        # a layer past the decoder boundary saw the decoder's rows only, one below it every row
+        boundary = self.runner.cfg.topology.boundary
+        taps = [t.index_select(0, dec.rows) if dec is not None and layer < boundary else t[:len(rows)]
+                for t, layer in zip(self.taps, self.runner.cfg.topology.dspark_taps)]
         pos = fields["positions"][rows]
         keys = self.draft.context_keys(taps, torch.as_tensor(pos, device=self.runner.device))
         verify_req = np.full(T, -1, np.int64)

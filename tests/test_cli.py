@@ -42,7 +42,6 @@ REFUSED = [
     (["--tensor-parallel-size", "2", "-O3"], "--tensor-parallel-size", "runs the eager model"),
     (["--speculative-method", "eagle"], "--speculative-method", "not built in v41 yet"),
     (["--method", "dspark", "--num-speculative-tokens", "4"], "--num-speculative-tokens", "drafts five tokens"),
-    (["--method", "dspark", "--no-enforce-eager"], "--speculative-method", "DSpark runs eager for now"),
     (["--cudagraph-mode", "TR_HYBRID"], "--cudagraph-mode", "CUDA graphs need a CUDA device"),
     (["--cudagraph-mode", "FULL"], "--cudagraph-mode", "CUDA graphs need a CUDA device"),
     (["--cudagraph-mode", "PIECEWISE"], "--cudagraph-mode", "is not one of NONE, FULL, TR_HYBRID"),

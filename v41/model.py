@@ -44,10 +44,13 @@ class Block(nn.Module):
                        cfg.num_experts_per_tok if spec.layer < cfg.num_hidden_layers else
                        cfg.dspark_num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit)
         self.engram = Engram(w, cfg.hc_mult, eps) if "engram.wkv" in w else None
+        self.tap_out = None        # DSpark: [rows, D] buffer this layer's input tap goes to (record_taps)
 
     def forward(self, X, pre, batch, cache, sel, queries=None):
         """The block on every row, or (`queries`, v41.attention.QueryRows) every row's window KV
         and the rest on the query rows alone: the output has their rows."""
+        if self.tap_out is not None:
+            self.tap_out[:X.shape[0]] = tap(X)
         if self.engram is not None:
             X = self.engram(X, batch.engram_rows[self.layer])
         x = self.attn_norm(collapse(X, pre))
@@ -84,24 +87,26 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(w["norm.weight"], cfg.rms_norm_eps)
         self.head = w["head.weight"]
         self.hc = cfg.hc_mult
-        # DSpark: a list while the runner wants the taps, which the forward appends as
-        # (tap [rows, D], of the decoder's rows?) at the input of each tapped layer
-        self.taps: list | None = None
+
+    def record_taps(self, out: torch.Tensor | None) -> None:
+        """DSpark: from now on each forward writes the tap of the j-th tapped layer's input rows
+        (all rows, or the decoder's under bounded replay) into out[j] ([n_taps, rows, D]); None
+        stops it. A buffer, not a return value: the compiled pieces and CUDA graphs write it in
+        place like the cache."""
+        for j, layer in enumerate(self.cfg.topology.dspark_taps):
+            self.layers[layer].tap_out = None if out is None else out[j]
 
     def forward(self, batch, cache):
         """Hidden state after the final collapse and norm, [T, D]: of every token, or under
         decoder bounded replay (`batch.decoder`) of the rows the step samples."""
         X, pre = self.embed(batch)
         sel: dict = {}
-        queries, last, dec = None, len(self.layers) - 1, False
+        queries, last = None, len(self.layers) - 1
         for i, block in enumerate(self.layers):
             if i == self.cfg.topology.boundary and batch.decoder is not None:
                 X, pre, batch, sel, queries = self.enter_decoder(X, pre, batch, cache, sel)
-                dec = True
                 if not X.shape[0]:
                     break
-            if self.taps is not None and i in self.cfg.topology.dspark_taps:
-                self.taps.append((tap(X), dec))
             X, pre = block(X, pre, batch, cache, sel, queries if i == last else None)
         return self.final(X, pre)
 

@@ -1,0 +1,113 @@
+"""DSpark with the compiled forward, and with its token pieces replayed as TR_HYBRID graphs
+(torch.cuda's graph API replaced by the recorder of tests/test_cuda_graph_cpu.py). The target
+writes its taps into SpecStep's buffer (`Transformer.record_taps`) from inside the compiled
+pieces and the captured graphs, so the draft must read this step's taps, not a stale buffer.
+
+The mini model (8 layers, taps at 5-7) in float64, compiled with post_grad_eager (Inductor's
+graph pipeline and our passes, no code generation), oracle drafts as in
+tests/test_dspark_engine.py (every accepted count occurs): greedy tokens equal the plain eager
+engine's, with decoder bounded replay on and off, and the draft's context rings equal those of
+the eager DSpark engine after the same requests.
+"""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from passes.split import SPLITTING_OPS
+from runtime import compile as C
+from runtime.engine import EngineArgs, LLMEngine
+from runtime.sequence import SamplingParams
+from runtime.token_graphs import TokenGraphRunner
+from tests import harness as H
+from tests.test_cuda_graph_cpu import RecordedGraph, recorded, recording
+from tests.test_dspark_engine import DSPARK, oracle_drafts, run_dspark
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 64}
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def mini():
+    from v41.loader import dummy_weights
+    cfg = H.mini_cfg()
+    return cfg, dummy_weights(cfg, progress=False)
+
+
+@pytest.fixture(scope="module")
+def mini_dir(mini, tmp_path_factory):
+    d = tmp_path_factory.mktemp("mini")
+    (d / "config.json").write_text(json.dumps(mini[0].to_hf_dict()))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def reqs():
+    return H.prompts((5, 17, 40), seed=4)
+
+
+def mini_engine(mini_dir, weights, **kw) -> LLMEngine:
+    args = EngineArgs(model=mini_dir, device="cpu", dtype="float64", enable_prefix_caching=False, **{**ENGINE, **kw})
+    return LLMEngine(args, weights=weights)
+
+
+def until_done(eng, reqs, params) -> dict:
+    live = {i: eng.add_request(r, params, request_id=f"r{i}") for i, r in enumerate(reqs)}
+    while eng.has_unfinished():
+        eng.step()
+    return {i: s.completion_token_ids for i, s in live.items()}
+
+
+def compile_engine(eng, hybrid: bool, patch) -> None:
+    """Install the compiled forward on `eng` (and, `hybrid`, its token graphs), as
+    runtime.compile.compile_runner and the engine's capture do on a GPU."""
+    r = eng.runner
+    ccfg = C.CompileConfig(backend="post_grad_eager", split=eng.args.decoder_swa_bounded_replay,
+                           splitting_ops=SPLITTING_OPS if hybrid else ())
+    fwd = C.CompiledForward(r.model, r.cache, ccfg)
+    r.use_forward(fwd, static_shapes=True)
+    with torch.inference_mode():
+        fwd(r.padding_batch(r.max_tokens), r.cache)
+    fwd.finish_warmup()
+    if hybrid:
+        for p in fwd.piece_graphs.pieces:
+            p.fn = recorded(p.fn)
+        with patch.context() as m:
+            m.setattr(r, "device", SimpleNamespace(type="cuda"))      # TokenGraphRunner's device check
+            r.graphs = TokenGraphRunner(r, BUCKETS)
+            r.graphs.capture(progress=False)
+
+
+@pytest.mark.parametrize("hybrid,replay", [(False, False), (True, True)],
+                         ids=["compiled-no-decoder-replay", "tr_hybrid-decoder-replay"])
+def test_compiled_dspark_tokens_equal_plain(mini, mini_dir, reqs, monkeypatch, hybrid, replay):
+    weights = mini[1]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    baseline = until_done(mini_engine(mini_dir, weights, decoder_swa_bounded_replay=replay), reqs, params)
+    for name, fake in (("CUDAGraph", RecordedGraph), ("graph", recording), ("synchronize", lambda *a, **k: None),
+                       ("memory_reserved", lambda *a, **k: 0)):
+        monkeypatch.setattr(torch.cuda, name, fake)
+
+    def make_engine(w, **kw):
+        eng = mini_engine(mini_dir, w, **kw)
+        compile_engine(eng, hybrid, monkeypatch)
+        return eng
+
+    monkeypatch.setattr(H, "make_engine", make_engine)
+    got, eng = run_dspark(weights, reqs, baseline, max_tokens=MAX_TOKENS, decoder_swa_bounded_replay=replay)
+    assert got == baseline
+    s = eng.runner.spec.stats
+    assert s["drafts"] > 0 and 0 < s["accepted"] < s["draft_tokens"]
+    if hybrid:
+        counts = eng.runner.graphs.pieces.counts()
+        assert counts["graphs"] > 0 and counts["misses"] == 0, counts
+    # the draft's context rings (ring layers past the target's) are the eager DSpark engine's
+    ref = mini_engine(mini_dir, weights, **DSPARK, decoder_swa_bounded_replay=replay)
+    oracle_drafts(ref, {f"r{i}": t for i, t in baseline.items()}, 0)
+    assert until_done(ref, reqs, params) == baseline
+    n = eng.cfg.num_hidden_layers
+    torch.testing.assert_close(eng.runner.cache.ring[n:], ref.runner.cache.ring[n:], rtol=1e-12, atol=1e-12)
