@@ -73,9 +73,12 @@ class LLMEngine:
         self.graph_report = None
         if graph_sizes:
             from runtime.cuda_graph import graph_runner
+            from runtime.memory import graph_pool_overrun
             graphs = graph_runner(args.graph_mode(), self.runner, graph_sizes)
             self.graph_report = graphs.capture()
             self.runner.graphs = graphs
+            if self.pool_plan is not None and (warning := graph_pool_overrun(self.pool_plan, self.graph_report["pool_bytes"])):
+                log.warning(warning)
         self.bm = BlockManager(num_pages, args.max_num_seqs, geo.page_tokens, pages_per_seq,
                                args.enable_prefix_caching, num_images)
         self.scheduler = Scheduler(self.bm, args.max_num_seqs, args.max_num_batched_tokens,

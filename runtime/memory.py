@@ -22,6 +22,7 @@ class PoolPlan:
     reserved_bytes: int        # weights + activations + graph pool + scorer scratch
     state_bytes: int           # slots and images
     page_bytes: int            # num_pages x bytes per PAGE
+    graph_pool_bytes: int = 0  # the part of reserved_bytes planned for the CUDA graph pool
 
     def summary(self) -> dict:
         return asdict(self)
@@ -54,7 +55,18 @@ def plan_pool(*, total_bytes: int, utilization: float, weight_bytes: int, activa
             f"slots + {num_images} images ({state / GiB:.2f} GiB) leave {pages} PAGEs of {bytes_per_page} bytes; "
             f"one request of max_model_len {max_model_len} needs {need}: raise --gpu-memory-utilization, or lower "
             f"--max-model-len, --max-num-seqs or --max-num-batched-tokens")
-    return PoolPlan(pages, num_slots, budget, reserved, state, pages * bytes_per_page)
+    return PoolPlan(pages, num_slots, budget, reserved, state, pages * bytes_per_page, graph_pool_bytes)
+
+
+def graph_pool_overrun(plan: PoolPlan, captured_bytes: int) -> str | None:
+    """A warning when the captured graph pool outgrew its plan (the plan profiles one forward at
+    the largest capture size; TR_HYBRID keeps every token piece's outputs for every bucket, which
+    that undercounts), else None: the bytes came out of the headroom `1 - utilization` leaves."""
+    if captured_bytes <= plan.graph_pool_bytes:
+        return None
+    return (f"CUDA graph pool: {captured_bytes / GiB:.2f} GiB captured, {plan.graph_pool_bytes / GiB:.2f} GiB "
+            f"planned; the {(captured_bytes - plan.graph_pool_bytes) / GiB:.2f} GiB over came out of the "
+            f"memory --gpu-memory-utilization leaves free: lower it, or set --num-pages, if the GPU is shared")
 
 
 def profile_cuda(runner, tokens: int, decode_bs: int) -> dict:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime.geometry import AdmissionError
-from runtime.memory import GiB, plan_pool
+from runtime.memory import GiB, graph_pool_overrun, plan_pool
 from tests import harness as H
 
 MiB = 2 ** 20
@@ -25,6 +25,16 @@ def test_pool_gets_what_is_left():
     assert p.budget_bytes == budget and p.page_bytes == p.num_pages * 3 * MiB
     assert p.reserved_bytes + p.state_bytes + p.page_bytes <= budget < p.reserved_bytes + p.state_bytes \
         + p.page_bytes + 3 * MiB
+
+
+def test_a_graph_pool_over_its_plan_is_named():
+    """The plan keeps the graph pool's share; a capture that outgrew it (TR_HYBRID's per-bucket
+    piece outputs) gets a warning with both sizes, one within it none."""
+    p = plan_pool(**BASE)
+    assert p.graph_pool_bytes == 1 * GiB
+    assert graph_pool_overrun(p, 1 * GiB) is None
+    msg = graph_pool_overrun(p, 3 * GiB)
+    assert "3.00 GiB captured, 1.00 GiB planned" in msg and "--gpu-memory-utilization" in msg
 
 
 def test_images_and_utilization_take_their_share():
