@@ -11,7 +11,9 @@ untimed, then `--steps` engine steps are timed (wall clock around LLMEngine.step
 the tokens to the host, so the device has finished); tokens_per_s = tokens generated in those
 steps / their time, ms_per_step = their median. The weights are loaded once and each variant
 builds its engine from them in turn (one engine's compute weights in memory at a time). Both
-variants run eager: DSpark's compiled forward and CUDA graphs are not built.
+variants run eager by default; `--no-enforce-eager --cudagraph-mode TR_HYBRID` compiles both and
+replays their steps as token graphs (plain decode and DSpark's verify steps alike; FULL graphs
+replay plain decode only, DSpark's verify steps then run compiled; the draft runs eager).
 
     python benchmarks/dspark_bench.py --model flash-slice --device cuda --acceptance-length 3.51 --out dspark.json
     python benchmarks/dspark_bench.py --model toy --device cpu --dtype float32 --ctx 24 --steps 3   # smoke
@@ -72,7 +74,8 @@ def engine_args(a, variant: str) -> EngineArgs:
     return EngineArgs(model=a.model, device=a.device, dtype=a.dtype, load_format="dummy" if a.dummy else "auto",
                       max_num_seqs=batch, max_num_batched_tokens=max(a.max_num_batched_tokens, batch * (K + 1)),
                       max_model_len=a.ctx + (a.steps + 2) * (K + 1) + 8, enable_prefix_caching=False,
-                      num_pages=a.num_pages, **spec)
+                      num_pages=a.num_pages, enforce_eager=a.enforce_eager, cudagraph_mode=a.cudagraph_mode,
+                      **spec)
 
 
 def main(argv=None) -> dict:
@@ -90,6 +93,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per case")
     ap.add_argument("--rounds", type=int, default=2, help="plain then dspark, this many times")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--cudagraph-mode", default=None, help="NONE, FULL or TR_HYBRID (with --no-enforce-eager)")
     ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from GPU memory)")
     ap.add_argument("--out", default=None, help="write the JSON here (default: print it only)")
     a = ap.parse_args(argv)
@@ -104,8 +109,10 @@ def main(argv=None) -> dict:
            "device": torch.cuda.get_device_name() if cuda else a.device, "torch": torch.__version__,
            "triton": triton, "date": datetime.date.today().isoformat(), "forced_acceptance": a.acceptance_length,
            "context_tokens": a.ctx, "steps": a.steps,
+           "forward": "eager" if a.enforce_eager else f"compiled, cudagraph_mode {a.cudagraph_mode or 'default'}",
            "method": "wall clock around LLMEngine.step (tokens copied to the host each step), median step and "
-                     "tokens over the timed steps, after the prompts and one untimed step; eager both; "
+                     "tokens over the timed steps, after the prompts and one untimed step; both variants "
+                     "with the same forward (see 'forward'); "
                      "dspark with --spec-decode-acceptance-length (benchmark only); variants alternate by round",
            "results": []}
 
