@@ -13,6 +13,7 @@ its first H200 run stopped at a time limit after its first test failed, with no 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 
@@ -20,6 +21,19 @@ import torch
 from tqdm import tqdm
 
 log = logging.getLogger("v41")
+
+
+@contextlib.contextmanager
+def capturing(dev):
+    """Around a capture: yields a dict that gets its wall time (`seconds`) and the bytes the
+    graph pool grew the allocator by (`pool_bytes`) on exit."""
+    report = {}
+    t0 = time.perf_counter()
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_reserved(dev)
+    yield report
+    torch.cuda.synchronize(dev)
+    report.update(seconds=round(time.perf_counter() - t0, 2), pool_bytes=torch.cuda.memory_reserved(dev) - before)
 
 
 class CUDAGraphRunner:
@@ -54,10 +68,7 @@ class CUDAGraphRunner:
         """Capture every size, largest first (later graphs reuse the first one's pool), each after
         a warm-up call at its width. Returns {sizes, seconds, pool_bytes}."""
         r, dev = self.runner, self.runner.device
-        t0 = time.perf_counter()
-        torch.cuda.synchronize(dev)
-        before = torch.cuda.memory_reserved(dev)
-        with torch.inference_mode():
+        with capturing(dev) as report, torch.inference_mode():
             for bs in tqdm(sorted(self.sizes, reverse=True), desc="CUDA graphs", unit="graph", disable=not progress):
                 batch = r.padding_batch(bs)
                 r.forward(batch, r.cache)                      # warm-up: autotuning, lazy allocations
@@ -68,9 +79,7 @@ class CUDAGraphRunner:
                 if self.pool is None:
                     self.pool = g.pool()
                 self.graphs[bs], self.outputs[bs] = g, out
-        torch.cuda.synchronize(dev)
-        report = {"sizes": list(self.sizes), "seconds": round(time.perf_counter() - t0, 2),
-                  "pool_bytes": torch.cuda.memory_reserved(dev) - before}
+        report = {"sizes": list(self.sizes), **report}
         log.info("CUDA graphs: %d decode sizes captured in %.1fs (largest %d), graph pool %.1f MiB",
                  len(self.sizes), report["seconds"], self.sizes[-1], report["pool_bytes"] / 2**20)
         return report

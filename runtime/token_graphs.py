@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 
 import torch
 from tqdm import tqdm
 
 from runtime import replay
 from runtime.batch import Batch
+from runtime.cuda_graph import capturing
 
 log = logging.getLogger("v41")
 
@@ -75,10 +75,7 @@ class TokenGraphRunner:
                     "tests/test_cuda_graph_gpu.py has not yet run on a GPU")
         self.pieces.static_storages.update(t.untyped_storage().data_ptr()
                                            for t in (*r.bufs.dev.values(), *r.engram_buf.values()))
-        t0 = time.perf_counter()
-        torch.cuda.synchronize(dev)
-        before = torch.cuda.memory_reserved(dev)
-        with torch.inference_mode():
+        with capturing(dev) as report, torch.inference_mode():
             for b in tqdm(sorted(self.sizes, reverse=True), desc="token graphs", unit="bucket", disable=not progress):
                 batch = r.padding_batch(b)
                 for decoder in (False, True) if r.decoder_replay else (False,):
@@ -88,11 +85,8 @@ class TokenGraphRunner:
                     torch.cuda.synchronize(dev)
                     with self.pieces.replaying(b, capture=True):
                         r.forward(batch, r.cache)
-        torch.cuda.synchronize(dev)
         counts = self.pieces.counts()
-        report = {"sizes": list(self.sizes), "seconds": round(time.perf_counter() - t0, 2),
-                  "pool_bytes": torch.cuda.memory_reserved(dev) - before,
-                  "pieces": counts["pieces"], "graphs": counts["graphs"]}
+        report = {"sizes": list(self.sizes), **report, "pieces": counts["pieces"], "graphs": counts["graphs"]}
         log.info("CUDA graphs (TR_HYBRID): %d token pieces x %d buckets = %d graphs in %.1fs (largest %d), "
                  "graph pool %.1f MiB", counts["pieces"], len(self.sizes), counts["graphs"], report["seconds"],
                  self.sizes[-1], report["pool_bytes"] / 2**20)
