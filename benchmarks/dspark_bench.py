@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.metadata
+import importlib.util
 import json
 import statistics
 import time
@@ -99,12 +101,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None, help="write the JSON here (default: print it only)")
     a = ap.parse_args(argv)
     cuda = torch.device(a.device).type == "cuda"
-    triton = None
-    try:
-        import triton as _triton
-        triton = _triton.__version__
-    except ImportError:
-        pass
+    triton = importlib.metadata.version("triton") if importlib.util.find_spec("triton") else None
     res = {"benchmark": "dspark_vs_plain", "model": a.model, "dtype": a.dtype,
            "device": torch.cuda.get_device_name() if cuda else a.device, "torch": torch.__version__,
            "triton": triton, "date": datetime.date.today().isoformat(), "forced_acceptance": a.acceptance_length,

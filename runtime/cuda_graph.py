@@ -60,7 +60,7 @@ class CUDAGraphRunner:
         return self.sizes[bisect.bisect_left(self.sizes, B)]
 
     @staticmethod
-    def running(bs: int, sb) -> dict:
+    def running(bs: int) -> dict:
         """The runner's running width for a step replayed at `bs`."""
         return {"running_tokens": bs, "running_bs": bs}
 

@@ -401,7 +401,7 @@ class ModelRunner:
         forcing). A step that fits a captured CUDA graph replays it (FULL: decode; TR_HYBRID: any)."""
         graph = self.graphs.width_for(sb) if self.graphs is not None and not width and not all_rows else None
         if graph is not None:
-            width = self.graphs.running(graph, sb)
+            width = self.graphs.running(graph)
         batch = self.prepare(sb, **width)
         if all_rows and batch.decoder is not None:
             raise ValueError("every row's logits (teacher forcing) need the decoder on every row: "

@@ -82,8 +82,11 @@ class SpecStep:
         """Context keys of the tapped rows; those not verifying enter the draft rings (and the
         images the step captures) now."""
         dec, host = batch.decoder, self.runner.bufs.host
-        # the decoder's rows, less the padding rows a TR_HYBRID step ends them with (batch id -1)
-        rows = np.arange(T) if dec is None else host["dec_rows"][:int((host["dec_batch_ids"][:len(dec.rows)] >= 0).sum())].copy()
+        if dec is None:
+            rows = np.arange(T)
+        else:       # the decoder's rows, less the padding rows a TR_HYBRID step ends them with
+            real = int((host["dec_batch_ids"][:len(dec.rows)] >= 0).sum())
+            rows = host["dec_rows"][:real].copy()
         if not len(rows):
             return          # no row reached the tapped layers (a chunk below its tail start)
         # a layer past the decoder boundary saw the decoder's rows only, one below it every row

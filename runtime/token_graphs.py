@@ -61,7 +61,7 @@ class TokenGraphRunner:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, T)]
 
-    def running(self, width: int, sb) -> dict:
+    def running(self, width: int) -> dict:
         """The runner's running width for a step at `width` (its requests stay as scheduled; the
         decoder's rows, under bounded replay, at a bucket as well)."""
         return {"running_tokens": width, "decoder_buckets": self.sizes}

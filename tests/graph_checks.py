@@ -39,7 +39,7 @@ def step_equals_plain_forward(eng, sb) -> None:
     after = snapshot(r.cache)
     restore(r.cache, snap)
     r.cache.cursor.copy_(cursor)
-    plain = r.run(sb, **r.graphs.running(width, sb))
+    plain = r.run(sb, **r.graphs.running(width))
     torch.testing.assert_close(graphed, plain, rtol=0, atol=0, equal_nan=True)
     assert all(torch.equal(after[k], v) for k, v in snapshot(r.cache).items())
     final = np.flatnonzero(sb.is_final_chunk)

@@ -196,10 +196,10 @@ def replayed_equals_plain(eng, sb, seen: list) -> None:
     assert width is not None
     state = [t.clone() for t in planes(r.cache)]
     graphed, after = run_from(r, sb, state)
-    dec = r.prepare(sb, **r.graphs.running(width, sb)).decoder
+    dec = r.prepare(sb, **r.graphs.running(width)).decoder
     if dec is not None:
         seen.append((len(dec.rows), int((dec.batch.batch_ids == -1).sum())))
-    plain, after_plain = run_from(r, sb, state, **r.graphs.running(width, sb))
+    plain, after_plain = run_from(r, sb, state, **r.graphs.running(width))
     assert same([graphed, *after], [plain, *after_plain])
     final = np.flatnonzero(sb.is_final_chunk)
     eng.scheduler.postprocess(sb, {sb.seqs[i].seq_id: int(plain[i].argmax()) for i in final})
@@ -231,7 +231,7 @@ def test_padding_the_decoder_rows_changes_no_real_row(bounded):
 
     def step(sb):
         nonlocal padded
-        width = graphs.running(graphs.width_for(sb), sb)
+        width = graphs.running(graphs.width_for(sb))
         state = [t.clone() for t in planes(r.cache)]
         exact = run_from(r, sb, state, running_tokens=width["running_tokens"])
         pad = run_from(r, sb, state, **width)
