@@ -2,6 +2,9 @@
 float64, teacher-forced on the held-out slice of the training corpus, both index planes.
 
     .venv/bin/python benchmarks/quality.py [--tokens 4096] [--compiled] [--out benchmarks/results/quality-toy.json]
+    python3 benchmarks/quality.py --device cuda --compiled --no-diagnosis --out quality-toy-h200.json
+
+On CUDA the runtime runs through its Triton kernels; the float64 oracle stays on the CPU.
 
 Per variant: nll_delta = mean NLL of the runtime minus mean NLL of the oracle (nats/token, the
 same target tokens) and top1 = the fraction of rows whose argmax agrees. The oracle runs the same
@@ -17,6 +20,7 @@ import json
 import platform
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -64,12 +68,14 @@ def oracle_logits(cfg, weights, token_map, reqs, plane: str, dtype=torch.float64
 
 
 def runtime_logits(model: Path, weights, reqs, plane: str, eager: bool = True,
-                   dtype: str = "bfloat16") -> list[torch.Tensor]:
-    args = EngineArgs(model=str(model), dtype=dtype, device="cpu", index_cache_dtype=plane,
+                   dtype: str = "bfloat16", device: str = "cpu") -> list[torch.Tensor]:
+    if device != "cpu":
+        weights = None      # the engine loads the checkpoint onto its device
+    args = EngineArgs(model=str(model), dtype=dtype, device=device, index_cache_dtype=plane,
                       enable_prefix_caching=False, max_num_seqs=len(reqs),
                       max_num_batched_tokens=max(len(p) for p in reqs), enforce_eager=eager,
                       decoder_swa_bounded_replay=False)
-    return teacher_forced(LLMEngine(args, weights=weights), reqs)
+    return [lg.cpu() for lg in teacher_forced(LLMEngine(args, weights=weights), reqs)]
 
 
 def forced_choices(cfg, weights, token_map, reqs, forced: str) -> list[torch.Tensor]:
@@ -108,7 +114,7 @@ def gates_pass(row: dict) -> bool:
 
 
 def measure(model: Path = MODEL, tokens: int = 4096, seq: int = 512, compiled: bool = False,
-            log=print) -> dict:
+            device: str = "cpu", diagnosis: bool = True, log=print) -> dict:
     weights = load_checkpoint(model, progress=False)
     cfg = weights.cfg
     token_map = load_tokenizer(str(model), cfg)[1]
@@ -118,7 +124,7 @@ def measure(model: Path = MODEL, tokens: int = 4096, seq: int = 512, compiled: b
     for plane in ("fp8", "fp4"):
         for eager in ((True, False) if compiled else (True,)):
             t0 = time.time()
-            got = runtime_logits(model, weights, reqs, plane, eager)
+            got = runtime_logits(model, weights, reqs, plane, eager, device=device)
             row = {"variant": "bf16-eager" if eager else "bf16-compiled", "index_cache_dtype": plane,
                    **compare(got, ref[plane], reqs), "oracle": f"float64, {plane} index plane",
                    "seconds": round(time.time() - t0, 1)}
@@ -130,14 +136,15 @@ def measure(model: Path = MODEL, tokens: int = 4096, seq: int = 512, compiled: b
     # where the differences come from: the oracle's own bf16 run, the runtime in float32, and
     # the oracle's bf16 run with the float64 run's discrete choices imposed
     diag = []
-    for plane in ("fp8", "fp4"):
+    for plane in (("fp8", "fp4") if diagnosis else ()):
         o16 = oracle_logits(cfg, weights, token_map, reqs, plane, torch.bfloat16)
         diag.append({"variant": "oracle-bf16", "index_cache_dtype": plane, **compare(o16, ref[plane], reqs)})
         log(json.dumps(diag[-1]))
-    f32 = runtime_logits(model, weights, reqs, "fp8", True, "float32")
-    diag.append({"variant": "runtime-float32-eager", "index_cache_dtype": "fp8", **compare(f32, ref["fp8"], reqs)})
-    log(json.dumps(diag[-1]))
-    for forced in ("routing", "index", "routing+index"):
+    if diagnosis:
+        f32 = runtime_logits(model, weights, reqs, "fp8", True, "float32", device)
+        diag.append({"variant": "runtime-float32-eager", "index_cache_dtype": "fp8", **compare(f32, ref["fp8"], reqs)})
+        log(json.dumps(diag[-1]))
+    for forced in (("routing", "index", "routing+index") if diagnosis else ()):
         got = forced_choices(cfg, weights, token_map, reqs, forced)
         diag.append({"variant": f"oracle-bf16, float64 {forced} choices imposed", "index_cache_dtype": "fp4",
                      **compare(got, ref["fp4"], reqs)})
@@ -147,8 +154,10 @@ def measure(model: Path = MODEL, tokens: int = 4096, seq: int = 512, compiled: b
             "heldout": {"corpus": CORPUS, "tokens": tokens, "requests": len(reqs), "request_tokens": seq},
             "thresholds": {"nll_delta_max": NLL_DELTA_MAX, "top1_min": TOP1_MIN},
             "results": rows, "diagnosis": diag,
-            "device": f"cpu ({platform.machine()}), {torch.get_num_threads()} thread(s)",
-            "versions": {"torch": torch.__version__, "python": platform.python_version()},
+            "device": (torch.cuda.get_device_name() + " (runtime), " if device != "cpu" else "")
+            + f"cpu ({platform.machine()}), {torch.get_num_threads()} thread(s)",
+            "versions": {"torch": torch.__version__, "python": platform.python_version(),
+                         **({"triton": version("triton")} if device != "cpu" else {})},
             "date": datetime.date.today().isoformat()}
 
 
@@ -158,12 +167,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens compared")
     ap.add_argument("--seq", type=int, default=512, help="tokens per request")
     ap.add_argument("--compiled", action="store_true", help="also the compiled forward (slow on a CPU)")
+    ap.add_argument("--device", default="cpu", help="where the runtime runs (the oracle: the CPU)")
+    ap.add_argument("--diagnosis", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the oracle-in-bf16, runtime-float32 and imposed-choice runs")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality-toy.json")
     a = ap.parse_args(argv)
     if a.tokens < 2 or a.seq < 2:
         ap.error("--tokens and --seq: at least 2")
     torch.set_num_threads(1)
-    out = measure(a.model, a.tokens, a.seq, a.compiled)
+    out = measure(a.model, a.tokens, a.seq, a.compiled, a.device, a.diagnosis)
     a.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {a.out}: " + ", ".join(f"{r['variant']}/{r['index_cache_dtype']} "
                                           f"{'pass' if r['pass'] else 'FAIL'}" for r in out["results"]))
