@@ -114,7 +114,9 @@ def gates_pass(row: dict) -> bool:
 
 
 def measure(model: Path = MODEL, tokens: int = 4096, seq: int = 512, compiled: bool = False,
-            device: str = "cpu", diagnosis: bool = True, log=print) -> dict:
+            device: str = "cpu", diagnosis: bool = True, log=print, partial: Path | None = None) -> dict:
+    """`partial`: a file that gets the result rows so far after each one (a run cut short keeps
+    what it measured)."""
     weights = load_checkpoint(model, progress=False)
     cfg = weights.cfg
     token_map = load_tokenizer(str(model), cfg)[1]
@@ -133,6 +135,8 @@ def measure(model: Path = MODEL, tokens: int = 4096, seq: int = 512, compiled: b
             row["pass"] = gates_pass(row)
             rows.append(row)
             log(json.dumps(row))
+            if partial:
+                partial.write_text(json.dumps({"partial": True, "device": device, "results": rows}, indent=1) + "\n")
     # where the differences come from: the oracle's own bf16 run, the runtime in float32, and
     # the oracle's bf16 run with the float64 run's discrete choices imposed
     diag = []
@@ -175,7 +179,7 @@ def main(argv=None) -> int:
     if a.tokens < 2 or a.seq < 2:
         ap.error("--tokens and --seq: at least 2")
     torch.set_num_threads(1)
-    out = measure(a.model, a.tokens, a.seq, a.compiled, a.device, a.diagnosis)
+    out = measure(a.model, a.tokens, a.seq, a.compiled, a.device, a.diagnosis, partial=a.out)
     a.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {a.out}: " + ", ".join(f"{r['variant']}/{r['index_cache_dtype']} "
                                           f"{'pass' if r['pass'] else 'FAIL'}" for r in out["results"]))
