@@ -8,7 +8,8 @@ graphs captured at decode sizes 1-64; prefill runs compiled), tr_hybrid (a secon
 the splitting ops, its token pieces captured at buckets 1-512; the 1x512 prefill replays, larger
 steps run that compile without graphs). They alternate case by case.
 `--weight-format native` runs the same with the FP8/FP4 weights kept native. `--profile DIR`
-also writes a torch.profiler table of one decode step (batch 1) and one prefill step (1x4096)
+also writes a torch.profiler table of one decode step (batch 1 and 64) and one prefill step (1x4096),
+the engine's phases (schedule, prepare, run, sample, logprobs, postprocess) as named ranges,
 per variant: where the time goes.
 
     python benchmarks/step_bench.py --variants eager,compiled,full,tr_hybrid --out benchmarks/results/graphs-flash-slice-h200.json
@@ -16,6 +17,7 @@ per variant: where the time goes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -87,18 +89,45 @@ def prefill_ms(eng, n: int, length: int, reps: int) -> tuple[float, float]:
     return statistics.median(ts[1:]), dev
 
 
-def profile(eng, kind: str, path: str) -> None:
-    """One step under torch.profiler: a table of device and host time per op."""
+PHASES = ("scheduler.schedule", "runner.prepare", "runner.run", "_sample", "_logprobs", "scheduler.postprocess")
+
+
+@contextlib.contextmanager
+def phases_named(eng):
+    """The step's phases as ranges `step:<phase>` in a profile (instance attributes, removed after)."""
+    from torch.profiler import record_function
+    wrapped = []
+    for path in PHASES:
+        *up, name = path.split(".")
+        obj = eng
+        for attr in up:
+            obj = getattr(obj, attr)
+
+        def ranged(*a, _fn=getattr(obj, name), _name=f"step:{path}", **k):
+            with record_function(_name):
+                return _fn(*a, **k)
+        setattr(obj, name, ranged)
+        wrapped.append((obj, name))
+    try:
+        yield
+    finally:
+        for obj, name in wrapped:
+            delattr(obj, name)
+
+
+def profile(eng, kind: str, path: str, n: int = 1) -> None:
+    """One step under torch.profiler (decode: `n` requests of 1,024 tokens; prefill: one of
+    4,096): tables of device and host time per op, the step's phases named."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     g = torch.Generator().manual_seed(7)
-    n, length = (1, 1024) if kind == "decode" else (1, 4096)
+    n, length = (n, 1024) if kind == "decode" else (1, 4096)
     seqs = [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (length,), generator=g).tolist(),
                             SamplingParams(max_tokens=8, ignore_eos=True)) for _ in range(n)]
     if kind == "decode":
         while any(s.num_computed < s.num_prompt_tokens for s in seqs):
             eng.step()
         eng.step()
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with phases_named(eng), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         eng.step()
         torch.cuda.synchronize()
     for s in seqs:
@@ -106,7 +135,7 @@ def profile(eng, kind: str, path: str) -> None:
     with open(path, "w") as f:
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
         f.write("\n\n")
-        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
+        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70))
 
 
 def prefill_logits(eng, ids) -> torch.Tensor:
@@ -166,7 +195,7 @@ def main():
 
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
-        profile(eng, "decode", os.path.join(a.profile, "profile-eager-decode.txt"))
+        profile(eng, "decode", os.path.join(a.profile, "profile-eager-decode-1.txt"))
     if "compiled" in variants or "full" in variants:
         from runtime.compile import CompileConfig, compile_runner
         cargs = dataclasses.replace(args, enforce_eager=False)
@@ -220,9 +249,10 @@ def main():
     if a.profile:
         for v in variants:
             use(v)
-            for kind in ("decode", "prefill"):
+            for kind, n in (("decode", 1), ("decode", 64), ("prefill", 1)):
                 if (v, kind) != ("eager", "decode"):
-                    profile(eng, kind, os.path.join(a.profile, f"profile-{v}-{kind}.txt"))
+                    profile(eng, kind, os.path.join(a.profile, f"profile-{v}-{kind}-{n}.txt"), n)
+
 
 def run_cases(eng, cases, variants, use, steps: int, res: dict, save) -> None:
     for kind, n, length in cases:

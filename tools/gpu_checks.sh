@@ -4,8 +4,10 @@
 # packages importable (pip install -e '.[serve]', or PYTHONPATH holding their wheels).
 #
 #   tools/gpu_checks.sh OUT tests       # the `-m gpu` kernel/compile modules, one log each, first failure's traceback kept
-#   tools/gpu_checks.sh OUT graphtests  # tests/test_cuda_graph_gpu.py (FULL and TR_HYBRID) the same way
-#   tools/gpu_checks.sh OUT graphs    # step_bench: eager / compiled / full, wall and kernel time
+#   tools/gpu_checks.sh OUT graphtests [K]  # tests/test_cuda_graph_gpu.py: its FULL and TR_HYBRID tests
+#                                     # side by side (~10 min each, toy compiles), or those -k K selects
+#   tools/gpu_checks.sh OUT graphs    # step_bench: eager / compiled / full, wall and kernel time, and
+#                                     # profiler tables with the step's phases named (OUT/profiles)
 #   tools/gpu_checks.sh OUT hybrid    # step_bench: compiled / full / tr_hybrid (after graphs: warm compile cache)
 #   tools/gpu_checks.sh OUT dspark      # dspark_bench at acceptance length 3.51: eager, then compiled + TR_HYBRID
 #   tools/gpu_checks.sh OUT native    # step_bench with --weight-format native, then native_gemm_bench
@@ -22,26 +24,28 @@ py=python3
 step() { echo "== $* ($(date +%T))"; }
 
 case $PART in
-tests|graphtests)
-  # tests: the kernel and compile modules; graphtests: the CUDA-graph module alone (it compiles
-  # the toy for FULL and for TR_HYBRID)
-  if [ "$PART" = tests ]; then
-    mods="tests/test_native_gemm_gpu.py tests/test_memory.py tests/test_compile_gpu.py tests/test_kernels_gpu.py tests/test_fused_ops_gpu.py"
-    limit=150
-  else
-    mods=tests/test_cuda_graph_gpu.py limit=560
-  fi
-  for m in $mods; do
+tests)
+  for m in tests/test_native_gemm_gpu.py tests/test_memory.py tests/test_compile_gpu.py tests/test_kernels_gpu.py \
+           tests/test_fused_ops_gpu.py; do
     step "$m"
     # -x: the first failure's traceback is printed before a time limit can cut the run
-    timeout $limit $py -m pytest -q -x -m gpu --timeout=300 --tb=long -p no:cacheprovider "$m" \
+    timeout 150 $py -m pytest -q -x -m gpu --timeout=300 --tb=long -p no:cacheprovider "$m" \
       > "$OUT/$(basename "$m" .py).log" 2>&1
     echo "rc=$?"; tail -3 "$OUT/$(basename "$m" .py).log"
   done ;;
+graphtests)
+  # -rA: every test's outcome by name in the summary; -v lines show what a cut run reached
+  run() { timeout 560 $py -m pytest -v -rA -m gpu --timeout=400 --tb=short -p no:cacheprovider \
+            tests/test_cuda_graph_gpu.py -k "$1" > "$OUT/graphtests-$2.log" 2>&1; }
+  step "tests/test_cuda_graph_gpu.py"
+  if [ $# -ge 3 ]; then run "$3" k; else
+    run "not TR_HYBRID and not tr_hybrid" full & run "TR_HYBRID or tr_hybrid" tr_hybrid; wait
+  fi
+  grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$OUT"/graphtests-*.log | head -60 ;;
 graphs)
   step "step_bench eager,compiled,full"
   timeout 560 $py benchmarks/step_bench.py --variants eager,compiled,full --no-agreement \
-    --out "$OUT/graphs-flash-slice-h200.json" > "$OUT/graphs.log" 2>&1
+    --profile "$OUT/profiles" --out "$OUT/graphs-flash-slice-h200.json" > "$OUT/graphs.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|^graphs:|Error' "$OUT/graphs.log" | tail -20 ;;
 hybrid)
   step "step_bench compiled,full,tr_hybrid"
