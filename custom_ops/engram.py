@@ -27,16 +27,17 @@ _SMALL = 1 << 22          # tables up to this many elements are decoded once and
 _decoded: dict = {}
 
 
-def _decoded_table(table, scale):
-    """The whole table decoded to FP32, for small tables (toy, flash-slice), keyed by storage and
-    version so an in-place change of the table is seen."""
-    key = (table.data_ptr(), tuple(table.shape), table._version, scale.data_ptr(), scale._version)
+def _decoded_table(table, scale, dtype=torch.float32):
+    """The whole table decoded (exactly, in FP32) and rounded to `dtype`, for small tables (toy,
+    flash-slice), keyed by storage and version so an in-place change of the table is seen.
+    Rounding the table once equals rounding each gathered row: the cast is elementwise."""
+    key = (table.data_ptr(), tuple(table.shape), table._version, scale.data_ptr(), scale._version, dtype)
     if key not in _decoded:
         val, exp = _byte_tables(table.device)
         rows = val[table.view(torch.uint8).long()].unflatten(-1, (-1, 32))
         if len(_decoded) >= 8:  # a few live tables (one per Engram layer); forget the oldest
             _decoded.pop(next(iter(_decoded)))
-        _decoded[key] = (rows * exp[scale.view(torch.uint8).long()][..., None]).flatten(-2)
+        _decoded[key] = (rows * exp[scale.view(torch.uint8).long()][..., None]).flatten(-2).to(dtype)
     return _decoded[key]
 
 
@@ -44,7 +45,12 @@ def _decoded_table(table, scale):
 def engram_gather(table, scale, ids, out) -> None:
     """table [rows, d] FP8; scale [rows, d/32] E8M0; ids [T, n]; out [T, n*d]."""
     if table.numel() <= _SMALL:
-        out.copy_(_decoded_table(table, scale).index_select(0, ids.reshape(-1).to(table.device)).reshape(out.shape))
+        flat = ids.reshape(-1).to(table.device)
+        if out.is_contiguous() and out.device == table.device:     # straight into `out`, no temporary
+            dec = _decoded_table(table, scale, out.dtype)
+            torch.index_select(dec, 0, flat, out=out.view(-1, dec.shape[1]))
+        else:
+            out.copy_(_decoded_table(table, scale).index_select(0, flat).reshape(out.shape))
         return
     val, exp = _byte_tables(table.device)
     if table.device.type == "cpu":  # numpy's take is an order of magnitude faster on the host

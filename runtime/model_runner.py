@@ -228,7 +228,7 @@ class ModelRunner:
         slots = sb.slots
         meta = self.slot_meta[slots]
         pos, floor_r, write_r = meta[:, 1], meta[:, 2], meta[:, 3]
-        if not (np.array_equal(meta[:, :2], got[:, :2]) and (pos >= meta[:, 4]).all()):
+        if not ((meta[:, :2] == got[:, :2]).all() and (pos >= meta[:, 4]).all()):
             return None
         bid = np.arange(B)
         # window rows p-W+1 .. p: ring rows (slot*W + q % W, q % W read from a rotation table),
