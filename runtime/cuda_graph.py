@@ -1,13 +1,19 @@
 """FULL CUDA graphs (`--cudagraph-mode FULL`): the runner's compiled forward captured once per
-decode batch size, largest first, into one shared memory pool. The graphs read the runner's
+width (rows), largest first, into one shared memory pool. The graphs read the runner's
 persistent step buffers (runtime.batch.StepBuffers) and the KV cache, so a replay is what
 `ModelRunner.prepare` already does (host mirrors, one copy per field, padding rows to the
-captured width) plus `graph.replay()`; no Python runs in the forward. Prefill and mixed steps
-run the compiled forward without graphs.
+captured width) plus `graph.replay()`; no Python runs in the forward.
+
+A step replays when every row it computes is one it samples: decode rows, and DSpark verify
+requests (the anchor and each draft, `1 + k` rows, all sampled): then no row takes the decoder
+replay plan and every row is a token of the whole model, as the padding rows the graph was
+captured on. The widths are the decode batch sizes and, with DSpark, `1 + k` times each
+(EngineArgs.graph_sizes). Prefill and other mixed steps run the compiled forward.
 
 tests/test_cuda_graph_cpu.py runs this class on the CPU with a recording stand-in for
 torch.cuda's graph API (replay == plain forward at its width, bitwise; tokens as without
-graphs; padding inert). tests/test_cuda_graph_gpu.py holds the same checks with real graphs.
+graphs; padding inert), tests/test_dspark_compiled.py with DSpark's verify steps;
+tests/test_cuda_graph_gpu.py holds the same checks with real graphs.
 """
 from __future__ import annotations
 
@@ -42,39 +48,42 @@ def capturing(dev):
 
 class CUDAGraphRunner:
     def __init__(self, runner, sizes):
-        """`sizes`: the decode batch sizes to capture (each at most the runner's capacities)."""
+        """`sizes`: the widths (rows) to capture, each at most the runner's token capacity."""
         if runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the runner is on {runner.device}")
         sizes = tuple(sorted(set(sizes)))
-        if not sizes or sizes[0] < 1 or sizes[-1] > min(runner.max_seqs, runner.max_tokens):
-            raise ValueError(f"capture sizes {sizes} not in [1, {min(runner.max_seqs, runner.max_tokens)}]")
+        if not sizes or sizes[0] < 1 or sizes[-1] > runner.max_tokens:
+            raise ValueError(f"capture sizes {sizes} not in [1, {runner.max_tokens}]")
         self.runner, self.sizes = runner, sizes
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
 
     def width_for(self, sb) -> int | None:
-        """The captured batch size a step replays at: the smallest one holding it when every
-        request computes one token and samples it (decode), else None."""
-        B = len(sb.seqs)
-        if not B or B > self.sizes[-1] or sb.scheduled_tokens != B or sb.resumes or sb.captures:
+        """The captured width a step replays at: the smallest one holding its rows when every
+        request's rows are the ones it samples (a decode row; a verify request's anchor and
+        drafts) and none resumes or captures an image, else None."""
+        T = sb.scheduled_tokens
+        if not T or T > self.sizes[-1] or sb.resumes or sb.captures:
             return None
-        if not all(sb.is_final_chunk):       # a 1-token prompt chunk runs the decoder plan
+        # a prompt chunk (final or not) computes rows it does not sample: the decoder plan
+        if not all(sb.is_final_chunk) or any(n != 1 + len(d) for n, d in zip(sb.num_new, sb.drafts)):
             return None
-        return self.sizes[bisect.bisect_left(self.sizes, B)]
+        return self.sizes[bisect.bisect_left(self.sizes, T)]
 
     @staticmethod
-    def running(bs: int) -> dict:
-        """The runner's running width for a step replayed at `bs`."""
-        return {"running_tokens": bs, "running_bs": bs}
+    def running(width: int) -> dict:
+        """The runner's running width for a step replayed at `width` (its requests as scheduled:
+        under static shapes every block-table row is read)."""
+        return {"running_tokens": width}
 
     def capture(self, progress: bool = True) -> dict:
         """Capture every size, largest first (later graphs reuse the first one's pool), each after
         a warm-up call at its width. Returns {sizes, seconds, pool_bytes}."""
         r, dev = self.runner, self.runner.device
         with capturing(dev) as report, torch.inference_mode():
-            for bs in tqdm(sorted(self.sizes, reverse=True), desc="CUDA graphs", unit="graph", disable=not progress):
-                batch = r.padding_batch(bs)
+            for width in tqdm(sorted(self.sizes, reverse=True), desc="CUDA graphs", unit="graph", disable=not progress):
+                batch = r.padding_batch(width)
                 r.forward(batch, r.cache)                      # warm-up: autotuning, lazy allocations
                 torch.cuda.synchronize(dev)
                 g = torch.cuda.CUDAGraph()
@@ -82,22 +91,25 @@ class CUDAGraphRunner:
                     out = r.forward(batch, r.cache)
                 if self.pool is None:
                     self.pool = g.pool()
-                self.graphs[bs], self.outputs[bs] = g, out
+                self.graphs[width], self.outputs[width] = g, out
         report = {"sizes": list(self.sizes), **report}
-        log.info("CUDA graphs: %d decode sizes captured in %.1fs (largest %d), graph pool %.1f MiB",
+        log.info("CUDA graphs: %d widths captured in %.1fs (largest %d rows), graph pool %.1f MiB",
                  len(self.sizes), report["seconds"], self.sizes[-1], report["pool_bytes"] / 2**20)
         return report
 
-    def replay(self, bs: int, batch=None, cache=None) -> torch.Tensor:
-        """Run the graph of width `bs` on what `prepare` published (the graph reads the
-        buffers `batch` views); its hidden rows [bs, ...]."""
-        self.graphs[bs].replay()
-        return self.outputs[bs]
+    def replay(self, width: int, batch=None, cache=None) -> torch.Tensor:
+        """Run the graph of `width` on what `prepare` published (the graph reads the buffers
+        `batch` views); its hidden rows [width, ...]."""
+        if batch is not None and batch.decoder is not None:
+            raise RuntimeError("a FULL graph replayed for a step with a decoder plan: width_for admits "
+                               "only steps whose every row samples")
+        self.graphs[width].replay()
+        return self.outputs[width]
 
 
 def graph_runner(mode: str, runner, sizes):
-    """The runner's graphs for `--cudagraph-mode` (FULL: CUDAGraphRunner over decode batch
-    sizes; TR_HYBRID: runtime.token_graphs.TokenGraphRunner over token buckets)."""
+    """The runner's graphs for `--cudagraph-mode` (FULL: CUDAGraphRunner over widths of steps
+    whose every row samples; TR_HYBRID: runtime.token_graphs.TokenGraphRunner over token buckets)."""
     if mode == "TR_HYBRID":
         from runtime.token_graphs import TokenGraphRunner
         return TokenGraphRunner(runner, sizes)

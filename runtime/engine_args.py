@@ -101,12 +101,14 @@ class _EngineFields:
     capture_sizes: str | None = _opt(None, "token counts warmed up after compiling, e.g. 1,2,4,8,512 "
                                            "(default: 1,2,4,8 and max-num-batched-tokens)")
     cudagraph_mode: str | None = _opt(None, "NONE, FULL or TR_HYBRID: FULL replays a captured CUDA graph of the "
-                                            "compiled forward for decode steps that fit a captured batch size; "
+                                            "compiled forward for decode and DSpark verify steps that fit a "
+                                            "captured width; "
                                             "TR_HYBRID replays token graphs of the compiled pieces between eager "
                                             "attention ops for any step that fits a token bucket (default: FULL "
                                             "on CUDA when compiled, else NONE)")
-    cudagraph_capture_sizes: str | None = _opt(None, "FULL: decode batch sizes, e.g. 1,2,4,8 (default: 1, 2, 4, 8, "
-                                                     "then every 8 up to max-num-seqs, at most 512); TR_HYBRID: "
+    cudagraph_capture_sizes: str | None = _opt(None, "FULL: widths in rows, e.g. 1,2,4,8 (default: 1, 2, 4, 8, "
+                                                     "then every 8 up to max-num-seqs, at most 512: decode batch "
+                                                     "sizes, and with DSpark 6 times each for verify steps); TR_HYBRID: "
                                                      "token buckets (default: powers of 2 up to 512 and "
                                                      "max-num-batched-tokens when at most 512)")
     gpu_memory_utilization: float = _opt(0.9, "share of the GPU's memory the engine may use: the KV pool gets "
@@ -287,12 +289,14 @@ class EngineArgs(_EngineFields):
         return mode
 
     def graph_sizes(self) -> tuple:
-        """Decode batch sizes captured under FULL, token buckets under TR_HYBRID (the flag is
-        validated even when graphs are off)."""
+        """The widths (rows) captured under FULL: decode batch sizes and, with DSpark, 1 + k
+        times each (verify steps); token buckets under TR_HYBRID (the flag is validated even
+        when graphs are off)."""
         mode = self.graph_mode()
         hybrid = mode == "TR_HYBRID"
-        top = self.max_num_batched_tokens if hybrid else min(self.max_num_seqs, self.max_num_batched_tokens)
-        limit = "max_num_batched_tokens" if hybrid else "min(max_num_seqs, max_num_batched_tokens)"
+        tokens, q = self.max_num_batched_tokens, 1 + self.spec_tokens
+        top = tokens if hybrid or q > 1 else min(self.max_num_seqs, tokens)
+        limit = "max_num_batched_tokens" if top == tokens else "min(max_num_seqs, max_num_batched_tokens)"
         spec = self.cudagraph_capture_sizes
         if spec:
             try:
@@ -308,6 +312,7 @@ class EngineArgs(_EngineFields):
             from runtime.token_graphs import token_buckets
             sizes = token_buckets(top)
         else:
-            top = min(top, 512)
-            sizes = sorted({s for s in (1, 2, 4, 8) if s <= top} | set(range(8, top + 1, 8)) | {top})
+            top = min(self.max_num_seqs, tokens, 512)
+            decode = {s for s in (1, 2, 4, 8) if s <= top} | set(range(8, top + 1, 8)) | {top}
+            sizes = sorted(decode | {q * s for s in decode if q * s <= tokens} if q > 1 else decode)
         return tuple(sizes) if mode != "NONE" else ()

@@ -9,6 +9,8 @@ The CPU versions, with a recording stand-in: tests/test_cuda_graph_cpu.py, test_
   with NONE (compiled each way), and leaks no page or slot.
 - TR_HYBRID: a replayed prefill, mixed and decode step gives bitwise the logits and cache of the
   compiled forward without graphs at the same padded width; padding rows write nothing.
+- DSpark's verify steps (the anchor and five drafts per request) replay FULL graphs and give
+  the tokens of the same engine without graphs, drafts verified or acceptance forced.
 - One decode step runs under `torch.cuda.set_sync_debug_mode("error")` but for the sampler's
   one copy of the ids.
 """
@@ -112,6 +114,27 @@ def test_tr_hybrid_padding_rows_are_inert(cuda_weights):
     plain = planes_written_by_a_step(engine(cuda_weights, cudagraph_mode="NONE"))
     assert all(torch.equal(a, b) for a, b in zip(graphed, plain))
     assert any(a.any() for a in graphed)
+
+
+@pytest.mark.parametrize("forced", [None, 3.51], ids=["verified", "forced-3.51"])
+def test_dspark_verify_steps_replay_full_graphs(cuda_weights, traces, forced):
+    from runtime.sequence import SamplingParams
+    p = SamplingParams(max_tokens=12, ignore_eos=True)
+    got, replays = {}, []
+    for mode in ("NONE", "FULL"):
+        eng = engine(cuda_weights, cudagraph_mode=mode, speculative_method="dspark",
+                     spec_decode_acceptance_length=forced)
+        if mode == "FULL":
+            replay = eng.runner.graphs.replay
+            eng.runner.graphs.replay = lambda w, *a: replays.append(w) or replay(w, *a)
+        seqs = [eng.add_request(t, p) for t in H.prompts((5, 17, 40), seed=4)]
+        while eng.has_unfinished():
+            eng.step()
+        got[mode] = [s.completion_token_ids for s in seqs]
+        eng.bm.check([])
+        assert eng.bm.all_free
+    assert got["FULL"] == got["NONE"]
+    assert any(w % 6 == 0 and w > 4 for w in replays), replays       # verify widths: 6 x batch
 
 
 def test_a_decode_step_does_not_synchronize(cuda_weights, traces, monkeypatch):

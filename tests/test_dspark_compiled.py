@@ -1,7 +1,8 @@
-"""DSpark with the compiled forward, and with its token pieces replayed as TR_HYBRID graphs
-(torch.cuda's graph API replaced by the recorder of tests/test_cuda_graph_cpu.py). The target
-writes its taps into SpecStep's buffer (`Transformer.record_taps`) from inside the compiled
-pieces and the captured graphs, so the draft must read this step's taps, not a stale buffer.
+"""DSpark with the compiled forward, with its verify and decode steps replayed as FULL graphs
+(widths 6 x batch), and with its token pieces replayed as TR_HYBRID graphs (torch.cuda's graph
+API replaced by the recorder of tests/test_cuda_graph_cpu.py). The target writes its taps into
+SpecStep's buffer (`Transformer.record_taps`) from inside the compiled pieces and the captured
+graphs, so the draft must read this step's taps, not a stale buffer.
 
 The mini model (8 layers, taps at 5-7) in float64, compiled with post_grad_eager (Inductor's
 graph pipeline and our passes, no code generation), oracle drafts as in
@@ -19,6 +20,7 @@ import torch
 
 from passes.split import SPLITTING_OPS
 from runtime import compile as C
+from runtime.cuda_graph import CUDAGraphRunner
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.sequence import SamplingParams
 from runtime.token_graphs import TokenGraphRunner
@@ -28,6 +30,8 @@ from tests.test_dspark_engine import DSPARK, oracle_drafts, run_dspark
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 64}
+# FULL's default widths for this engine on CUDA: decode sizes 1, 2, 4 and 6x each (verify)
+WIDTHS = (1, 2, 4, 6, 12, 24)
 MAX_TOKENS = 10
 
 
@@ -62,10 +66,11 @@ def until_done(eng, reqs, params) -> dict:
     return {i: s.completion_token_ids for i, s in live.items()}
 
 
-def compile_engine(eng, hybrid: bool, patch) -> None:
-    """Install the compiled forward on `eng` (and, `hybrid`, its token graphs), as
+def compile_engine(eng, mode: str, patch) -> None:
+    """Install the compiled forward on `eng` (and, for FULL or TR_HYBRID, its graphs), as
     runtime.compile.compile_runner and the engine's capture do on a GPU."""
     r = eng.runner
+    hybrid = mode == "TR_HYBRID"
     ccfg = C.CompileConfig(backend="post_grad_eager", split=eng.args.decoder_swa_bounded_replay,
                            splitting_ops=SPLITTING_OPS if hybrid else ())
     fwd = C.CompiledForward(r.model, r.cache, ccfg)
@@ -73,18 +78,30 @@ def compile_engine(eng, hybrid: bool, patch) -> None:
     with torch.inference_mode():
         fwd(r.padding_batch(r.max_tokens), r.cache)
     fwd.finish_warmup()
+    if mode == "NONE":
+        return
     if hybrid:
         for p in fwd.piece_graphs.pieces:
             p.fn = recorded(p.fn)
-        with patch.context() as m:
-            m.setattr(r, "device", SimpleNamespace(type="cuda"))      # TokenGraphRunner's device check
-            r.graphs = TokenGraphRunner(r, BUCKETS)
-            r.graphs.capture(progress=False)
+    else:
+        r.forward = recorded(fwd)
+    with patch.context() as m:
+        m.setattr(r, "device", SimpleNamespace(type="cuda"))      # the graph runners' device check
+        r.graphs = TokenGraphRunner(r, BUCKETS) if hybrid else CUDAGraphRunner(r, WIDTHS)
+        r.graphs.capture(progress=False)
+    r.forward = fwd
 
 
-@pytest.mark.parametrize("hybrid,replay", [(False, False), (True, True)],
-                         ids=["compiled-no-decoder-replay", "tr_hybrid-decoder-replay"])
-def test_compiled_dspark_tokens_equal_plain(mini, mini_dir, reqs, monkeypatch, hybrid, replay):
+def test_full_widths_hold_verify_steps():
+    args = EngineArgs(model="toy", device="cuda", enforce_eager=False, speculative_method="dspark", **ENGINE)
+    assert args.graph_sizes() == WIDTHS
+    plain = EngineArgs(model="toy", device="cuda", enforce_eager=False, **ENGINE)
+    assert plain.graph_sizes() == (1, 2, 4)
+
+
+@pytest.mark.parametrize("mode,replay", [("NONE", False), ("FULL", True), ("TR_HYBRID", True)],
+                         ids=["compiled-no-decoder-replay", "full-decoder-replay", "tr_hybrid-decoder-replay"])
+def test_compiled_dspark_tokens_equal_plain(mini, mini_dir, reqs, monkeypatch, mode, replay):
     weights = mini[1]
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     baseline = until_done(mini_engine(mini_dir, weights, decoder_swa_bounded_replay=replay), reqs, params)
@@ -94,7 +111,7 @@ def test_compiled_dspark_tokens_equal_plain(mini, mini_dir, reqs, monkeypatch, h
 
     def make_engine(w, **kw):
         eng = mini_engine(mini_dir, w, **kw)
-        compile_engine(eng, hybrid, monkeypatch)
+        compile_engine(eng, mode, monkeypatch)
         return eng
 
     monkeypatch.setattr(H, "make_engine", make_engine)
@@ -102,9 +119,12 @@ def test_compiled_dspark_tokens_equal_plain(mini, mini_dir, reqs, monkeypatch, h
     assert got == baseline
     s = eng.runner.spec.stats
     assert s["drafts"] > 0 and 0 < s["accepted"] < s["draft_tokens"]
-    if hybrid:
+    if mode == "TR_HYBRID":
         counts = eng.runner.graphs.pieces.counts()
         assert counts["graphs"] > 0 and counts["misses"] == 0, counts
+    if mode == "FULL":        # verify steps replayed (at 6, 12 or 24 rows)
+        replays = {w: g.replays for w, g in eng.runner.graphs.graphs.items()}
+        assert sum(replays[w] for w in (6, 12, 24)) > 0, replays
     # the draft's context rings (ring layers past the target's) are the eager DSpark engine's
     ref = mini_engine(mini_dir, weights, **DSPARK, decoder_swa_bounded_replay=replay)
     oracle_drafts(ref, {f"r{i}": t for i, t in baseline.items()}, 0)

@@ -9,7 +9,7 @@
 #   tools/gpu_checks.sh OUT graphs    # step_bench: eager / compiled / full, wall and kernel time, and
 #                                     # profiler tables with the step's phases named (OUT/profiles)
 #   tools/gpu_checks.sh OUT hybrid    # step_bench: compiled / full / tr_hybrid (after graphs: warm compile cache)
-#   tools/gpu_checks.sh OUT dspark      # dspark_bench at acceptance length 3.51: eager, then compiled + TR_HYBRID
+#   tools/gpu_checks.sh OUT dspark      # dspark_bench at acceptance length 3.51: eager, then compiled + FULL
 #   tools/gpu_checks.sh OUT native    # step_bench with --weight-format native, then native_gemm_bench
 #   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
 #   tools/gpu_checks.sh OUT serve     # flash-slice server + serve_bench on chat text prompts
@@ -53,12 +53,12 @@ hybrid)
     --out "$OUT/graphs-tr-hybrid-flash-slice-h200.json" > "$OUT/hybrid.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|^graphs|Error' "$OUT/hybrid.log" | tail -24 ;;
 dspark)
-  step "dspark_bench eager, then compiled with TR_HYBRID graphs"
+  step "dspark_bench eager, then compiled with FULL graphs (verify steps replay)"
   timeout 280 $py benchmarks/dspark_bench.py --model flash-slice --acceptance-length 3.51 \
     --out "$OUT/dspark-flash-slice-h200-eager.json" > "$OUT/dspark-eager.log" 2>&1
   echo "rc=$?"; tail -4 "$OUT/dspark-eager.log"
   timeout 300 $py benchmarks/dspark_bench.py --model flash-slice --acceptance-length 3.51 --no-enforce-eager \
-    --cudagraph-mode TR_HYBRID --out "$OUT/dspark-flash-slice-h200.json" > "$OUT/dspark.log" 2>&1
+    --cudagraph-mode FULL --out "$OUT/dspark-flash-slice-h200.json" > "$OUT/dspark.log" 2>&1
   echo "rc=$?"; tail -4 "$OUT/dspark.log" ;;
 native)
   step "step_bench --weight-format native"
