@@ -77,6 +77,12 @@ class LLMEngine:
             graphs = graph_runner(args.graph_mode(), self.runner, graph_sizes)
             self.graph_report = graphs.capture()
             self.runner.graphs = graphs
+            if self.runner.spec is not None:     # the DSpark draft, per request count
+                from runtime.draft_graphs import DraftGraphRunner
+                spec = self.runner.spec
+                spec.graphs = DraftGraphRunner(spec, [s for s in graph_sizes if s <= args.max_num_seqs],
+                                               getattr(graphs, "pool", None))
+                self.graph_report["draft"] = spec.graphs.capture()
             if self.pool_plan is not None and (warning := graph_pool_overrun(self.pool_plan, self.graph_report["pool_bytes"])):
                 log.warning(warning)
         self.bm = BlockManager(num_pages, args.max_num_seqs, geo.page_tokens, pages_per_seq,

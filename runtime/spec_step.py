@@ -44,6 +44,7 @@ class SpecStep:
                       "acceptance_length": [0] * (k + 2)}
         self._verify = None
         self._ctx = None
+        self.graphs = None      # runtime.draft_graphs.DraftGraphRunner, when the target is graphed
         # benchmark only (EngineArgs.spec_decode_acceptance_length L): the mean accepted drafts
         # per verify step, L - 1, whatever the target says; None: real verification
         self.forced: float | None = None
@@ -220,9 +221,16 @@ class SpecStep:
         seqs = [s for s in seqs if s.status is Status.RUNNING and s.may_draft]
         if not seqs:
             return
-        dev = self.runner.device
-        col = lambda f: torch.as_tensor([f(s) for s in seqs], dtype=torch.long, device=dev)  # noqa: E731
-        got = self.draft(col(lambda s: s.token_ids[-1]), col(lambda s: s.num_computed - 1), col(lambda s: s.slot),
-                         col(lambda s: max(s.decoder_start or 0, s.swa_floor)), self.runner.cache.ring[self.n:])
-        for s, toks in zip(seqs, got.tokens[:, :self.k].tolist()):
+        # per request: anchor token, its position, STATE slot, context floor
+        cols = np.array([(s.token_ids[-1], s.num_computed - 1, s.slot, max(s.decoder_start or 0, s.swa_floor))
+                         for s in seqs], np.int64).T.copy()
+        tokens = self.graphs.propose(cols) if self.graphs is not None else None
+        if tokens is None:
+            tokens = self.draft(*torch.as_tensor(cols, device=self.runner.device), self.draft_rings).tokens
+        for s, toks in zip(seqs, tokens[:, :self.k].tolist()):
             s.spec_token_ids = toks
+
+    @property
+    def draft_rings(self) -> torch.Tensor:
+        """The draft stages' context rings: layers n.. of the ring plane."""
+        return self.runner.cache.ring[self.n:]

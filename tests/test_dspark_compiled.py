@@ -1,5 +1,5 @@
 """DSpark with the compiled forward, with its verify and decode steps replayed as FULL graphs
-(widths 6 x batch), and with its token pieces replayed as TR_HYBRID graphs (torch.cuda's graph
+(widths 6 x batch) and its draft as graphs per request count (runtime/draft_graphs.py), and with its token pieces replayed as TR_HYBRID graphs (torch.cuda's graph
 API replaced by the recorder of tests/test_cuda_graph_cpu.py). The target writes its taps into
 SpecStep's buffer (`Transformer.record_taps`) from inside the compiled pieces and the captured
 graphs, so the draft must read this step's taps, not a stale buffer.
@@ -21,6 +21,7 @@ import torch
 from passes.split import SPLITTING_OPS
 from runtime import compile as C
 from runtime.cuda_graph import CUDAGraphRunner
+from runtime.draft_graphs import DraftGraphRunner
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.sequence import SamplingParams
 from runtime.token_graphs import TokenGraphRunner
@@ -89,6 +90,10 @@ def compile_engine(eng, mode: str, patch) -> None:
         m.setattr(r, "device", SimpleNamespace(type="cuda"))      # the graph runners' device check
         r.graphs = TokenGraphRunner(r, BUCKETS) if hybrid else CUDAGraphRunner(r, WIDTHS)
         r.graphs.capture(progress=False)
+        if r.spec is not None and not hybrid:                      # the draft, per request count
+            r.spec.graphs = DraftGraphRunner(r.spec, (1, 2, 4), r.graphs.pool)
+            r.spec.graphs.fn = recorded(r.spec.graphs.fn)
+            r.spec.graphs.capture()
     r.forward = fwd
 
 
@@ -125,6 +130,7 @@ def test_compiled_dspark_tokens_equal_plain(mini, mini_dir, reqs, monkeypatch, m
     if mode == "FULL":        # verify steps replayed (at 6, 12 or 24 rows)
         replays = {w: g.replays for w, g in eng.runner.graphs.graphs.items()}
         assert sum(replays[w] for w in (6, 12, 24)) > 0, replays
+        assert eng.runner.spec.graphs.replays > 0       # the draft replayed its graphs
     # the draft's context rings (ring layers past the target's) are the eager DSpark engine's
     ref = mini_engine(mini_dir, weights, **DSPARK, decoder_swa_bounded_replay=replay)
     oracle_drafts(ref, {f"r{i}": t for i, t in baseline.items()}, 0)

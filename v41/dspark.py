@@ -141,20 +141,27 @@ class DSpark(nn.Module):
             ops.scatter_rows(ring, key, dest)
 
     # ---- draft --------------------------------------------------------------------------
-    def draft_batch(self, anchors, anchor_pos, slots, floors, n_ring: int) -> DraftBatch:
-        """The draft rows of B requests: anchors, anchor_pos (P), slots and context floors
-        (the first position with a context key; positions below it are not read) [B]."""
+    def check_inputs(self, anchors, anchor_pos, slots, floors, n_ring: int) -> None:
+        """The draft's inputs [B] (tensors, or host arrays before a graph replays them): shapes,
+        slots inside the rings, positions inside the RoPE table. Reads their values."""
         for name, t in (("anchors", anchors), ("anchor_pos", anchor_pos), ("slots", slots), ("floors", floors)):
-            if t.dim() != 1 or t.shape != anchors.shape:
+            if t.ndim != 1 or t.shape != anchors.shape:
                 raise ValueError(f"{name}: shape {tuple(t.shape)}, expected [{anchors.shape[0]}] like anchors")
-        if anchors.numel():
+        if len(anchors):
             if int(slots.min()) < 0 or (int(slots.max()) + 1) * self.W > n_ring:
                 raise ValueError(f"slots: outside the {n_ring // self.W} ring slots")
             if int(anchor_pos.min()) < 0:
                 raise ValueError("anchor_pos: negative position")
+            self._check_positions("anchor_pos", anchor_pos + self.T)     # the last draft row's
+
+    def draft_batch(self, anchors, anchor_pos, slots, floors, n_ring: int, check: bool = True) -> DraftBatch:
+        """The draft rows of B requests: anchors, anchor_pos (P), slots and context floors
+        (the first position with a context key; positions below it are not read) [B].
+        `check=False`: the caller checked them (`check_inputs`; a graph capture cannot read them)."""
+        if check:
+            self.check_inputs(anchors, anchor_pos, slots, floors, n_ring)
         B, T, W, dev = anchors.shape[0], self.T, self.W, anchors.device
         pos = anchor_pos[:, None] + 1 + torch.arange(T, device=dev)
-        self._check_positions("anchor_pos", pos)
         q = anchor_pos[:, None] - (W - 1) + torch.arange(W, device=dev)        # oldest first
         ctx = torch.where(q >= floors.clamp(min=0)[:, None], slots[:, None] * W + q % W, -1)
         own = n_ring + torch.arange(B * T, device=dev).view(B, T)
@@ -167,11 +174,12 @@ class DSpark(nn.Module):
                           torch.zeros(B, 1, dtype=torch.long, device=dev))
 
     def forward(self, anchors, anchor_pos, slots, floors, rings: torch.Tensor,
-                choose: Callable | None = None) -> Draft:
+                choose: Callable | None = None, check: bool = True) -> Draft:
         """Propose T tokens per request. `choose(logits [B, vocab], i) -> [B]` picks the token
-        of draft row i (the next row's Markov input); default greedy (argmax, lowest id on ties)."""
+        of draft row i (the next row's Markov input); default greedy (argmax, lowest id on ties).
+        `check=False`: inputs checked by the caller (`check_inputs`)."""
         self._check_rings(rings)
-        batch = self.draft_batch(anchors, anchor_pos, slots, floors, rings.shape[1])
+        batch = self.draft_batch(anchors, anchor_pos, slots, floors, rings.shape[1], check)
         B, T, acc = anchors.shape[0], self.T, acc_dtype(self.dtype)
         X = self.embed_weight[batch.input_ids].unsqueeze(1).expand(-1, self.hc, -1).contiguous()
         pre = torch.zeros(X.shape[0], self.hc, dtype=acc, device=X.device)
@@ -198,6 +206,6 @@ class DSpark(nn.Module):
         if rings.dim() != 3 or (rings.shape[0], rings.shape[2]) != want or rings.shape[1] % self.W:
             raise ValueError(f"rings: shape {tuple(rings.shape)}, expected [{want[0]}, slots·{self.W}, {want[1]}]")
 
-    def _check_positions(self, name: str, pos: torch.Tensor) -> None:
-        if pos.numel() and int(pos.max()) >= self.max_pos:
+    def _check_positions(self, name: str, pos) -> None:
+        if len(pos) and int(pos.max()) >= self.max_pos:
             raise ValueError(f"{name}: position {int(pos.max())} past the draft's RoPE table ({self.max_pos})")
