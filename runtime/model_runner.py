@@ -55,7 +55,7 @@ class ModelRunner:
         self.max_pages = -(-max_model_len // geo.page_tokens)
         T, B = max_num_batched_tokens, max_num_seqs
         self.max_tokens, self.max_seqs = T, B
-        self.engram_stager = engram_stager(weights, T, self.device)    # host tables: mapped, or under CUDA
+        self.engram_stager = engram_stager(weights, T, self.device)    # tables mapped on the host
         ids_width = self.m * self.layout.n_heads
         self.bufs = StepBuffers(step_fields(T, B, self.W, self.max_pages, {l: ids_width for l in cfg.engram_layer_ids},
                                             geo.page_tokens) | replay.step_fields(T), self.device)
@@ -378,9 +378,8 @@ class ModelRunner:
                                  f"differs from the STATE cursor {dev.tolist()}")
 
     def gather_engram(self, dev: dict, T: int, Tr: int) -> dict:
-        """Table rows of every Engram layer: from the host's ids by the EngramStager (pinned
-        staging, one copy per layer) when the tables are on the host and mapped or the runner on
-        CUDA, else by the gather op where the tables are."""
+        """Table rows of every Engram layer, gathered on the device from the published ids, or
+        from mapped tables on the host (EngramStager: pinned staging, one copy per layer)."""
         if self.engram_stager is not None:
             ids = {l: self.bufs.host[f"engram_ids.{l}"][:T] for l in self.cfg.engram_layer_ids}
             self.engram_stager.gather(ids, self.engram_buf)

@@ -209,30 +209,6 @@ def test_memory_report(toy, resident, mapped, ckpt, caplog):
 
 # ---- the stager ---------------------------------------------------------------------------
 
-def test_resident_tables_are_staged_under_cuda(toy, resident, monkeypatch):
-    """Resident host tables with the runner on CUDA get a stager (the gather op would read the
-    ids back from the device: a synchronization each step); its rows are the op's, bitwise."""
-    import v41.loader.engram_map as M
-    made = []
-    monkeypatch.setattr(M, "EngramStager", lambda tables, *a: made.append(tables) or "stager")
-    assert engram_stager(resident, 16, "cuda") == "stager"
-    tables = made[0]
-    assert sorted(tables) == sorted(toy.engram_layer_ids)
-    assert all(isinstance(t, M.HostEngramTable) for t in tables.values())
-    monkeypatch.undo()
-    st = EngramStager(tables, 16, toy.engram_width, "cpu")
-    n = toy.engram_width // toy.engram_head_dim
-    ids = {l: np.random.default_rng(l).integers(0, t.rows, (11, n)) for l, t in tables.items()}
-    out = {l: torch.full((16, toy.engram_width), float("nan"), dtype=torch.bfloat16) for l in tables}
-    st.gather(ids, out)
-    for l, a in ids.items():
-        want = torch.empty(11, toy.engram_width, dtype=torch.bfloat16)
-        ops.engram_gather(resident[f"layers.{l}.engram.embed.weight"],
-                          resident[f"layers.{l}.engram.embed.scale"], torch.from_numpy(a), want)
-        assert torch.equal(out[l][:11], want)
-    st.close()
-
-
 def test_stager_prefetch_and_gather(toy, resident, mapped):
     T, n = 9, toy.engram_width // toy.engram_head_dim
     st = engram_stager(mapped, max_tokens=16, device="cpu")

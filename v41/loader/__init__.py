@@ -25,7 +25,7 @@ from here.
 from __future__ import annotations
 
 from v41.loader.cli import main
-from v41.loader.engram_map import (ENGRAM_MAP_BYTES, EngramStager, HostEngramTable, engram_stager,
+from v41.loader.engram_map import (ENGRAM_MAP_BYTES, EngramStager, MappedEngramTable, engram_stager,
                                    map_engram_table)
 from v41.loader.io import (COMPLETE_MARKER, DEFAULT_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, CheckReport,
                            check_checkpoint, read_safetensors_header, shard_plan, write_checkpoint)
@@ -38,7 +38,7 @@ from v41.loader.schema import (KINDS, PARTS, CheckpointError, TensorSpec, checkp
 from v41.loader.synthetic import dummy_tensors, iter_tensor_values, tensor_seed, tensor_values
 
 __all__ = ["COMPLETE_MARKER", "DEFAULT_SHARD_BYTES", "ENGRAM_MAP_BYTES", "INDEX_FILE", "KINDS", "PARTS",
-           "SINGLE_FILE", "CheckReport", "CheckpointError", "EngramStager", "HostEngramTable", "TensorSpec",
+           "SINGLE_FILE", "CheckReport", "CheckpointError", "EngramStager", "MappedEngramTable", "TensorSpec",
            "Weights", "check_checkpoint", "checkpoint_key", "checkpoint_schema", "count_params",
            "dummy_tensors", "dummy_weights", "engram_stager", "ensure_preset_checkpoint",
            "format_memory_report", "fp32_copy_names", "is_host_table", "iter_tensor_values",

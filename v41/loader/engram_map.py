@@ -76,21 +76,14 @@ def _will_need(m: np.memmap, ids: np.ndarray) -> None:
         m._mmap.madvise(mmap.MADV_WILLNEED, first * page, (last - first + 1) * page)
 
 
-class HostEngramTable:
-    """One Engram layer's table in host memory: `codes` uint8 [rows, dim] (E4M3) and
-    `scale_codes` uint8 [rows, dim/32] (E8M0), both np.memmap when mapped read-only from its
-    shard (`map_engram_table`), plain arrays over a resident table's tensors (`resident`);
-    never written."""
+class MappedEngramTable:
+    """One Engram layer's table mapped read-only from its shard: `codes` uint8 [rows, dim] (E4M3)
+    and `scale_codes` uint8 [rows, dim/32] (E8M0), both np.memmap; never written."""
 
     def __init__(self, name: str, path: Path, codes: np.memmap, scale_codes: np.memmap):
         self.name, self.path = name, path
         self.codes, self.scale_codes = codes, scale_codes
         self.rows, self.dim = codes.shape
-
-    @classmethod
-    def resident(cls, name: str, table: torch.Tensor, scale: torch.Tensor) -> "HostEngramTable":
-        """Over a table read into host memory (float8 tensors; zero-copy)."""
-        return cls(name, None, table.view(torch.uint8).numpy(), scale.view(torch.uint8).numpy())
 
     @property
     def nbytes(self) -> int:
@@ -116,7 +109,7 @@ class HostEngramTable:
         if n and (ids.min() < 0 or ids.max() >= self.rows):
             bad = ids[(ids < 0) | (ids >= self.rows)][0]
             raise IndexError(f"{self.name}: row id {bad} outside [0, {self.rows})")
-        if will_need and isinstance(self.codes, np.memmap):
+        if will_need:
             _will_need(self.codes, ids)
             _will_need(self.scale_codes, ids)
         out = np.empty((n, self.dim), np.float32) if out is None else out.reshape(n, self.dim)
@@ -127,7 +120,7 @@ class HostEngramTable:
         return out
 
 
-def map_engram_table(path, weight_name: str, schema: dict) -> HostEngramTable:
+def map_engram_table(path, weight_name: str, schema: dict) -> MappedEngramTable:
     """Map the table `weight_name` (`layers.L.engram.embed.weight`) and its `.scale` from the
     shard `path`, after checking both header entries against `schema` (CheckpointError naming
     the tensor and the shard otherwise)."""
@@ -140,7 +133,7 @@ def map_engram_table(path, weight_name: str, schema: dict) -> HostEngramTable:
     if ws.shape[1] != 32 * ss.shape[1] or ws.shape[0] != ss.shape[0]:
         raise CheckpointError(f"tensor {scale_name}: shape {list(ss.shape)} does not give one scale per "
                               f"32 values of {weight_name} {list(ws.shape)}")
-    return HostEngramTable(weight_name, path, _map(path, w_off, ws.shape), _map(path, s_off, ss.shape))
+    return MappedEngramTable(weight_name, path, _map(path, w_off, ws.shape), _map(path, s_off, ss.shape))
 
 
 class EngramStager:
@@ -152,8 +145,8 @@ class EngramStager:
     only after the copy that read it has run (a CUDA event per slot)."""
 
     def __init__(self, tables: dict, max_tokens: int, width: int, device, will_need: bool = True):
-        """`tables`: layer -> HostEngramTable; `width`: decoded floats per token (ids per
-        token x the table's dim); `will_need`: see HostEngramTable.gather."""
+        """`tables`: layer -> MappedEngramTable; `width`: decoded floats per token (ids per
+        token x the table's dim); `will_need`: see MappedEngramTable.gather."""
         self.tables, self.width, self.device = dict(tables), width, torch.device(device)
         self.will_need = will_need
         cuda = self.device.type == "cuda"
@@ -221,20 +214,10 @@ class EngramStager:
 
 
 def engram_stager(weights, max_tokens: int, device) -> EngramStager | None:
-    """The stager of a `Weights` whose Engram tables are mapped, or resident on the host while
-    the model runs on CUDA: gathering there from the host's copy of the ids keeps the step free
-    of a device-to-host read of them. None on the CPU with resident tables (the gather op reads
-    them in place) and for a plain name -> tensor mapping."""
-    mapped = getattr(weights, "mapped", None)
-    if not mapped and not (hasattr(weights, "cfg") and torch.device(device).type == "cuda"):
+    """The stager of a `Weights` whose Engram tables are mapped (None when they are resident, or
+    for a plain name -> tensor mapping)."""
+    if not getattr(weights, "mapped", None):
         return None
     cfg = weights.cfg
-    names = {l: f"layers.{l}.engram.embed." for l in cfg.engram_layer_ids}
-    if mapped:
-        tables = {l: mapped[n + "weight"] for l, n in names.items()}
-    elif any(weights[n + "weight"].device.type != "cpu" for n in names.values()):
-        return None     # tables put on the device by hand: the gather op reads them there
-    else:
-        tables = {l: HostEngramTable.resident(n + "weight", weights[n + "weight"], weights[n + "scale"])
-                  for l, n in names.items()}
+    tables = {l: weights.mapped[f"layers.{l}.engram.embed.weight"] for l in cfg.engram_layer_ids}
     return EngramStager(tables, max_tokens, cfg.engram_width, device)

@@ -49,7 +49,7 @@ class Weights(Mapping):
         self.cfg = cfg
         self.tensors = tensors
         self.source = source          # a checkpoint directory or "dummy"
-        # table weight name -> HostEngramTable; `tensors` holds zero-copy views of them
+        # table weight name -> MappedEngramTable; `tensors` holds zero-copy views of them
         self.mapped = dict(mapped or {})
         self.device = torch.device(device)
         self.seed = seed
