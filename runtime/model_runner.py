@@ -22,7 +22,7 @@ from runtime.geometry import PoolGeometry
 from runtime.scheduler import ScheduledBatch
 from runtime.state import StateTransfer
 from v41.engram.hashing import DEAD, EngramLayout
-from v41.loader.engram_map import engram_stager
+from v41.loader.engram_map import engram_stager, engram_tables
 from v41.model import Transformer
 
 ops = torch.ops.v41
@@ -50,8 +50,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.tail_staging = max_num_seqs * (spec_tokens // 2 + 1) if spec_tokens else 0
         self.use_cache(num_pages, num_slots, num_images, transfer)
-        self.engram_tables = {l: (weights[f"layers.{l}.engram.embed.weight"],
-                                  weights[f"layers.{l}.engram.embed.scale"]) for l in cfg.engram_layer_ids}
+        self.engram_tables = engram_tables(cfg, weights, self.device)     # resident ones on the device
         self.max_pages = -(-max_model_len // geo.page_tokens)
         T, B = max_num_batched_tokens, max_num_seqs
         self.max_tokens, self.max_seqs = T, B

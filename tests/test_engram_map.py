@@ -22,7 +22,7 @@ import v41.loader.load
 from tests import harness as H
 from v41 import quant
 from v41.config import preset
-from v41.loader.engram_map import EngramStager, engram_stager, map_engram_table
+from v41.loader.engram_map import EngramStager, engram_stager, engram_tables, map_engram_table
 from v41.loader.report import memory_report
 
 ops = torch.ops.v41
@@ -205,6 +205,18 @@ def test_memory_report(toy, resident, mapped, ckpt, caplog):
     L.load_weights(ckpt, toy, progress=False, engram="mapped")
     line = [r.getMessage() for r in caplog.records if r.name == "v41.loader"][-1]
     assert "fp4" in line and "e8m0" in line and f"{tables / 1024:,.2f} KiB mapped from disk" in line
+
+
+def test_resident_tables_go_to_the_model_device_mapped_ones_stay(toy, resident, mapped):
+    """The runner's tables (engram_tables): resident ones where the model runs (the gather op
+    reads them there with the published ids; "meta" stands in for a GPU), mapped ones on the host."""
+    moved = engram_tables(toy, resident, "meta")
+    kept = engram_tables(toy, mapped, "meta")
+    assert sorted(moved) == sorted(kept) == sorted(toy.engram_layer_ids)
+    assert all(t.device.type == "meta" for pair in moved.values() for t in pair)
+    assert all(t.device.type == "cpu" for pair in kept.values() for t in pair)
+    for l, (w, sc) in kept.items():
+        assert w.data_ptr() == mapped[f"layers.{l}.engram.embed.weight"].data_ptr()     # the mapping itself
 
 
 # ---- the stager ---------------------------------------------------------------------------

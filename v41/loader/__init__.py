@@ -12,8 +12,9 @@ FP4 E2M1 packed two per byte (`I8` on disk) with an E8M0 scale per 1x32 group al
 Loading checks every shard header against the schema before any tensor data is read, then
 reads, then runs the post-load processing exactly once (§5.4): `attn.wo_a` is dequantized to
 BF16 (its scale dropped), `head` / `markov_head.head` / `confidence_head.proj` become FP32;
-nothing else changes dtype. Engram tables (`*.engram.embed.*`) stay on the host: mapped from
-their shards (`engram_map`; `load_checkpoint(engram='auto'|'mapped'|'resident')`) or read.
+nothing else changes dtype. Engram tables (`*.engram.embed.*`) load on the host: mapped from
+their shards (`engram_map`; `load_checkpoint(engram='auto'|'mapped'|'resident')`) or read; the
+runner moves read (resident) ones to its device (`engram_tables`).
 
 The package, by concern: `schema` (TensorSpec, checkpoint_schema, parameter counts and totals),
 `synthetic` (the deterministic random values), `io` (the writer, shard plan, safetensors headers,

@@ -213,6 +213,19 @@ class EngramStager:
         self._pool.shutdown(wait=True)
 
 
+def engram_tables(cfg, weights, device) -> dict:
+    """Layer -> (table, scale) for the gather op. Resident tables (small: the loader maps large
+    ones) move to `device`, where the op reads them with a step's published ids (no per-step
+    host work); mapped tables stay host views, read through the EngramStager."""
+    mapped = getattr(weights, "mapped", None) or {}
+    out = {}
+    for l in cfg.engram_layer_ids:
+        name = f"layers.{l}.engram.embed."
+        w, s = weights[name + "weight"], weights[name + "scale"]
+        out[l] = (w, s) if name + "weight" in mapped else (w.to(device), s.to(device))
+    return out
+
+
 def engram_stager(weights, max_tokens: int, device) -> EngramStager | None:
     """The stager of a `Weights` whose Engram tables are mapped (None when they are resident, or
     for a plain name -> tensor mapping)."""
