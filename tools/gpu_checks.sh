@@ -4,8 +4,8 @@
 # packages importable (pip install -e '.[serve]', or PYTHONPATH holding their wheels).
 #
 #   tools/gpu_checks.sh OUT tests       # the `-m gpu` kernel/compile modules, one log each, first failure's traceback kept
-#   tools/gpu_checks.sh OUT graphtests [K]  # tests/test_cuda_graph_gpu.py: its FULL and TR_HYBRID tests
-#                                     # side by side (~10 min each, toy compiles), or those -k K selects
+#   tools/gpu_checks.sh OUT graphtests [K]  # tests/test_cuda_graph_gpu.py over 8 pytest workers
+#                                     # (or those -k K selects)
 #   tools/gpu_checks.sh OUT graphs    # step_bench: eager / compiled / full, wall and kernel time, and
 #                                     # profiler tables with the step's phases named (OUT/profiles)
 #   tools/gpu_checks.sh OUT hybrid    # step_bench: compiled / full / tr_hybrid (after graphs: warm compile cache)
@@ -34,14 +34,12 @@ tests)
     echo "rc=$?"; tail -3 "$OUT/$(basename "$m" .py).log"
   done ;;
 graphtests)
-  # -rA: every test's outcome by name in the summary; -v lines show what a cut run reached
-  run() { timeout 560 $py -m pytest -v -rA -m gpu --timeout=400 --tb=short -p no:cacheprovider \
-            tests/test_cuda_graph_gpu.py -k "$1" > "$OUT/graphtests-$2.log" 2>&1; }
+  # tests one by one over 8 workers (each compiles the toy: ~100-200 s an engine); -rA lists
+  # every outcome by name, -v what a cut run reached
   step "tests/test_cuda_graph_gpu.py"
-  if [ $# -ge 3 ]; then run "$3" k; else
-    run "not TR_HYBRID and not tr_hybrid" full & run "TR_HYBRID or tr_hybrid" tr_hybrid; wait
-  fi
-  grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$OUT"/graphtests-*.log | head -60 ;;
+  timeout 570 $py -m pytest -v -rA -n 8 --dist load -m gpu --timeout=500 --tb=short -p no:cacheprovider \
+    tests/test_cuda_graph_gpu.py ${3:+-k "$3"} > "$OUT/graphtests.log" 2>&1
+  echo "rc=$?"; grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$OUT/graphtests.log" | head -60 ;;
 graphs)
   step "step_bench eager,compiled,full"
   timeout 560 $py benchmarks/step_bench.py --variants eager,compiled,full --no-agreement \
