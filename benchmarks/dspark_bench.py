@@ -11,9 +11,9 @@ untimed, then `--steps` engine steps are timed (wall clock around LLMEngine.step
 the tokens to the host, so the device has finished); tokens_per_s = tokens generated in those
 steps / their time, ms_per_step = their median. The weights are loaded once and each variant
 builds its engine from them in turn (one engine's compute weights in memory at a time). Both
-variants run eager by default; `--no-enforce-eager --cudagraph-mode TR_HYBRID` compiles both and
-replays their steps as token graphs (plain decode and DSpark's verify steps alike; FULL graphs
-replay plain decode only, DSpark's verify steps then run compiled; the draft runs eager).
+variants run eager by default; `--no-enforce-eager` compiles both, and `--cudagraph-mode FULL`
+(the default on CUDA then) replays plain decode steps, DSpark's verify steps (widths 6 x batch)
+and the draft (per request count) as CUDA graphs; TR_HYBRID replays token graphs of every step.
 
     python benchmarks/dspark_bench.py --model flash-slice --device cuda --acceptance-length 3.51 --out dspark.json
     python benchmarks/dspark_bench.py --model toy --device cpu --dtype float32 --ctx 24 --steps 3   # smoke
