@@ -6,6 +6,7 @@ value, sqrt-sigmoid gate), whose reference impl is v41.engram.device.Engram.forw
 from __future__ import annotations
 
 import functools
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -29,7 +30,8 @@ _decoded: dict = {}
 
 def _decoded_table(table, scale, dtype=torch.float32):
     """The whole table decoded (exactly, in FP32) and rounded to `dtype`, for small tables (toy,
-    flash-slice), keyed by storage and version so an in-place change of the table is seen.
+    flash-slice), keyed by address and version so an in-place change of the table is seen, and
+    dropped when the table or its scale is freed.
     Rounding the table once equals rounding each gathered row: the cast is elementwise."""
     key = (table.data_ptr(), tuple(table.shape), table._version, scale.data_ptr(), scale._version, dtype)
     if key not in _decoded:
@@ -38,6 +40,10 @@ def _decoded_table(table, scale, dtype=torch.float32):
         if len(_decoded) >= 8:  # a few live tables (one per Engram layer); forget the oldest
             _decoded.pop(next(iter(_decoded)))
         _decoded[key] = (rows * exp[scale.view(torch.uint8).long()][..., None]).flatten(-2).to(dtype)
+        # the entry goes with its table and scale: a later tensor at the same address (same
+        # shape, version 0: another checkpoint of the preset) must not find this one's rows
+        for t in (table, scale):
+            weakref.finalize(t, _decoded.pop, key, None)
     return _decoded[key]
 
 

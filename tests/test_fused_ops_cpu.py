@@ -519,3 +519,45 @@ else:
                      "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate",
                      "engram_gather"):
             assert sel[f"v41::{name}"] == {"cpu": "reference", "cuda": "triton"}, name
+
+
+def test_engram_gather_forgets_a_freed_table():
+    """The reference gather decodes a small table once and keys it by address and version. A
+    second table of the same shape (another checkpoint of the preset, in one process) can land
+    at a freed table's address with version 0: its gather must read its own rows. The cache
+    entry goes with its table (deterministic check), and gathers right after a free, tried until
+    the allocator reuses the address or 200 times, equal the rows decoded directly."""
+    import gc
+    ids = torch.arange(20).view(10, 2)
+
+    def make(seed):
+        g = torch.Generator().manual_seed(seed)
+        t = torch.randint(0, 127, (630, 32), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        s = torch.randint(120, 130, (630, 1), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        return t, s
+
+    def gathered(t, s):
+        out = torch.empty(10, 64)
+        torch.ops.v41.engram_gather(t, s, ids, out)
+        return out
+
+    def direct(t, s):
+        rows = t.float()[ids.reshape(-1)].unflatten(-1, (-1, 32)) * s.float()[ids.reshape(-1)][..., None]
+        return rows.flatten(-2).reshape(10, 64)
+
+    t, s = make(1)
+    gathered(t, s)
+    ptr = t.data_ptr()
+    assert any(k[0] == ptr for k in ref_engram._decoded)
+    del t, s
+    gc.collect()
+    assert not any(k[0] == ptr for k in ref_engram._decoded)
+    for trial in range(200):
+        t1, s1 = make(2 * trial)
+        gathered(t1, s1)
+        ptr = t1.data_ptr()
+        del t1, s1
+        t2, s2 = make(2 * trial + 1)
+        assert torch.equal(gathered(t2, s2), direct(t2, s2))
+        if t2.data_ptr() == ptr:
+            break
