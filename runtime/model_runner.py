@@ -301,9 +301,11 @@ class ModelRunner:
             d = self.bufs.publish({"resume_slots": len(cur), "resume_cursor": len(cur)})
             self.cache.cursor.index_copy_(0, d["resume_slots"], d["resume_cursor"])
 
-    def cursor_at(self, token_ids, position: int) -> list[int]:
+    def cursor_at(self, token_ids, position: int, base: int = 0) -> list[int]:
+        """[position, compressed ids of the m tokens before it (DEAD before 0)]; token_ids[i] is
+        the token at position base + i."""
         m = self.m
-        hist = [int(self.token_map[token_ids[p]]) if p >= 0 else DEAD for p in range(position - m, position)]
+        hist = [int(self.token_map[token_ids[p - base]]) if p >= 0 else DEAD for p in range(position - m, position)]
         return [position] + hist
 
     def plan_captures(self, sb: ScheduledBatch, starts, offsets, T, host) -> np.ndarray:
@@ -436,8 +438,7 @@ class ModelRunner:
             self.slot_meta[slots, 1] = ends
             self.slot_hist[slots] = hist
 
-    def set_cursor(self, slot: int, token_ids, position: int) -> None:
-        """A slot's cursor at `position` from its tokens (DSpark's commit of accepted tokens)."""
-        cur = self.cursor_at(token_ids, position)
-        self.cache.cursor[slot] = torch.tensor(cur, dtype=torch.int64, device=self.device)
-        self.slot_meta[slot, 1], self.slot_hist[slot] = position, cur[1:]
+    def set_cursors(self, slots: np.ndarray, cursors: np.ndarray) -> None:
+        """Slots' cursors, rows of `cursor_at` (DSpark's commit of accepted tokens): one copy."""
+        self.cache.cursor[torch.as_tensor(slots, device=self.device)] = torch.as_tensor(cursors, device=self.device)
+        self.slot_meta[slots, 1], self.slot_hist[slots] = cursors[:, 0], cursors[:, 1:]

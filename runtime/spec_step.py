@@ -197,16 +197,27 @@ class SpecStep:
         if rejected.any():
             sel = torch.as_tensor(np.flatnonzero(rejected), device=runner.device)
             cache.ring[:self.n].index_copy_(1, V["ring"].index_select(0, sel), V["undo"].index_select(1, sel))
-        for i in np.flatnonzero(a_req >= 0).tolist():
-            seq, slot, c, a = sb.seqs[i], int(sb.slots[i]), int(starts[i]), int(a_req[i])
-            last = c + a                                  # the last committed position
+        got = np.flatnonzero(a_req >= 0)
+        if got.size:
+            c, slots = starts[got], sb.slots[got]
+            last = c + a_req[got]                         # the last committed position
             e = last - last % 2                           # plain decode's tail holds position e
-            if e >= c:
-                src = S + i * self.staging_per_request + (e - c) // 2
+            tail = e >= c                                 # ... staged by this step: copy it in
+            if tail.any():
+                dst = torch.as_tensor(slots[tail], device=runner.device)
+                src = torch.as_tensor(S + got[tail] * self.staging_per_request + (e - c)[tail] // 2,
+                                      device=runner.device)
                 for o in cache.owners.values():
                     if o.tail_v is not None:
-                        o.tail_v[slot], o.tail_g[slot] = o.tail_v[src], o.tail_g[src]
-            runner.set_cursor(slot, seq.token_ids + list(sb.spec[i][:a]), last + 1)
+                        o.tail_v.index_copy_(0, dst, o.tail_v.index_select(0, src))
+                        o.tail_g.index_copy_(0, dst, o.tail_g.index_select(0, src))
+            m = runner.m              # the cursor reads the m tokens before last + 1
+            cursors = []
+            for i, p in zip(got.tolist(), (last + 1).tolist()):
+                ids, a = sb.seqs[i].token_ids, int(a_req[i])
+                recent = ids[-m:] + list(sb.spec[i][:a])
+                cursors.append(runner.cursor_at(recent, p, base=len(ids) - len(ids[-m:])))
+            runner.set_cursors(slots, np.array(cursors, np.int64))
         if self._ctx is not None:
             keys, pos, vr, ring_dest = self._ctx
             ok = (vr >= 0) & (a_req[vr] >= 0) & (pos <= starts[vr] + a_req[vr])
