@@ -28,7 +28,7 @@ _SMALL = 1 << 22          # tables up to this many elements are decoded once and
 _decoded: dict = {}
 
 
-def _decoded_table(table, scale, dtype=torch.float32):
+def _decoded_table(table, scale, dtype):
     """The whole table decoded (exactly, in FP32) and rounded to `dtype`, for small tables (toy,
     flash-slice), keyed by address and version so an in-place change of the table is seen, and
     dropped when the table or its scale is freed.
@@ -51,12 +51,11 @@ def _decoded_table(table, scale, dtype=torch.float32):
 def engram_gather(table, scale, ids, out) -> None:
     """table [rows, d] FP8; scale [rows, d/32] E8M0; ids [T, n]; out [T, n*d]."""
     if table.numel() <= _SMALL:
-        flat = ids.reshape(-1).to(table.device)
+        dec, flat = _decoded_table(table, scale, out.dtype), ids.reshape(-1).to(table.device)
         if out.is_contiguous() and out.device == table.device:     # straight into `out`, no temporary
-            dec = _decoded_table(table, scale, out.dtype)
             torch.index_select(dec, 0, flat, out=out.view(-1, dec.shape[1]))
         else:
-            out.copy_(_decoded_table(table, scale).index_select(0, flat).reshape(out.shape))
+            out.copy_(dec.index_select(0, flat).reshape(out.shape))
         return
     val, exp = _byte_tables(table.device)
     if table.device.type == "cpu":  # numpy's take is an order of magnitude faster on the host

@@ -46,6 +46,17 @@ def capturing(dev):
     report.update(seconds=round(time.perf_counter() - t0, 2), pool_bytes=torch.cuda.memory_reserved(dev) - before)
 
 
+def capture_graph(fn, args, pool, dev) -> tuple:
+    """(graph, output) of `fn(*args)` captured into `pool` (None: a new one, `graph.pool()`),
+    after a warm-up call (autotuning, lazy allocations)."""
+    fn(*args)
+    torch.cuda.synchronize(dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = fn(*args)
+    return g, out
+
+
 class CUDAGraphRunner:
     def __init__(self, runner, sizes):
         """`sizes`: the widths (rows) to capture, each at most the runner's token capacity."""
@@ -83,12 +94,7 @@ class CUDAGraphRunner:
         r, dev = self.runner, self.runner.device
         with capturing(dev) as report, torch.inference_mode():
             for width in tqdm(sorted(self.sizes, reverse=True), desc="CUDA graphs", unit="graph", disable=not progress):
-                batch = r.padding_batch(width)
-                r.forward(batch, r.cache)                      # warm-up: autotuning, lazy allocations
-                torch.cuda.synchronize(dev)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    out = r.forward(batch, r.cache)
+                g, out = capture_graph(r.forward, (r.padding_batch(width), r.cache), self.pool, dev)
                 if self.pool is None:
                     self.pool = g.pool()
                 self.graphs[width], self.outputs[width] = g, out

@@ -18,7 +18,7 @@ import logging
 import numpy as np
 import torch
 
-from runtime.cuda_graph import capturing
+from runtime.cuda_graph import capture_graph, capturing
 
 log = logging.getLogger("v41")
 
@@ -62,18 +62,12 @@ class DraftGraphRunner:
         self.dev[:, :b].copy_(self.host[:, :b], non_blocking=True)
 
     def capture(self) -> dict:
-        """Every count, largest first, each after a warm-up call. Returns {sizes, seconds,
-        pool_bytes}."""
+        """Every count, largest first. Returns {sizes, seconds, pool_bytes}."""
         dev = self.dev.device
         with capturing(dev) as report, torch.inference_mode():
             for b in sorted(self.sizes, reverse=True):
                 self._stage(None, b)
-                args = self._args(b)
-                self.fn(*args)                                  # warm-up: lazy allocations
-                torch.cuda.synchronize(dev)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    out = self.fn(*args)
+                g, out = capture_graph(self.fn, self._args(b), self.pool, dev)
                 if self.pool is None:
                     self.pool = g.pool()
                 self.graphs[b], self.outputs[b] = g, out

@@ -80,8 +80,7 @@ class LLMEngine:
             if self.runner.spec is not None:     # the DSpark draft, per request count
                 from runtime.draft_graphs import DraftGraphRunner
                 spec = self.runner.spec
-                spec.graphs = DraftGraphRunner(spec, [s for s in graph_sizes if s <= args.max_num_seqs],
-                                               getattr(graphs, "pool", None))
+                spec.graphs = DraftGraphRunner(spec, args.decode_sizes(), getattr(graphs, "pool", None))
                 self.graph_report["draft"] = spec.graphs.capture()
             if self.pool_plan is not None and (warning := graph_pool_overrun(self.pool_plan, self.graph_report["pool_bytes"])):
                 log.warning(warning)

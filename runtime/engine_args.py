@@ -312,7 +312,12 @@ class EngineArgs(_EngineFields):
             from runtime.token_graphs import token_buckets
             sizes = token_buckets(top)
         else:
-            top = min(self.max_num_seqs, tokens, 512)
-            decode = {s for s in (1, 2, 4, 8) if s <= top} | set(range(8, top + 1, 8)) | {top}
+            decode = set(self.decode_sizes())
             sizes = sorted(decode | {q * s for s in decode if q * s <= tokens} if q > 1 else decode)
         return tuple(sizes) if mode != "NONE" else ()
+
+    def decode_sizes(self) -> tuple:
+        """Decode batch sizes graphed by default (FULL's widths without DSpark; the DSpark
+        draft's request counts): 1, 2, 4, 8, then every 8 up to max_num_seqs, at most 512."""
+        top = min(self.max_num_seqs, self.max_num_batched_tokens, 512)
+        return tuple(sorted({s for s in (1, 2, 4, 8) if s <= top} | set(range(8, top + 1, 8)) | {top}))

@@ -215,8 +215,8 @@ class SpecStep:
             cursors = []
             for i, p in zip(got.tolist(), (last + 1).tolist()):
                 ids, a = sb.seqs[i].token_ids, int(a_req[i])
-                recent = ids[-m:] + list(sb.spec[i][:a])
-                cursors.append(runner.cursor_at(recent, p, base=len(ids) - len(ids[-m:])))
+                recent = ids[-m:]
+                cursors.append(runner.cursor_at(recent + list(sb.spec[i][:a]), p, base=len(ids) - len(recent)))
             runner.set_cursors(slots, np.array(cursors, np.int64))
         if self._ctx is not None:
             keys, pos, vr, ring_dest = self._ctx
