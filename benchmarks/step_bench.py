@@ -183,7 +183,8 @@ def main():
     t0 = time.perf_counter()
     eng = LLMEngine(args)
     runner = eng.runner
-    print(f"engine ready in {time.perf_counter() - t0:.1f}s", flush=True)
+    res["engine_ready_seconds"] = round(time.perf_counter() - t0, 1)
+    print(f"engine ready in {res['engine_ready_seconds']}s", flush=True)
     variants = a.variants.split(",")
     res["weights_gib"] = round((torch.cuda.memory_allocated() - runner.cache.nbytes) / 2**30, 2)
     forwards = {"eager": runner.model}
