@@ -9,6 +9,8 @@ float64 toy engine on its shard of the checkpoint, against the unsharded engine 
 Also: the shard layout (heads, output groups, whole experts per rank) and the refusals."""
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -50,7 +52,9 @@ def rank_main(rank: int, size: int, init: str, results) -> None:
         set_tensor_parallel(TensorParallel(rank, size))
         cfg = preset("toy")
         shard = shard_checkpoint(cfg, dummy_weights(cfg, progress=False), rank, size)
-        results.put((rank, unsharded(shard)))
+        # Plain pickle bytes: a queued tensor travels as a shared fd that dies with this process,
+        # which can exit before the parent unpickles it.
+        results.put((rank, pickle.dumps(unsharded(shard))))
     except BaseException as e:            # the parent reports it instead of waiting forever
         results.put((rank, repr(e)))
         raise
@@ -66,7 +70,8 @@ def tp2(tmp_path_factory):
     procs = [ctx.Process(target=rank_main, args=(r, 2, init, results)) for r in range(2)]
     for p in procs:
         p.start()
-    got = dict(results.get(timeout=600) for _ in procs)
+    got = {rank: pickle.loads(r) if isinstance(r, bytes) else r
+           for rank, r in (results.get(timeout=600) for _ in procs)}
     for p in procs:
         p.join(60)
     assert all(p.exitcode == 0 for p in procs), got
