@@ -67,6 +67,7 @@ class ModelRunner:
         self._hash = None               # hash_layers' stacked constants
         self._row_views = {}            # rows -> the Batch fields' first rows (batch_view)
         self._no_image = np.full(max_num_batched_tokens, -1, np.int64)
+        self._ones, self._rows = np.ones(max_num_batched_tokens, np.int64), np.arange(max_num_batched_tokens)
         self.graphs = None              # runtime.cuda_graph.graph_runner (FULL, TR_HYBRID), when captured
         self.use_forward(self.model, static_shapes=False)
         self.spec = None                # runtime.spec_step.SpecStep with DSpark
@@ -113,8 +114,8 @@ class ModelRunner:
         `decoder_buckets`: the decoder's rows run padded to one of them (TR_HYBRID)."""
         host = self.bufs.begin()
         seqs, B = sb.seqs, len(sb.seqs)
-        n = np.asarray(sb.num_new, dtype=np.int64)
-        T = int(n.sum())
+        # a decode step: one row per request (its last), the rows' numbers known already
+        n, T = (self._ones[:B], B) if sb.decode else (np.asarray(sb.num_new, dtype=np.int64), sum(sb.num_new))
         Tr, Br = running_tokens or T, running_bs or B
         if Tr > self.max_tokens or Br > self.max_seqs or Tr < T or Br < B:
             raise ValueError(f"step of {T} tokens / {B} requests does not fit running width "
@@ -142,7 +143,7 @@ class ModelRunner:
         host["commit_cursor"][:B, 0] = starts + n
         host["commit_cursor"][:B, 1:] = tail_ids
         self._mirror = (slots, meta, starts + n, tail_ids)
-        ends = np.cumsum(n) - 1
+        ends = self._rows[:B] if sb.decode else np.cumsum(n) - 1
         # the rows that sample: each final chunk's last row, every row of a verify request
         sampled = self.spec.sampled_rows(ends, final, sb.drafts) if sb.spec else ends[final]
         # a fast decode step has every row in the decoder and every request final: no plan
@@ -349,24 +350,26 @@ class ModelRunner:
         return ext[(base + ext_len)[:, None] - m + np.arange(m)].reshape(B, m)
 
     def hash_layers(self, look: np.ndarray, host: dict) -> None:
-        """hash_lookback of every Engram layer at once into the host mirrors (the layouts'
-        constants stacked once, so a step pays a handful of numpy calls for all layers)."""
+        """hash_lookback of every Engram layer at once into the host mirrors. The arrays are
+        tiny ([rows, n]), so a step pays per numpy call: the look-back order is the outer axis
+        (the rolling xor is then a few whole-plane xors) and all layers share each call."""
         if self._hash is None:
             lo, L = self.layout, range(len(self.cfg.engram_layer_ids))
-            H = lo.n_heads
-            self._hash = (np.array([lo.multipliers[i] for i in L], np.int64)[None], H,
-                          np.array([lo.primes[i] for i in L], np.int64)[None],     # [1, layers, (n-1)*H]
-                          np.array([lo.offsets[i] for i in L], np.int64)[None])    # (order, head) order
-        mult, H, primes, offsets = self._hash
+            n, H = lo.max_ngram, lo.n_heads
+            planes = lambda v: np.array([v[i] for i in L], np.int64).reshape(len(L), n - 1, H).transpose(1, 2, 0)
+            self._hash = (np.array([lo.multipliers[i] for i in L], np.int64).T[:, :, None],    # [n, layers, 1]
+                          planes(lo.primes)[..., None], planes(lo.offsets)[..., None])     # [n-1, H, layers, 1]
+        mult, primes, offsets = self._hash
         if (look < 0).any():                                # once blocked, every longer look-back pads
             look = np.where(np.maximum.accumulate(look < 0, axis=1), np.int64(self.layout.pad_id), look)
-        with np.errstate(over="ignore"):
-            prods = look[:, None, :] * mult                 # [R, layers, n], wrapping mod 2**64
-        rolling = np.repeat(np.bitwise_xor.accumulate(prods, axis=2)[:, :, 1:], H, axis=2)
-        out = np.mod(rolling, primes) + offsets             # floor-mod, as hash_lookback
+        prods = np.ascontiguousarray(look.T)[:, None, :] * mult     # [n, layers, R], wrapping mod 2**64
+        for k in range(1, len(prods)):                      # the rolling xor (accumulate is slower here)
+            np.bitwise_xor(prods[k], prods[k - 1], out=prods[k])
+        out = np.mod(prods[1:, None], primes)               # [n-1, H, layers, R]: floor-mod, as hash_lookback
+        out += offsets
         R = len(look)
-        for i, l in enumerate(self.cfg.engram_layer_ids):
-            host[f"engram_ids.{l}"][:R] = out[:, i]
+        for i, l in enumerate(self.cfg.engram_layer_ids):   # (order, head) columns
+            host[f"engram_ids.{l}"][:R] = out[:, :, i].reshape(-1, R).T
 
     def check_history(self, hist, starts, slots) -> None:
         """Tests (`verify_history`): the history taken from the host's tokens equals the STATE

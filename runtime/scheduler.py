@@ -124,32 +124,33 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         seqs, num_new, budget, spec = [], [], self.max_tokens, {}      # spec: row -> drafts (DSpark)
         P, resumes, decode = self.bm.page_tokens, [], True
-        i = 0
-        while i < len(self.running) and budget > 0:  # preemption shortens the list as we go
-            seq = self.running[i]
+        i, running = 0, self.running
+        while i < len(running) and budget > 0:  # preemption shortens the list as we go
+            seq = running[i]
             c = seq.num_computed
-            d = self._drafts(seq, budget) if seq.spec_token_ids and len(seq.token_ids) == c + 1 else None
-            if d:
-                # a verify step: the anchor and the drafts, laid out as a chunk (docs/dspark.md §1)
-                if not self._make_room(seq, 1 + len(d)):
-                    break
-                spec[len(seqs)] = tuple(d)
-                seqs.append(seq), num_new.append(1 + len(d))
-                decode, budget, i = False, budget - 1 - len(d), i + 1
-                continue
-            if len(seq.token_ids) == c + 1 and c < len(seq.pages) * P and seq.slot is not None:
-                # a decode row whose page is already held: no chunking, nothing to allocate
-                seqs.append(seq), num_new.append(1)
-                budget -= 1
-                i += 1
-                continue
+            i += 1
+            if len(seq.token_ids) == c + 1:
+                d = self._drafts(seq, budget) if seq.spec_token_ids else None
+                if d:
+                    # a verify step: the anchor and the drafts, laid out as a chunk (docs/dspark.md §1)
+                    if not self._make_room(seq, 1 + len(d)):
+                        break
+                    spec[len(seqs)] = tuple(d)
+                    seqs.append(seq), num_new.append(1 + len(d))
+                    decode, budget = False, budget - 1 - len(d)
+                    continue
+                if c < len(seq.pages) * P and seq.slot is not None:
+                    # a decode row whose page is already held: no chunking, nothing to allocate
+                    seqs.append(seq)
+                    num_new.append(1)
+                    budget -= 1
+                    continue
             n = self._chunk(seq, budget)
             decode = decode and n == 1 and len(seq.token_ids) == c + 1   # a decode row taking a page
             if not self._make_room(seq, n):
                 break
             seqs.append(seq), num_new.append(n)
             budget -= n
-            i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.pages:
@@ -258,7 +259,7 @@ class Scheduler:
         anchor and the accepted drafts only, and the tokens append one by one, a stop or the
         length ending the request there."""
         finished = []
-        caching, RUNNING = self.bm.prefix_caching, Status.RUNNING
+        caching, RUNNING, eos = self.bm.prefix_caching, Status.RUNNING, self.eos
         for seq, n, d in zip(batch.seqs, batch.num_new, batch.drafts):
             if seq.status is not RUNNING:
                 continue  # aborted or preempted after scheduling
@@ -266,28 +267,29 @@ class Scheduler:
             c = seq.num_computed
             if d and toks:          # a verify request: past the anchor and the accepted drafts
                 seq.num_computed = c + n - len(d) + len(toks) - 1
+                seq.spec_token_ids = []
             else:
                 seq.num_computed = c + n
-                toks = (toks,) if isinstance(toks, int) else toks
-            if seq.spec_token_ids:
-                seq.spec_token_ids = []
+                if seq.spec_token_ids:
+                    seq.spec_token_ids = []
             # a prompt PAGE can only become full (and cacheable) while the prompt is computed
             if caching and c < seq.num_prompt_tokens:
                 self.bm.register(seq)
             if toks is None:
                 continue
-            p = seq.params
-            for tok in toks:
-                seq.token_ids.append(tok)
-                if (not p.ignore_eos and tok == self.eos) or tok in p.stop_token_ids:
+            ids, p = seq.token_ids, seq.params
+            for tok in (toks,) if type(toks) is int else toks:
+                ids.append(tok)
+                if (tok == eos and not p.ignore_eos) or tok in p.stop_token_ids:
                     seq.finish_reason = "stop"
-                elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:
-                    seq.finish_reason = "length"
-                if seq.finish_reason:
                     break
-            if seq.finish_reason:
-                seq.status = Status.FINISHED
-                self.running.remove(seq)
-                self.bm.free(seq)
-                finished.append(seq)
+                if len(ids) - seq.num_prompt_tokens >= p.max_tokens:
+                    seq.finish_reason = "length"
+                    break
+            else:
+                continue
+            seq.status = Status.FINISHED
+            self.running.remove(seq)
+            self.bm.free(seq)
+            finished.append(seq)
         return finished
