@@ -8,6 +8,13 @@ the host) and a sampling-tensor build for a batch that changed (`sampling_tensor
 
     python benchmarks/host_overhead.py [--steps 200] [--repeats 3] [--out benchmarks/results/host_overhead.json]
     python benchmarks/host_overhead.py --profile 256    # cProfile of those steps, top 25
+    python benchmarks/host_overhead.py --against HEAD~1 [--out F]   # A/B in one process
+
+`--against REV`: an engine whose scheduler, runner and sampler classes come from REV's
+`runtime/{scheduler,model_runner,sampler}.py` (the rest of the code is the tree's) beside one
+of the working tree, both at 256 running requests, measured in alternating blocks of steps in
+one process: this machine's speed drifts by up to 1.5x between runs, so only variants measured
+together compare.
 """
 from __future__ import annotations
 
@@ -18,7 +25,11 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
+import types
+from contextlib import contextmanager
 
 import torch
 
@@ -29,19 +40,44 @@ from runtime.sequence import SamplingParams
 PHASES = ("schedule", "prepare", "sampling_tensors", "postprocess")    # engram_gather: part of prepare
 
 
-def measure(n_requests: int, steps: int, weights, profile=None) -> dict:
+def decoding_engine(n_requests: int, steps: int, weights, model_len: int = 2048) -> LLMEngine:
+    """The toy with `n_requests` running, every one past its prompt."""
     gc.collect()                       # the engines of earlier measurements (reference cycles) go first
     eng = LLMEngine(EngineArgs(model="toy", dtype="bfloat16", device="cpu", max_num_seqs=n_requests,
-                               max_num_batched_tokens=max(256, n_requests), max_model_len=2048),
+                               max_num_batched_tokens=max(256, n_requests), max_model_len=model_len),
                     weights=weights)
     g = torch.Generator().manual_seed(0)
     for i in range(n_requests):
         sampled = dict(temperature=0.8, top_k=40, top_p=0.9, seed=i) if i % 2 else {}
         eng.add_request(torch.randint(3, 1000, (8,), generator=g).tolist(),
-                        SamplingParams(max_tokens=4 * steps + 100, ignore_eos=True, **sampled))
+                        SamplingParams(max_tokens=min(4 * steps + 100, model_len - 8), ignore_eos=True, **sampled))
     while any(s.num_computed < s.num_prompt_tokens for s in eng.seqs.values()):
         eng.step()  # prefill until every request is decoding
+    return eng
+
+
+def host_step(eng, clock=time.process_time_ns) -> tuple:
+    """One decode step's host work; (the batch, the phases' end times from the start). The
+    sampling tensors come from the module of the engine's SamplingTable (`--against`)."""
     sch, runner = eng.scheduler, eng.runner
+    tensors = sys.modules[type(eng.sampling_table).__module__].SamplingTensors
+    t0 = clock()
+    sb = sch.schedule()
+    t1 = clock()
+    runner.prepare(sb)
+    runner.commit(sb)
+    t2 = clock()
+    tensors.build(sb.seqs, eng.cfg.vocab_size, runner.device, eos_token_id=eng.cfg.eos_token_id,
+                  table=eng.sampling_table, slots=sb.slots)
+    t3 = clock()
+    sch.postprocess(sb, {s.seq_id: 7 for s in sb.seqs})
+    t4 = clock()
+    return sb, (t0, t1, t2, t3, t4)
+
+
+def measure(n_requests: int, steps: int, weights, profile=None) -> dict:
+    eng = decoding_engine(n_requests, steps, weights)
+    runner = eng.runner
     vocab, eos = eng.cfg.vocab_size, eng.cfg.eos_token_id
     times, phases = [], {k: [] for k in (*PHASES, "engram_gather", "sampling_tensors_rebuilt")}
     clock = time.process_time_ns
@@ -58,16 +94,7 @@ def measure(n_requests: int, steps: int, weights, profile=None) -> dict:
     if profile is not None:
         profile.enable()
     for _ in range(steps):
-        t0 = clock()
-        sb = sch.schedule()
-        t1 = clock()
-        runner.prepare(sb)
-        runner.commit(sb)
-        t2 = clock()
-        SamplingTensors.build(sb.seqs, vocab, runner.device, eos_token_id=eos, table=eng.sampling_table, slots=sb.slots)
-        t3 = clock()
-        sch.postprocess(sb, {s.seq_id: 7 for s in sb.seqs})
-        t4 = clock()
+        sb, (t0, t1, t2, t3, t4) = host_step(eng, clock)
         times.append((t4 - t0) / 1e6)
         phases["engram_gather"].append(gathers[-1] / 1e6)
         for k, a, b in zip(PHASES, (t0, t1, t2, t3), (t1, t2, t3, t4)):
@@ -88,17 +115,75 @@ def measure(n_requests: int, steps: int, weights, profile=None) -> dict:
             "median_ms_by_phase": {k: round(statistics.median(v), 4) for k, v in phases.items()}}
 
 
+HOST_PATH = {"runtime/scheduler.py": ("runtime.scheduler", "Scheduler"),
+             "runtime/model_runner.py": ("runtime.model_runner", "ModelRunner"),
+             "runtime/sampler.py": ("runtime.sampler", "SamplingTable")}
+
+
+@contextmanager
+def classes_of(rev: str):
+    """runtime.engine builds its scheduler, runner and sampling table from REV's classes (their
+    modules executed from `git show REV:path`, importing the tree's other modules)."""
+    import runtime.engine
+    saved = {}
+    for path, (mod, cls) in HOST_PATH.items():
+        src = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
+        m = types.ModuleType(f"{mod}@{rev}")
+        m.__file__ = path
+        sys.modules[m.__name__] = m            # dataclasses look their module up
+        exec(compile(src, f"{rev}:{path}", "exec"), m.__dict__)
+        saved[cls] = getattr(runtime.engine, cls)
+        setattr(runtime.engine, cls, getattr(m, cls))
+    try:
+        yield
+    finally:
+        for cls, c in saved.items():
+            setattr(runtime.engine, cls, c)
+
+
+def against(rev: str, n_requests: int, blocks: int, weights) -> dict:
+    """Median CPU time per phase of REV's engine and the tree's, alternating blocks of 30 steps."""
+    with classes_of(rev):
+        engines = {rev: decoding_engine(n_requests, blocks * 30, weights, model_len=4096)}
+    engines["tree"] = decoding_engine(n_requests, blocks * 30, weights, model_len=4096)
+    got = {k: {p: [] for p in (*PHASES, "total")} for k in engines}
+    for b in range(blocks):
+        for name in (list(engines) if b % 2 else list(engines)[::-1]):
+            for _ in range(30):
+                _, t = host_step(engines[name])
+                for p, a, z in zip((*PHASES, "total"), (*t[:4], t[0]), (*t[1:], t[4])):
+                    got[name][p].append((z - a) / 1e3)
+    return {name: {p: round(statistics.median(v), 1) for p, v in d.items()} for name, d in got.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default="benchmarks/results/host_overhead.json")
     ap.add_argument("--profile", type=int, default=None, metavar="N", help="cProfile N running requests only")
     ap.add_argument("--repeats", type=int, default=3, help="whole measurements; the median one is reported")
+    ap.add_argument("--against", metavar="REV", help="A/B against REV's host-path classes, in one process")
+    ap.add_argument("--blocks", type=int, default=20, help="--against: alternating blocks of 30 steps")
     a = ap.parse_args()
     torch.set_num_threads(1)
     from v41.config import preset
     from v41.loader import dummy_weights
     weights = dummy_weights(preset("toy"), progress=False)
+    if a.against:
+        tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", *HOST_PATH], capture_output=True, text=True).stdout
+        res = {"benchmark": "host_overhead_against", "running_requests": 256, "steps_each": a.blocks * 30,
+               "what": "median CPU time (us) per decode step phase of two engines in one process, alternating "
+                       "blocks of 30 steps: one built from REV's scheduler, runner and sampler classes, one from the tree",
+               "rev": a.against, "tree": tree + ("+changes" if dirty else ""),
+               "device": f"cpu ({platform.processor() or platform.machine()}), 1 torch thread",
+               "torch": torch.__version__, "python": platform.python_version(), "date": datetime.date.today().isoformat(),
+               "median_us": against(a.against, 256, a.blocks, weights)}
+        print(json.dumps(res["median_us"], indent=1))
+        if a.out != ap.get_default("out"):
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     if a.profile:
         import cProfile
         import pstats
