@@ -14,12 +14,18 @@
 #   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
 #   tools/gpu_checks.sh OUT serve     # flash-slice server + serve_bench on chat text prompts
 #
-# flash-slice takes ~50 s to build its weights and ~200 s to compile cold; each part pays both.
+# flash-slice takes ~50 s to build its weights and ~200 s to compile cold; each part pays both
+# unless the compile cache is warm. The compile caches (Inductor's and Triton's, per compile key)
+# live in the repository's ignored .cache/gpu-compile, which a warm machine keeps between calls and a
+# call that carries `.cache/gpu-compile` brings to a fresh one. PACK_CACHE=1 packs it into OUT as
+# compile-cache.tgz.NN pieces of 15 MiB (what a call can bring back); here,
+# `mkdir -p .cache && cat DIR/compile-cache.tgz.* | tar xzf - -C .cache` restores it.
 set -u
 OUT=${1:?usage: tools/gpu_checks.sh OUT PART}
 PART=${2:?usage: tools/gpu_checks.sh OUT PART}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}. PYTHONUNBUFFERED=1
+export V41_COMPILE_CACHE=${V41_COMPILE_CACHE:-$PWD/.cache/gpu-compile}
 py=python3
 step() { echo "== $* ($(date +%T))"; }
 
@@ -93,3 +99,8 @@ serve)
 *)
   echo "unknown part $PART: tests, graphtests, graphs, hybrid, dspark, dspark-eager, native, replay or serve" >&2; exit 2 ;;
 esac
+if [ "${PACK_CACHE:-0}" = 1 ] && [ -d .cache/gpu-compile ]; then
+  step "packing .cache/gpu-compile"
+  tar czf - -C .cache gpu-compile | split -b 15m -d - "$OUT/compile-cache.tgz."
+  du -sh .cache/gpu-compile; ls -l "$OUT"/compile-cache.tgz.*
+fi
