@@ -313,7 +313,7 @@ class EngineArgs(_EngineFields):
             sizes = token_buckets(top)
         else:
             decode = set(self.decode_sizes())
-            sizes = sorted(decode | {q * s for s in decode if q * s <= tokens} if q > 1 else decode)
+            sizes = sorted(decode | {q * s for s in decode if q * s <= tokens})     # q = 1: decode alone
         return tuple(sizes) if mode != "NONE" else ()
 
     def decode_sizes(self) -> tuple:

@@ -267,11 +267,10 @@ class Scheduler:
             c = seq.num_computed
             if d and toks:          # a verify request: past the anchor and the accepted drafts
                 seq.num_computed = c + n - len(d) + len(toks) - 1
-                seq.spec_token_ids = []
             else:
                 seq.num_computed = c + n
-                if seq.spec_token_ids:
-                    seq.spec_token_ids = []
+            if seq.spec_token_ids:
+                seq.spec_token_ids = []
             # a prompt PAGE can only become full (and cacheable) while the prompt is computed
             if caching and c < seq.num_prompt_tokens:
                 self.bm.register(seq)
