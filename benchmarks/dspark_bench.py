@@ -93,13 +93,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     ap.add_argument("--ctx", type=int, default=1024, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per case")
-    ap.add_argument("--rounds", type=int, default=2, help="plain then dspark, this many times")
+    ap.add_argument("--rounds", type=int, default=2, help="the variants in turn, this many times")
+    ap.add_argument("--variants", type=lambda s: s.split(","), default=["plain", "dspark"],
+                    help="plain, dspark or both (default), in this order each round")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--cudagraph-mode", default=None, help="NONE, FULL or TR_HYBRID (with --no-enforce-eager)")
     ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from GPU memory)")
     ap.add_argument("--out", default=None, help="write the JSON here (default: print it only)")
     a = ap.parse_args(argv)
+    if not a.variants or set(a.variants) - {"plain", "dspark"}:
+        ap.error(f"--variants {','.join(a.variants)}: expected plain, dspark or plain,dspark")
     cuda = torch.device(a.device).type == "cuda"
     triton = importlib.metadata.version("triton") if importlib.util.find_spec("triton") else None
     res = {"benchmark": "dspark_vs_plain", "model": a.model, "dtype": a.dtype,
@@ -123,7 +127,7 @@ def main(argv=None) -> dict:
     from v41.loader import load_weights
     weights = load_weights(a.model, cfg, device=args.resolved_device(), load_format=args.load_format, seed=args.seed)
     for r in range(a.rounds):
-        for variant in ("plain", "dspark"):
+        for variant in a.variants:
             eng = LLMEngine(engine_args(a, variant), weights=weights)
             for bs in a.batch_sizes:
                 row = {"variant": variant, "forced_acceptance": a.acceptance_length if variant == "dspark" else None,

@@ -50,7 +50,7 @@ class Block(nn.Module):
         """The block on every row, or (`queries`, v41.attention.QueryRows) every row's window KV
         and the rest on the query rows alone: the output has their rows."""
         if self.tap_out is not None:
-            self.tap_out[:X.shape[0]] = tap(X)
+            self.tap_out.narrow(0, 0, X.shape[0]).copy_(tap(X))
         if self.engram is not None:
             X = self.engram(X, batch.engram_rows[self.layer])
         x = self.attn_norm(collapse(X, pre))
