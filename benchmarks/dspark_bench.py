@@ -31,14 +31,16 @@ import time
 
 import torch
 
+from benchmarks.profiling import SPEC_PHASES, STEP_PHASES, profile_step
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.sequence import SamplingParams
 
 K = 5                     # DSpark drafts five tokens
 
 
-def case(eng: LLMEngine, bs: int, ctx: int, steps: int) -> dict:
-    """Time `steps` decode steps of `bs` requests after their prompts."""
+def case(eng: LLMEngine, bs: int, ctx: int, steps: int, profile: str | None = None, title: str = "") -> dict:
+    """Time `steps` decode steps of `bs` requests after their prompts; `profile`: then one more
+    step under torch.profiler, its tables appended to that file (benchmarks/profiling.py)."""
     g = torch.Generator().manual_seed(bs)
     vocab = min(120000, eng.cfg.vocab_size)
     p = SamplingParams(max_tokens=(steps + 2) * (K + 1) + 1, ignore_eos=True)     # none finishes while timed
@@ -58,6 +60,8 @@ def case(eng: LLMEngine, bs: int, ctx: int, steps: int) -> dict:
         ts.append(time.perf_counter() - t)
     tokens = sum(len(s.completion_token_ids) for s in seqs) - n0
     assert not any(s.is_finished for s in seqs), "a request finished while timed"
+    if profile:
+        profile_step(eng, title, profile, STEP_PHASES + (SPEC_PHASES if spec is not None else ()))
     for s in seqs:
         eng.abort(s.request_id)
     out = {"requests": bs, "tokens_per_s": round(tokens / sum(ts), 2), "ms_per_step": round(statistics.median(ts) * 1e3, 3),
@@ -101,6 +105,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--cudagraph-mode", default=None, help="NONE, FULL or TR_HYBRID (with --no-enforce-eager)")
     ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from GPU memory)")
     ap.add_argument("--out", default=None, help="write the JSON here (default: print it only)")
+    ap.add_argument("--profile", default=None,
+                    help="after each case's timed steps, one more under torch.profiler, appended to this file")
     a = ap.parse_args(argv)
     if not a.variants or set(a.variants) - {"plain", "dspark"}:
         ap.error(f"--variants {','.join(a.variants)}: expected plain, dspark or plain,dspark")
@@ -131,7 +137,8 @@ def main(argv=None) -> dict:
             eng = LLMEngine(engine_args(a, variant), weights=weights)
             for bs in a.batch_sizes:
                 row = {"variant": variant, "forced_acceptance": a.acceptance_length if variant == "dspark" else None,
-                       **case(eng, bs, a.ctx, a.steps), "round": r}
+                       **case(eng, bs, a.ctx, a.steps, a.profile, f"{variant}, {bs} request(s), round {r}"),
+                       "round": r}
                 res["results"].append(row)
                 print(json.dumps(row), flush=True)
                 save()

@@ -7,8 +7,8 @@ an H200, not twice): eager, compiled (the compiled segments), full (compiled + t
 graphs captured at decode sizes 1-64; prefill runs compiled), tr_hybrid (a second compile cut at
 the splitting ops, its token pieces captured at buckets 1-512; the 1x512 prefill replays, larger
 steps run that compile without graphs). They alternate case by case.
-`--weight-format native` runs the same with the FP8/FP4 weights kept native. `--profile DIR`
-also writes a torch.profiler table of one decode step (batch 1 and 64) and one prefill step (1x4096),
+`--weight-format native` runs the same with the FP8/FP4 weights kept native. `--profile FILE`
+also appends torch.profiler tables of one decode step (batch 1 and 64) and one prefill step (1x4096),
 the engine's phases (schedule, prepare, run, sample, logprobs, postprocess) as named ranges,
 per variant: where the time goes.
 
@@ -17,17 +17,16 @@ per variant: where the time goes.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
 import logging
-import os
 import statistics
 import time
 
 import torch
 
+from benchmarks.profiling import profile_step
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.piece_check import METRICS, by_piece, compare_pieces
 from runtime.sequence import SamplingParams
@@ -89,36 +88,9 @@ def prefill_ms(eng, n: int, length: int, reps: int) -> tuple[float, float]:
     return statistics.median(ts[1:]), dev
 
 
-PHASES = ("scheduler.schedule", "runner.prepare", "runner.run", "_sample", "_logprobs", "scheduler.postprocess")
-
-
-@contextlib.contextmanager
-def phases_named(eng):
-    """The step's phases as ranges `step:<phase>` in a profile (instance attributes, removed after)."""
-    from torch.profiler import record_function
-    wrapped = []
-    for path in PHASES:
-        *up, name = path.split(".")
-        obj = eng
-        for attr in up:
-            obj = getattr(obj, attr)
-
-        def ranged(*a, _fn=getattr(obj, name), _name=f"step:{path}", **k):
-            with record_function(_name):
-                return _fn(*a, **k)
-        setattr(obj, name, ranged)
-        wrapped.append((obj, name))
-    try:
-        yield
-    finally:
-        for obj, name in wrapped:
-            delattr(obj, name)
-
-
-def profile(eng, kind: str, path: str, n: int = 1) -> None:
+def profile(eng, kind: str, path: str, title: str, n: int = 1) -> None:
     """One step under torch.profiler (decode: `n` requests of 1,024 tokens; prefill: one of
-    4,096): tables of device and host time per op, the step's phases named."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    4,096), appended to `path` (benchmarks/profiling.py)."""
     g = torch.Generator().manual_seed(7)
     n, length = (n, 1024) if kind == "decode" else (1, 4096)
     seqs = [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (length,), generator=g).tolist(),
@@ -127,15 +99,9 @@ def profile(eng, kind: str, path: str, n: int = 1) -> None:
         while any(s.num_computed < s.num_prompt_tokens for s in seqs):
             eng.step()
         eng.step()
-    with phases_named(eng), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        eng.step()
-        torch.cuda.synchronize()
+    profile_step(eng, title, path)
     for s in seqs:
         eng.abort(s.request_id)
-    with open(path, "w") as f:
-        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
-        f.write("\n\n")
-        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70))
 
 
 def prefill_logits(eng, ids) -> torch.Tensor:
@@ -154,7 +120,7 @@ def main():
     ap.add_argument("--model", default="flash-slice")
     ap.add_argument("--variants", default="eager")
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--profile", default=None, help="directory for per-variant profiler tables")
+    ap.add_argument("--profile", default=None, help="file the per-variant profiler tables are appended to")
     ap.add_argument("--out", default="benchmarks/results/step-h200.json")
     ap.add_argument("--dump-dir", default=None, help="the compile's graphs, passes and output code")
     ap.add_argument("--weight-format", default="dequant", choices=["dequant", "native"])
@@ -195,8 +161,7 @@ def main():
         runner.graphs = graphs.get(v)
 
     if a.profile:
-        os.makedirs(a.profile, exist_ok=True)
-        profile(eng, "decode", os.path.join(a.profile, "profile-eager-decode-1.txt"))
+        profile(eng, "decode", a.profile, "eager decode, 1 request")
     if "compiled" in variants or "full" in variants:
         from runtime.compile import CompileConfig, compile_runner
         cargs = dataclasses.replace(args, enforce_eager=False)
@@ -252,7 +217,7 @@ def main():
             use(v)
             for kind, n in (("decode", 1), ("decode", 64), ("prefill", 1)):
                 if (v, kind) != ("eager", "decode"):
-                    profile(eng, kind, os.path.join(a.profile, f"profile-{v}-{kind}-{n}.txt"), n)
+                    profile(eng, kind, a.profile, f"{v} {kind}, {n} request(s)", n)
 
 
 def run_cases(eng, cases, variants, use, steps: int, res: dict, save) -> None:

@@ -107,10 +107,12 @@ def test_server_refuses_it_without_allow_benchmark_only(monkeypatch, capsys):
 
 def test_bench_smoke(tmp_path):
     """benchmarks/dspark_bench.py on the CPU toy, tiny sizes: plain and dspark rows of issue
-    17's shape at each batch size, DSpark at the forced acceptance length (the default 3.51)."""
-    out = tmp_path / "bench.json"
+    17's shape at each batch size, DSpark at the forced acceptance length (the default 3.51), and
+    a profiled step per case with the step's and DSpark's phases named."""
+    out, prof = tmp_path / "bench.json", tmp_path / "profiles.txt"
     res = dspark_bench.main(["--model", "toy", "--device", "cpu", "--dtype", "float32", "--ctx", "20",
-                             "--steps", "3", "--batch-sizes", "1,2", "--rounds", "1", "--out", str(out)])
+                             "--steps", "3", "--batch-sizes", "1,2", "--rounds", "1", "--out", str(out),
+                             "--profile", str(prof)])
     assert json.loads(out.read_text()) == res
     for key in ("model", "device", "torch", "date", "method", "forced_acceptance"):
         assert res[key] is not None, key
@@ -124,3 +126,18 @@ def test_bench_smoke(tmp_path):
     assert all(r["tokens_per_step"] == 1 for r in rows[:2])
     # three timed steps: 1 + floor/ceil counts of 2.51 accepted drafts, and as many tokens per step
     assert all(3 <= r["measured_acceptance_length"] <= 4 and 3 <= r["tokens_per_step"] <= 4 for r in rows[2:])
+    cases = prof.read_text().split("==== ")[1:]
+    assert [c.splitlines()[0] for c in cases] == [f"{v}, {n} request(s), round 0" for v in ("plain", "dspark")
+                                                  for n in (1, 2)]
+    for c in cases:
+        assert "runner.prepare" in c and "scheduler.postprocess" in c
+        assert ("runner.spec.propose" in c) == c.startswith("dspark"), c[:40]
+
+
+def test_bench_one_variant(tmp_path):
+    """--variants dspark times DSpark alone (a device call that fits one cold compile)."""
+    res = dspark_bench.main(["--model", "toy", "--device", "cpu", "--dtype", "float32", "--ctx", "20",
+                             "--steps", "2", "--batch-sizes", "1", "--rounds", "1", "--variants", "dspark"])
+    assert [r["variant"] for r in res["results"]] == ["dspark"]
+    with pytest.raises(SystemExit):
+        dspark_bench.main(["--variants", "plain,draft"])

@@ -7,9 +7,10 @@
 #   tools/gpu_checks.sh OUT graphtests [K]  # tests/test_cuda_graph_gpu.py over 8 pytest workers
 #                                     # (or those -k K selects)
 #   tools/gpu_checks.sh OUT graphs    # step_bench: eager / compiled / full, wall and kernel time, and
-#                                     # profiler tables with the step's phases named (OUT/profiles)
+#                                     # profiler tables with the step's phases named (OUT/profiles.txt)
 #   tools/gpu_checks.sh OUT hybrid    # step_bench: compiled / full / tr_hybrid (after graphs: warm compile cache)
-#   tools/gpu_checks.sh OUT dspark      # dspark_bench at acceptance length 3.51, compiled + FULL (dspark-eager: eager)
+#   tools/gpu_checks.sh OUT dspark [V]  # dspark_bench at acceptance length 3.51, compiled + FULL, variants V
+#                                     # (default plain,dspark), a profiled step per case (dspark-eager: eager)
 #   tools/gpu_checks.sh OUT native    # step_bench with --weight-format native, then native_gemm_bench
 #   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
 #   tools/gpu_checks.sh OUT serve     # flash-slice server + serve_bench on chat text prompts
@@ -49,7 +50,7 @@ graphtests)
 graphs)
   step "step_bench eager,compiled,full"
   timeout 560 $py benchmarks/step_bench.py --variants eager,compiled,full --no-agreement \
-    --profile "$OUT/profiles" --out "$OUT/graphs-flash-slice-h200.json" > "$OUT/graphs.log" 2>&1
+    --profile "$OUT/profiles.txt" --out "$OUT/graphs-flash-slice-h200.json" > "$OUT/graphs.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|^graphs:|Error' "$OUT/graphs.log" | tail -20 ;;
 hybrid)
   step "step_bench compiled,full,tr_hybrid"
@@ -57,11 +58,13 @@ hybrid)
     --out "$OUT/graphs-tr-hybrid-flash-slice-h200.json" > "$OUT/hybrid.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|^graphs|Error' "$OUT/hybrid.log" | tail -24 ;;
 dspark)
-  # compiled + FULL, one round: each variant's engine compiles cold (~200 s, the compile keys
-  # differ) and captures its graphs; an eager round does not fit beside it (part dspark-eager)
+  # compiled + FULL, one round: each variant's engine compiles (~200 s cold, the compile keys
+  # differ) and captures its graphs. Two cold compiles do not fit one call: run `dspark dspark`
+  # first, then (the machine still warm, its compile cache kept) `dspark` times both variants.
   step "dspark_bench compiled with FULL graphs (plain decode, verify steps and the draft replay)"
   timeout 580 $py benchmarks/dspark_bench.py --model flash-slice --acceptance-length 3.51 --no-enforce-eager \
-    --cudagraph-mode FULL --rounds 1 --out "$OUT/dspark-flash-slice-h200.json" > "$OUT/dspark.log" 2>&1
+    --cudagraph-mode FULL --rounds 1 --variants "${3:-plain,dspark}" --profile "$OUT/dspark-profiles.txt" \
+    --out "$OUT/dspark-flash-slice-h200.json" > "$OUT/dspark.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/dspark.log" | tail -8 ;;
 dspark-eager)
   step "dspark_bench eager"

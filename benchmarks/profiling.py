@@ -1,0 +1,82 @@
+"""One engine step under torch.profiler, its phases named: where a step's time goes.
+
+`profile_step(eng, title, path)` runs `eng.step()` once under the profiler with each phase in
+`phases` wrapped in a `record_function` range `step:<phase>` and appends to `path` a summary
+(summed kernel time; per phase its host time and, from the device's side, the span of the work
+it launched) and the profiler's tables sorted by device and by host time. Every profile of a run
+goes to one file: a device call brings back few files.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+# the plain step (runtime/engine.py: schedule, prepare, run, sample, logprobs, postprocess)
+STEP_PHASES = ("scheduler.schedule", "runner.prepare", "runner.run", "_sample", "_logprobs",
+               "scheduler.postprocess")
+# DSpark's parts of a step (runtime/spec_step.py)
+SPEC_PHASES = ("runner.spec.stage", "runner.spec.keep_context", "runner.spec.accept", "runner.spec.commit",
+               "runner.spec.propose")
+
+
+@contextlib.contextmanager
+def phases_named(eng, phases=STEP_PHASES):
+    """Each phase (an attribute path from the engine) as a profiler range `step:<phase>`: the
+    wrappers are instance attributes, removed after."""
+    from torch.profiler import record_function
+    wrapped = []
+    for path in phases:
+        *up, name = path.split(".")
+        obj = eng
+        for attr in up:
+            obj = getattr(obj, attr)
+
+        def ranged(*a, _fn=getattr(obj, name), _name=f"step:{path}", **k):
+            with record_function(_name):
+                return _fn(*a, **k)
+        setattr(obj, name, ranged)
+        wrapped.append((obj, name))
+    try:
+        yield
+    finally:
+        for obj, name in wrapped:
+            delattr(obj, name)
+
+
+def phase_summary(events) -> list[str]:
+    """Lines `phase: host ms, device span ms` for the `step:` ranges of a profile's events: a
+    range's host event gives its host time, its device-side annotation (on CUDA) the span from
+    the first to the last device work launched inside it."""
+    host, span, order = {}, {}, []
+    for e in sorted((e for e in events if e.name.startswith("step:")), key=lambda e: e.time_range.start):
+        name = e.name[5:]
+        if name not in order:
+            order.append(name)
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            host[name] = host.get(name, 0.0) + e.cpu_time_total / 1e3
+        else:
+            span[name] = span.get(name, 0.0) + e.device_time_total / 1e3
+    return [f"  {n:28s} host {host.get(n, 0.0):8.3f} ms   device span {span.get(n, float('nan')):8.3f} ms"
+            for n in order]
+
+
+def profile_step(eng, title: str, path: str, phases=STEP_PHASES, rows: int = 40) -> float:
+    """One `eng.step()` under the profiler (CPU and, on CUDA, device activity); appends the
+    summary and tables to `path`. Returns the summed kernel time, ms (NaN on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with phases_named(eng, phases), torch_profile(activities=acts) as prof:
+        eng.step()
+        if cuda:
+            torch.cuda.synchronize()
+    avg = prof.key_averages()
+    kernel_ms = sum(e.self_device_time_total for e in avg) / 1e3 if cuda else float("nan")
+    with open(path, "a") as f:
+        f.write(f"==== {title}\nkernel time {kernel_ms:.3f} ms\n")
+        f.write("\n".join(phase_summary(prof.events())) + "\n\n")
+        if cuda:
+            f.write(avg.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70) + "\n\n")
+        f.write(avg.table(sort_by="cpu_time_total", row_limit=rows, max_name_column_width=70) + "\n\n")
+    return kernel_ms
