@@ -2,10 +2,11 @@
 (each is a kernel launch, or a graph node once captured: on the H200 a FULL decode step's
 replay idles ~0.5 us between nodes and most eager ops are 1-2 us kernels).
 
-With decoder bounded replay the compiled forward leaves two layers eager (the boundary layer,
-where the decoder's rows are gathered, and the last layer, which runs on the sampled rows), and
-DSpark runs its context keys, verification, commit and its three draft blocks eagerly (the draft
-graph of runtime/draft_graphs.py captures those eager ops). This counts, on the CPU toy (Flash's
+With decoder bounded replay the compiled forward runs two layers eagerly in a step with a
+decoder plan (the boundary layer, where the decoder's rows are gathered, and the last layer,
+which runs on the sampled rows; decode steps run them compiled), and DSpark runs its context
+keys, verification, commit and its three draft blocks eagerly (the draft graph of
+runtime/draft_graphs.py captures those eager ops). This counts, on the CPU toy (Flash's
 40-layer topology, tiny widths; op counts do not depend on widths), one decode step of one
 request with DSpark on: the non-view ATen ops of every backbone layer run eagerly (what an
 eager layer costs; a compiled one is fused), of each draft block, and of each DSpark phase.
@@ -83,7 +84,7 @@ def main(argv=None) -> dict:
                    "per backbone layer (eager model), per draft block and per DSpark phase",
            "boundary_layer": topo.boundary, "last_layer": topo.n_backbone - 1,
            "per_layer": {str(i): total(c) for i, c in sorted(layers.items())},
-           "eager_in_compiled_forward": total(layers[topo.boundary]) + total(layers[topo.n_backbone - 1]),
+           "boundary_and_last_layers": total(layers[topo.boundary]) + total(layers[topo.n_backbone - 1]),
            "draft_blocks": [total(blocks[j]) for j in sorted(blocks)],
            "spec_phases": {p: total(phases[p]) for p in SPEC_PHASES if p in phases},
            "propose_top_ops": dict(phases["propose"].most_common(10)) if "propose" in phases else {}}

@@ -8,14 +8,22 @@ from tests import harness as H
 from tests.compile_helpers import _planes, compiled, mini, mini_engine, snapshot, step_logits  # noqa: F401
 
 
-def _late_inputs(fwd, runner, T):
-    """X, pre and sel as _LateLayers receives them, for T padding rows (run eagerly)."""
-    b = runner.padding_batch(T)
+def _layer_inputs(fwd, runner, T):
+    """X and pre after the early layers (as every layer segment receives them: same shapes), and
+    the sel dict each of _Layer<boundary>, _LateLayers and _Layer<last> receives, for T padding
+    rows (run eagerly)."""
+    b, pts = runner.padding_batch(T), fwd.points
     sel: dict = {}
+    sels = {}
     with torch.inference_mode():
         X, pre = fwd.segments["_EarlyLayers"](b, runner.cache, sel)
-        X, pre = runner.model.layers[fwd.points.boundary](X, pre, b, runner.cache, sel)
-    return X, pre, sel
+        sels[f"_Layer{pts.boundary}"] = dict(sel)
+        X, pre = runner.model.layers[pts.boundary](X, pre, b, runner.cache, sel)
+        sels["_LateLayers"] = dict(sel)
+        for i in pts.late:
+            X, pre = runner.model.layers[i](X, pre, b, runner.cache, sel)
+        sels[f"_Layer{pts.last}"] = dict(sel)
+    return X, pre, sels
 
 
 class ShapeRecorder:
@@ -55,9 +63,10 @@ def test_one_graph_per_segment_and_no_recompiles(mini_guarded):
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     eng, fwd, rec = mini_guarded
     runner = eng.runner
-    assert rec.counter.frame_count == 2
+    layer_segments = ("_LateLayers", "_Layer5", "_Layer7")        # same inputs: X, pre, batch, cache, sel
+    assert rec.counter.frame_count == 4
     entries = {n: _debug_get_cache_entry_list(f.__code__) for n, f in fwd.raw.items()}
-    assert {n: len(e) for n, e in entries.items()} == {"_EarlyLayers": 1, "_LateLayers": 1}
+    assert {n: len(e) for n, e in entries.items()} == {"_EarlyLayers": 1, **{n: 1 for n in layer_segments}}
     for env in rec.shape_envs:
         for T in range(1, 513):
             bad = []
@@ -69,18 +78,19 @@ def test_one_graph_per_segment_and_no_recompiles(mini_guarded):
                 assert all(isinstance(e, sympy.Ne) and 1 in e.args for e in bad), bad
             else:
                 assert not bad, (T, bad)
-    X4, pre4, sel4 = _late_inputs(fwd, runner, 4)
-    seg_e, seg_l = fwd.segments["_EarlyLayers"], fwd.segments["_LateLayers"]
+    X4, pre4, sels4 = _layer_inputs(fwd, runner, 4)
+    seg_e = fwd.segments["_EarlyLayers"]
     snap = snapshot(runner.cache)   # (padding rows write nothing; checked below)
     with torch.inference_mode():
         for T in range(2, 513):
             b = runner.padding_batch(T)
             assert entries["_EarlyLayers"][0].guard_manager.check(
                 {"self": seg_e, "batch": b, "cache": runner.cache, "sel": {}}), T
-            sel = {k: v.new_empty((T,) + v.shape[1:]) for k, v in sel4.items()}
             X, pre = X4.new_empty((T,) + X4.shape[1:]), pre4.new_empty((T,) + pre4.shape[1:])
-            assert entries["_LateLayers"][0].guard_manager.check(
-                {"self": seg_l, "X": X, "pre": pre, "batch": b, "cache": runner.cache, "sel": sel}), T
+            for n in layer_segments:
+                sel = {k: v.new_empty((T,) + v.shape[1:]) for k, v in sels4[n].items()}
+                assert entries[n][0].guard_manager.check(
+                    {"self": fwd.segments[n], "X": X, "pre": pre, "batch": b, "cache": runner.cache, "sel": sel}), (n, T)
     served = compiled(runner, backend=rec)          # as served: guards dropped
     for T in (512, 1, 2, 3, 17, 255, 511):
         with torch.inference_mode():
@@ -89,7 +99,7 @@ def test_one_graph_per_segment_and_no_recompiles(mini_guarded):
             served.finish_warmup()
     assert all(torch.equal(v, snap[k]) for k, v in _planes(runner.cache)), "padding rows wrote state"
     step_logits(eng, H.prompts((1, 5, 33), seed=5))
-    assert rec.counter.frame_count == 4            # 2 traced with guards, 2 for the served graphs
+    assert rec.counter.frame_count == 8            # 4 traced with guards, 4 for the served graphs
 
 
 def test_recompile_while_serving_is_an_error(mini_guarded):

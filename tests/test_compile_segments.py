@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from runtime import compile as C
+from runtime.sequence import SamplingParams
 from tests import harness as H
 from tests.compile_helpers import MINI_REQS, compiled, mini, mini_engine, step_logits  # noqa: F401  (mini: a fixture)
 
@@ -67,12 +68,35 @@ def test_split_equals_unsplit_compiled(mini, mini_backbone, mini_split):
     ref_full = step_logits(mini_engine(mini, decoder_swa_bounded_replay=False), MINI_REQS)
     eng, fwd = mini_split
     split = step_logits(eng, MINI_REQS)
-    assert list(fwd.segments) == ["_EarlyLayers", "_LateLayers"]
+    assert list(fwd.segments) == ["_EarlyLayers", "_LateLayers", "_Layer5", "_Layer7"]
     assert fwd.stats()["matches"]["mhc"] > 0              # the passes ran on these layers' roles
     unsplit = mini_backbone[3]
     assert len(split) == len(ref) and len(unsplit) == len(ref_full)
     assert all(torch.equal(a, r) for a, r in zip(split, ref))
     assert all(torch.equal(b, r) for b, r in zip(unsplit, ref_full))
+
+
+def test_steps_without_a_decoder_plan_run_no_layer_eagerly(mini, mini_split):
+    """The boundary and last layers (5 and 7 in the mini model) run eagerly in the steps with a
+    decoder plan (prompt chunks: their rows change there) and compiled (_Layer5, _Layer7) in
+    decode steps, which then call no layer's Python forward."""
+    eng, fwd = mini_split
+    calls = []
+    for i in (5, 7):
+        block = eng.runner.model.layers[i]
+        block.forward = lambda *a, _f=block.forward, _i=i, **k: (calls.append(_i), _f(*a, **k))[1]
+    try:
+        eng.add_request(MINI_REQS[1], SamplingParams(max_tokens=3, ignore_eos=True), "eager-layers")
+        per_step = []
+        while eng.has_unfinished():
+            calls.clear()
+            eng.step()
+            per_step.append(list(calls))
+    finally:
+        for i in (5, 7):
+            del eng.runner.model.layers[i].forward
+    prompt, *decode = per_step
+    assert prompt == [5, 7] and decode == [[], []], per_step
 
 
 def test_piece_check_finds_the_wrong_piece(mini_split, monkeypatch, tmp_path):
@@ -84,7 +108,8 @@ def test_piece_check_finds_the_wrong_piece(mini_split, monkeypatch, tmp_path):
     with compare_pieces(fwd, eager_twice=True, save_dir=tmp_path) as rows:
         step_logits(eng, MINI_REQS[:1], max_tokens=2, prefix="check")
     pieces = {r["piece"] for r in rows}
-    assert len(pieces) == 7                   # embedding, layers 0-4, layer 6 (5 and 7 eager)
+    # embedding, layers 0-4 and 6; 5 and 7 (eager in steps with a decoder plan) in decode steps
+    assert len(pieces) == 9 and {"_Layer5.submod_1", "_Layer7.submod_1"} <= pieces, pieces
     assert all(r["rel_l2"] == r["ids_differing"] == r["inputs_rel_l2"] == r["eager_rel_l2"] == 0 for r in rows)
     saved = torch.load(tmp_path / "_EarlyLayers.submod_2.pt")
     assert all(torch.equal(a, b) for a, b in zip(saved["compiled"], saved["eager"]))

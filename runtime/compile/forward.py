@@ -23,7 +23,8 @@ from runtime.compile.cache import CacheDir, key_factors
 from runtime.compile.config import CompileConfig
 from runtime.compile.debug import _depyf
 from runtime.compile.piece_graphs import PieceGraphs
-from runtime.compile.segments import SplitPoints, _Backbone, _EarlyLayers, _LateLayers, mark_tokens, split_forward
+from runtime.compile.segments import (SplitPoints, _Backbone, _EarlyLayers, _LateLayers, _Layer, mark_tokens,
+                                      split_forward)
 from v41.keyed_dir import default_cache_root
 
 log = logging.getLogger("v41.compile")
@@ -126,9 +127,12 @@ class CompiledForward:
             self.segments = {"_EarlyLayers": _EarlyLayers(model, pts.early)}
             if len(pts.late):
                 self.segments["_LateLayers"] = _LateLayers(model, pts.late)
+            for i in pts.eager:
+                self.segments[f"_Layer{i}"] = _Layer(model, i)
         else:
             self.segments = {"_Backbone": _Backbone(model)}
         self.backends: dict[str, Any] = {}
+        self.pieces: dict = {}                   # compiled pieces by piece key, shared by the segments' backends
         self.raw: dict[str, Callable] = {}       # the segment functions Dynamo caches on
         # TR_HYBRID: the token pieces' graphs, bound to this model's weights and this cache, so
         # such a forward never shares its trace
@@ -158,6 +162,7 @@ class CompiledForward:
             backend = "eager"
         else:
             backend = PiecewiseBackend(name, ccfg, self.pass_manager, self.piece_graphs)
+            backend.compiled = self.pieces       # a layer role compiled once for every segment
         self.backends[name] = backend
         fn = _fresh_function(type(seg).forward, f"{name}_{id(self):x}")
         self.raw[name] = fn
@@ -177,14 +182,15 @@ class CompiledForward:
                 mark_tokens(batch)
             if "_Backbone" in self.segments:
                 return self._call("_Backbone", batch, cache)
-            late = None
-            if "_LateLayers" in self.segments:
-                def late(X, pre, b, c, sel):
+            def layers(name):
+                def run(X, pre, b, c, sel):
                     if not self.warm:
                         mark_tokens(b, X, pre, sel)
-                    return self._call("_LateLayers", X, pre, b, c, sel)
+                    return self._call(name, X, pre, b, c, sel)
+                return run
+            late = layers("_LateLayers") if "_LateLayers" in self.segments else None
             return split_forward(self.model, batch, cache, lambda b, c, s: self._call("_EarlyLayers", b, c, s),
-                                 late, self.points)
+                                 late, self.points, lambda i, *a: layers(f"_Layer{i}")(*a))
 
     def finish_warmup(self) -> None:
         """From now on a recompile is an error."""

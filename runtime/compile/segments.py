@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-SEGMENTS = ("_Backbone", "_EarlyLayers", "_LateLayers")
+SEGMENTS = ("_Backbone", "_EarlyLayers", "_LateLayers", "_Layer")
 
 
 @dataclass(frozen=True)
@@ -76,21 +76,40 @@ class _LateLayers(nn.Module):
         return X, pre
 
 
-def split_forward(model, batch, cache, early: Callable, late: Callable | None, points: SplitPoints):
-    """The forward as segments: `early`/`late` are the (compiled or eager) segment callables."""
+class _Layer(_LateLayers):
+    """One of the layers the split forward runs eagerly where rows change (the boundary layer,
+    the last layer), compiled for the steps whose rows do not change there: a step without a
+    decoder plan (decode and verify steps) runs every row through every layer, so it runs no
+    layer eagerly (segment `_Layer<i>`)."""
+
+    def __init__(self, model, layer: int):
+        super().__init__(model, range(layer, layer + 1))
+
+
+def split_forward(model, batch, cache, early: Callable, late: Callable | None, points: SplitPoints,
+                  layer: Callable | None = None):
+    """The forward as segments: `early`/`late` are the (compiled or eager) segment callables;
+    `layer(i, X, pre, batch, cache, sel)` runs the boundary or last layer `i` of a step without
+    a decoder plan (None: eagerly, as a step with one always does)."""
     sel: dict = {}
     X, pre = early(batch, cache, sel)
     queries = None
     if batch.decoder is not None:     # bounded replay: the decoder runs on its rows alone
+        layer = None
         X, pre, batch, sel, queries = model.enter_decoder(X, pre, batch, cache, sel)
         if not X.shape[0]:
             return model.final(X, pre)
-    X, pre = model.layers[points.boundary](X, pre, batch, cache, sel,
-                                           queries if points.last == points.boundary else None)
+
+    def block(i, X, pre, q):
+        if layer is not None:
+            return layer(i, X, pre, batch, cache, sel)
+        return model.layers[i](X, pre, batch, cache, sel, q)
+
+    X, pre = block(points.boundary, X, pre, queries if points.last == points.boundary else None)
     if late is not None:
         X, pre = late(X, pre, batch, cache, sel)
     if points.last != points.boundary:
-        X, pre = model.layers[points.last](X, pre, batch, cache, sel, queries)
+        X, pre = block(points.last, X, pre, queries)
     return model.final(X, pre)
 
 
