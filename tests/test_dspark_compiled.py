@@ -2,7 +2,8 @@
 (widths 6 x batch) and its draft as graphs per request count (runtime/draft_graphs.py), and with its token pieces replayed as TR_HYBRID graphs (torch.cuda's graph
 API replaced by the recorder of tests/test_cuda_graph_cpu.py). The target writes its taps into
 SpecStep's buffer (`Transformer.record_taps`) from inside the compiled pieces and the captured
-graphs, so the draft must read this step's taps, not a stale buffer.
+graphs, so the draft must read this step's taps, not a stale buffer. The draft's blocks run
+compiled too (runtime/compile/draft.py): no proposal calls a draft block's Python forward.
 
 The mini model (8 layers, taps at 5-7) in float64, compiled with post_grad_eager (Inductor's
 graph pipeline and our passes, no code generation), oracle drafts as in
@@ -79,6 +80,8 @@ def compile_engine(eng, mode: str, patch) -> None:
     with torch.inference_mode():
         fwd(r.padding_batch(r.max_tokens), r.cache)
     fwd.finish_warmup()
+    if r.spec is not None:
+        C.compile_draft(r.spec, ccfg, fwd.pass_manager, (1, 2, 4))
     if mode == "NONE":
         return
     if hybrid:
@@ -114,9 +117,13 @@ def test_compiled_dspark_tokens_equal_plain(mini, mini_dir, reqs, monkeypatch, m
                        ("memory_reserved", lambda *a, **k: 0)):
         monkeypatch.setattr(torch.cuda, name, fake)
 
+    eager_draft_blocks = []          # calls of a draft block's Python forward after the compile
+
     def make_engine(w, **kw):
         eng = mini_engine(mini_dir, w, **kw)
         compile_engine(eng, mode, monkeypatch)
+        for block in eng.runner.spec.draft.blocks:
+            block.forward = lambda *a, _f=block.forward, **k: (eager_draft_blocks.append(1), _f(*a, **k))[1]
         return eng
 
     monkeypatch.setattr(H, "make_engine", make_engine)
@@ -124,6 +131,7 @@ def test_compiled_dspark_tokens_equal_plain(mini, mini_dir, reqs, monkeypatch, m
     assert got == baseline
     s = eng.runner.spec.stats
     assert s["drafts"] > 0 and 0 < s["accepted"] < s["draft_tokens"]
+    assert not eager_draft_blocks        # every proposal ran the compiled _DraftBlocks
     if mode == "TR_HYBRID":
         counts = eng.runner.graphs.pieces.counts()
         assert counts["graphs"] > 0 and counts["misses"] == 0, counts
@@ -137,3 +145,14 @@ def test_compiled_dspark_tokens_equal_plain(mini, mini_dir, reqs, monkeypatch, m
     assert until_done(ref, reqs, params) == baseline
     n = eng.cfg.num_hidden_layers
     torch.testing.assert_close(eng.runner.cache.ring[n:], ref.runner.cache.ring[n:], rtol=1e-12, atol=1e-12)
+
+
+def test_compile_runner_compiles_the_draft(mini, mini_dir, tmp_path):
+    """compile_runner (the engine's compile) compiles a DSpark engine's draft blocks as one
+    Dynamo graph of one piece per stage, warm at every draft request count."""
+    eng = mini_engine(mini_dir, mini[1], **DSPARK)
+    ccfg = C.CompileConfig(backend="post_grad_eager", split=True, cache_dir=str(tmp_path))
+    rep = C.compile_runner(eng.runner, eng.args, ccfg)
+    n_draft = len(eng.runner.spec.draft.blocks)
+    assert rep["draft"]["counts"] == list(eng.args.decode_sizes())
+    assert rep["draft"]["stats"]["graphs"] == 1 and rep["draft"]["stats"]["pieces"] == n_draft

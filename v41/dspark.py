@@ -184,9 +184,7 @@ class DSpark(nn.Module):
         X = self.embed_weight[batch.input_ids].unsqueeze(1).expand(-1, self.hc, -1).contiguous()
         pre = torch.zeros(X.shape[0], self.hc, dtype=acc, device=X.device)
         pre[:, 0] = 1
-        cache = _StageRings(rings, self.first_layer)
-        for block in self.blocks:
-            X, pre = block(X, pre, batch, cache, {})
+        X, pre = self.run_blocks(X, pre, batch, _StageRings(rings, self.first_layer))
         hd = collapse(X, pre)
         base = (self.norm(hd).to(self.head.dtype) @ self.head.T).view(B, T, -1)
         # the Markov bias of row i depends on the token row i-1 proposed: T steps over all requests
@@ -199,6 +197,13 @@ class DSpark(nn.Module):
         conf_in = torch.cat([hd.view(B, T, -1), torch.stack(embeds, 1)], -1).to(acc)
         conf = torch.sigmoid(conf_in @ self.confidence_proj.T).squeeze(-1)
         return Draft(torch.stack(logits, 1), torch.stack(tokens, 1), conf)
+
+    def run_blocks(self, X, pre, batch: DraftBatch, cache) -> tuple:
+        """The three stages over the draft rows (a compiled engine installs its compiled
+        segment here: runtime/compile/draft.py)."""
+        for block in self.blocks:
+            X, pre = block(X, pre, batch, cache, {})
+        return X, pre
 
     # ---- checks -------------------------------------------------------------------------
     def _check_rings(self, rings: torch.Tensor) -> None:

@@ -51,7 +51,7 @@ The package, one concern per module (like vLLM's `compilation/`): `config` (Comp
 parse_sizes), `segments` (SplitPoints, the segment modules, split_forward, the token-shaped
 tensors and their dynamic dim), `backend` (PiecewiseBackend, piece keys, post_grad_eager),
 `cache` (key factors, compile_key, the keyed cache directory), `forward` (CompiledForward,
-TraceCache, compile_runner), `piece_graphs` (TR_HYBRID: each token piece's CUDA graphs per token
+TraceCache, compile_runner), `draft` (the DSpark draft's blocks as one more segment), `piece_graphs` (TR_HYBRID: each token piece's CUDA graphs per token
 bucket, the pieces cut at passes/split.py's SPLITTING_OPS) and `debug` (dump routing, depyf).
 Import the names from here.
 """
@@ -62,12 +62,13 @@ from runtime.compile.cache import (NOT_KEYED, REPO, TRACED_SOURCES, CacheDir, co
                                    key_factors, source_hashes)
 from runtime.compile.config import CompileConfig, parse_sizes
 from runtime.compile.debug import _depyf
+from runtime.compile.draft import compile_draft
 from runtime.compile.forward import CompiledForward, TraceCache, compile_runner, static_signature
 from runtime.compile.segments import (SEGMENTS, SplitPoints, _Backbone, _EarlyLayers, _LateLayers, _Layer, mark_tokens,
                                       split_forward, token_tensors)
 
 __all__ = ["NOT_KEYED", "REPO", "SEGMENTS", "TRACED_SOURCES", "CacheDir", "CompileConfig", "CompiledForward",
-           "PieceStats", "PiecewiseBackend", "SplitPoints", "TraceCache", "compile_key", "compile_runner", "device_arch",
+           "PieceStats", "PiecewiseBackend", "SplitPoints", "TraceCache", "compile_draft", "compile_key", "compile_runner", "device_arch",
            "key_factors", "mark_tokens", "parse_sizes",
            "piece_key", "post_grad_eager", "source_hashes", "split_forward", "static_signature",
            "token_tensors"]

@@ -11,7 +11,6 @@ import json
 import logging
 import threading
 import time
-import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,23 +21,13 @@ from runtime.compile.backend import PiecewiseBackend
 from runtime.compile.cache import CacheDir, key_factors
 from runtime.compile.config import CompileConfig
 from runtime.compile.debug import _depyf
+from runtime.compile.draft import compile_draft
 from runtime.compile.piece_graphs import PieceGraphs
-from runtime.compile.segments import (SplitPoints, _Backbone, _EarlyLayers, _LateLayers, _Layer, mark_tokens,
-                                      split_forward)
+from runtime.compile.segments import (SplitPoints, _Backbone, _EarlyLayers, _LateLayers, _Layer, _drop_all_guards,
+                                      _fresh_function, mark_tokens, split_forward)
 from v41.keyed_dir import default_cache_root
 
 log = logging.getLogger("v41.compile")
-
-
-def _drop_all_guards(entries):
-    return [False] * len(entries)
-
-
-def _fresh_function(fn, tag: str):
-    """`fn` with a code object of its own: Dynamo keeps its cache on the code object, so this
-    compiled segment never sees another's cache entries (which, guards dropped, it would run)."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}__{tag}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("v41_trace_cache", default=None)
@@ -235,10 +224,14 @@ def compile_runner(runner, args, ccfg: CompileConfig, traces: TraceCache | None 
                 fwd.finish_warmup()
             for s in sizes:
                 fwd(runner.padding_batch(s), runner.cache)
+        draft = None
+        if getattr(runner, "spec", None) is not None:      # DSpark: the draft's blocks too
+            draft = compile_draft(runner.spec, ccfg, fwd.pass_manager, args.decode_sizes())
         seconds = time.perf_counter() - t0
         report = {"start": "warm" if was_ready else "cold", "seconds": round(seconds, 2),
                   "cache_dir": str(cdir.path), "key": cdir.key, "capture_sizes": list(sizes),
-                  "shared_trace": fwd.shared, "segments": list(fwd.segments), "stats": fwd.stats()}
+                  "shared_trace": fwd.shared, "segments": list(fwd.segments), "stats": fwd.stats(),
+                  **({"draft": draft} if draft is not None else {})}
         if not cdir.ready:
             cdir.mark_ready({"built_seconds": round(seconds, 2), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                              "segments": list(fwd.segments), "stats": report["stats"]})

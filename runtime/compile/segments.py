@@ -3,6 +3,7 @@ topology, the segment modules Dynamo traces, the forward run through them, and t
 dim 0 is the token count (the one dynamic dim)."""
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -111,6 +112,17 @@ def split_forward(model, batch, cache, early: Callable, late: Callable | None, p
     if points.last != points.boundary:
         X, pre = block(points.last, X, pre, queries)
     return model.final(X, pre)
+
+
+def _drop_all_guards(entries):
+    return [False] * len(entries)
+
+
+def _fresh_function(fn, tag: str):
+    """`fn` with a code object of its own: Dynamo keeps its cache on the code object, so this
+    compiled segment never sees another's cache entries (which, guards dropped, it would run)."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}__{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 # ---- dynamic dims --------------------------------------------------------------------------
