@@ -27,9 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 # (tests/test_compile_cache.py checks the model's imports)
 TRACED_SOURCES = ("v41/model.py", "v41/attention.py", "v41/moe.py", "v41/moe_route.py", "v41/mhc.py",
                   "v41/layers.py", "v41/quant.py", "v41/engram/device.py", "v41/topology.py", "v41/parallel.py",
-                  "runtime/model_runner.py",
+                  "v41/dspark.py", "runtime/model_runner.py",
                   *(f"runtime/compile/{m}.py" for m in ("__init__", "backend", "cache", "config", "debug",
-                                                        "forward", "piece_graphs", "segments")))
+                                                        "draft", "forward", "piece_graphs", "segments")))
 # EngineArgs fields that cannot change a compiled graph (every other field is in the key: opt-out,
 # so a new engine setting is keyed until someone decides otherwise). The model is keyed by its
 # config, the device by its arch, the compile settings by CompileConfig.
