@@ -15,7 +15,7 @@
 #   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
 #   tools/gpu_checks.sh OUT serve     # flash-slice server + serve_bench on chat text prompts
 #
-# flash-slice takes ~50 s to build its weights and ~200 s to compile cold; each part pays both
+# flash-slice takes 50-85 s to build its weights and ~200 s to compile cold; each part pays both
 # unless the compile cache is warm. The compile caches (Inductor's and Triton's, per compile key)
 # live in the repository's ignored .cache/gpu-compile, which a warm machine keeps between calls and a
 # call that carries `.cache/gpu-compile` brings to a fresh one. PACK_CACHE=1 packs it into OUT as

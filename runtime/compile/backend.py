@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import logging
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -108,6 +109,11 @@ class PiecewiseBackend:
             self._compile_by_propagation(gm, split_gm, pieces)
         return split_gm
 
+    def summary(self) -> dict:
+        """Dynamo graphs, pieces, how many compiled and reused, compile seconds."""
+        return {"graphs": self.graphs, "pieces": len(self.stats), "compiled": sum(not s.reused for s in self.stats),
+                "reused": sum(s.reused for s in self.stats), "seconds": round(sum(s.seconds for s in self.stats), 2)}
+
     def install(self, split_gm, target: str, args, name: str) -> None:
         """The compiled piece in place of its submodule (behind a PieceGraph with TR_HYBRID)."""
         sub = getattr(split_gm, target)
@@ -182,6 +188,36 @@ class PiecewiseBackend:
             (dump.parent / "piece_graph.py").write_text(gm.print_readable(print_output=False))
         with nocache, _dump_context(self.pass_manager, dump.parent if dump else None):
             return compile_fx(gm, args, config_patches=patches)
+
+
+def _drop_all_guards(entries):
+    return [False] * len(entries)
+
+
+def _fresh_function(fn, tag: str):
+    """`fn` with a code object of its own: Dynamo keeps its cache on the code object, so this
+    compiled segment never sees another's cache entries (which, guards dropped, it would run)."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}__{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def compile_segment(name: str, forward, tag: str, ccfg: CompileConfig, pass_manager=None, piece_graphs=None,
+                    pieces: dict | None = None) -> tuple:
+    """torch.compile of a segment's `forward` under a code object of its own (`tag`): one graph,
+    guards dropped unless `ccfg` keeps them, the backend `ccfg` names (a callable, "eager", else
+    a PiecewiseBackend for segment `name`; `pieces`: the dict of compiled pieces it shares).
+    Returns (compiled function, the function Dynamo caches on, backend)."""
+    if callable(ccfg.backend) and not isinstance(ccfg.backend, str):
+        backend = ccfg.backend
+    elif ccfg.backend == "eager":
+        backend = "eager"
+    else:
+        backend = PiecewiseBackend(name, ccfg, pass_manager, piece_graphs)
+        if pieces is not None:
+            backend.compiled = pieces
+    raw = _fresh_function(forward, tag)
+    options = {"guard_filter_fn": _drop_all_guards} if ccfg.drop_guards else None
+    return torch.compile(raw, backend=backend, fullgraph=True, dynamic=False, options=options), raw, backend
 
 
 def post_grad_eager(gm: torch.fx.GraphModule, args, pass_manager=None):

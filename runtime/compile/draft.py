@@ -16,22 +16,18 @@ import dataclasses
 import torch
 from torch import nn
 
-from runtime.compile.backend import PiecewiseBackend
+from runtime.compile.backend import PiecewiseBackend, compile_segment
 from runtime.compile.config import CompileConfig
-from runtime.compile.segments import _drop_all_guards, _fresh_function
+from runtime.compile.segments import _LateLayers, call_context
 
 
-class _DraftBlocks(nn.Module):
-    """The draft stages (`layers`: passes/split.py cuts a segment at each `layers.<i>` block)."""
+class _DraftBlocks(_LateLayers):
+    """The draft stages, run as _LateLayers runs its layers (`layers`: passes/split.py cuts a
+    segment at each `layers.<i>` block)."""
 
     def __init__(self, draft):
-        super().__init__()
+        nn.Module.__init__(self)
         self.layers = draft.blocks
-
-    def forward(self, X, pre, batch, cache):
-        for block in self.layers:
-            X, pre = block(X, pre, batch, cache, {})
-        return X, pre
 
 
 def draft_rows(X, pre, batch) -> list:
@@ -44,35 +40,24 @@ def compile_draft(spec, ccfg: CompileConfig, pass_manager, counts) -> dict:
     requests: no context row, nothing written). Returns {"counts", "stats"}."""
     draft = spec.draft
     seg = _DraftBlocks(draft)
-    ccfg = dataclasses.replace(ccfg, splitting_ops=())
-    if ccfg.backend in ("inductor", "post_grad_eager"):
-        backend = PiecewiseBackend("_DraftBlocks", ccfg, pass_manager, None)
-    else:
-        backend = ccfg.backend
-    options = {"guard_filter_fn": _drop_all_guards} if ccfg.drop_guards else None
-    fn = torch.compile(_fresh_function(_DraftBlocks.forward, f"draft_{id(seg):x}"), backend=backend,
-                       fullgraph=True, dynamic=False, options=options)
+    fn, _, backend = compile_segment("_DraftBlocks", _DraftBlocks.forward, f"draft_{id(seg):x}",
+                                     dataclasses.replace(ccfg, splitting_ops=()), pass_manager)
     warm = False
 
     def run_blocks(X, pre, batch, cache):
-        if warm:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return fn(seg, X, pre, batch, cache)
-        for t in draft_rows(X, pre, batch):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-            return fn(seg, X, pre, batch, cache)
+        with call_context(warm):
+            if not warm:
+                for t in draft_rows(X, pre, batch):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            return fn(seg, X, pre, batch, cache, {})
 
     draft.run_blocks = run_blocks
-    rings, dev = spec.draft_rings, spec.draft_rings.device
+    counts = sorted(set(counts))
+    rings = spec.draft_rings
     with torch.inference_mode():
-        for i, b in enumerate(sorted(set(counts), reverse=True)):
-            zeros = torch.zeros(b, dtype=torch.long, device=dev)
-            floors = torch.full((b,), draft.max_pos, dtype=torch.long, device=dev)   # no context row
+        for b in reversed(counts):          # traced at the largest count, then warm
+            zeros = torch.zeros(b, dtype=torch.long, device=rings.device)
+            floors = torch.full((b,), draft.max_pos, dtype=torch.long, device=rings.device)   # no context row
             draft(zeros, zeros, zeros, floors, rings, check=False)
             warm = True
-    stats = {}
-    if isinstance(backend, PiecewiseBackend):
-        stats = {"graphs": backend.graphs, "pieces": len(backend.stats),
-                 "compiled": sum(not s.reused for s in backend.stats)}
-    return {"counts": sorted(set(counts)), "stats": stats}
+    return {"counts": counts, "stats": backend.summary() if isinstance(backend, PiecewiseBackend) else {}}

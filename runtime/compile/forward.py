@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import hashlib
 import json
 import logging
@@ -17,14 +18,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from runtime.compile.backend import PiecewiseBackend
+from runtime.compile.backend import PiecewiseBackend, compile_segment
 from runtime.compile.cache import CacheDir, key_factors
 from runtime.compile.config import CompileConfig
 from runtime.compile.debug import _depyf
 from runtime.compile.draft import compile_draft
 from runtime.compile.piece_graphs import PieceGraphs
-from runtime.compile.segments import (SplitPoints, _Backbone, _EarlyLayers, _LateLayers, _Layer, _drop_all_guards,
-                                      _fresh_function, mark_tokens, split_forward)
+from runtime.compile.segments import (SplitPoints, _Backbone, _EarlyLayers, _LateLayers, _Layer, call_context,
+                                      mark_tokens, split_forward)
 from v41.keyed_dir import default_cache_root
 
 log = logging.getLogger("v41.compile")
@@ -144,42 +145,33 @@ class CompiledForward:
         self._traces, self._share_key = traces, share_key
 
     def _compile(self, name: str, seg: nn.Module):
-        ccfg = self.ccfg
-        if callable(ccfg.backend) and not isinstance(ccfg.backend, str):
-            backend = ccfg.backend
-        elif ccfg.backend == "eager":
-            backend = "eager"
-        else:
-            backend = PiecewiseBackend(name, ccfg, self.pass_manager, self.piece_graphs)
-            backend.compiled = self.pieces       # a layer role compiled once for every segment
-        self.backends[name] = backend
-        fn = _fresh_function(type(seg).forward, f"{name}_{id(self):x}")
-        self.raw[name] = fn
-        options = {"guard_filter_fn": _drop_all_guards} if ccfg.drop_guards else None
-        return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=options)
+        # a layer role compiled once for every segment: the backends share one piece dict
+        fn, self.raw[name], self.backends[name] = compile_segment(
+            name, type(seg).forward, f"{name}_{id(self):x}", self.ccfg, self.pass_manager, self.piece_graphs,
+            self.pieces)
+        return fn
 
     # -- calling --
     def _call(self, name: str, *args):
         seg = self.segments[name]
         return self.fns[name](seg, *args)
 
+    def _layers(self, name: str, X, pre, b, c, sel):
+        """A segment of layers (_LateLayers, _Layer<i>), its token-shaped inputs marked dynamic
+        while tracing."""
+        if not self.warm:
+            mark_tokens(b, X, pre, sel)
+        return self._call(name, X, pre, b, c, sel)
+
     def __call__(self, batch, cache):
-        ctx = (torch.compiler.set_stance("fail_on_recompile") if self.warm
-               else torch.fx.experimental._config.patch(backed_size_oblivious=True))
-        with ctx:
+        with call_context(self.warm):
             if not self.warm:
                 mark_tokens(batch)
             if "_Backbone" in self.segments:
                 return self._call("_Backbone", batch, cache)
-            def layers(name):
-                def run(X, pre, b, c, sel):
-                    if not self.warm:
-                        mark_tokens(b, X, pre, sel)
-                    return self._call(name, X, pre, b, c, sel)
-                return run
-            late = layers("_LateLayers") if "_LateLayers" in self.segments else None
+            late = functools.partial(self._layers, "_LateLayers") if "_LateLayers" in self.segments else None
             return split_forward(self.model, batch, cache, lambda b, c, s: self._call("_EarlyLayers", b, c, s),
-                                 late, self.points, lambda i, *a: layers(f"_Layer{i}")(*a))
+                                 late, self.points, lambda i, *a: self._layers(f"_Layer{i}", *a))
 
     def finish_warmup(self) -> None:
         """From now on a recompile is an error."""
@@ -191,10 +183,7 @@ class CompiledForward:
         out = {}
         for name, be in self.backends.items():
             if isinstance(be, PiecewiseBackend):
-                out[name] = {"graphs": be.graphs, "pieces": len(be.stats),
-                             "compiled": sum(not s.reused for s in be.stats),
-                             "reused": sum(s.reused for s in be.stats),
-                             "seconds": round(sum(s.seconds for s in be.stats), 2)}
+                out[name] = be.summary()
         if self.pass_manager is not None:
             out["matches"] = self.pass_manager.totals()
         return out

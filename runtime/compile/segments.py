@@ -3,7 +3,6 @@ topology, the segment modules Dynamo traces, the forward run through them, and t
 dim 0 is the token count (the one dynamic dim)."""
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -114,17 +113,6 @@ def split_forward(model, batch, cache, early: Callable, late: Callable | None, p
     return model.final(X, pre)
 
 
-def _drop_all_guards(entries):
-    return [False] * len(entries)
-
-
-def _fresh_function(fn, tag: str):
-    """`fn` with a code object of its own: Dynamo keeps its cache on the code object, so this
-    compiled segment never sees another's cache entries (which, guards dropped, it would run)."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}__{tag}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-
-
 # ---- dynamic dims --------------------------------------------------------------------------
 
 def token_tensors(batch, *extra) -> list:
@@ -141,6 +129,13 @@ def token_tensors(batch, *extra) -> list:
         elif isinstance(e, torch.Tensor):
             out.append(e)
     return out
+
+
+def call_context(warm: bool):
+    """Around a compiled segment's call: once warm, a recompile is an error; before, the trace
+    treats the dynamic dims size-obliviously (a 1-token step needs no 0/1 specialization)."""
+    return (torch.compiler.set_stance("fail_on_recompile") if warm
+            else torch.fx.experimental._config.patch(backed_size_oblivious=True))
 
 
 def mark_tokens(batch, *extra) -> None:
