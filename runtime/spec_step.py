@@ -34,7 +34,7 @@ class SpecStep:
         self.n, self.W = cfg.num_hidden_layers, cfg.sliding_window
         self.staging_per_request = k // 2 + 1        # the even positions among 1 + k rows
         self.draft = DSpark(cfg, weights, runner.model.embed_weight, runner.model.head, runner.dtype,
-                            runner.device, max_pos=runner.max_model_len)
+                            runner.device, max_pos=runner.max_model_len, native=runner.model.native)
         # the target's taps, written by its forward (compiled and graphed too) at the tapped layers
         self.taps = torch.zeros(len(cfg.topology.dspark_taps), runner.max_tokens, cfg.hidden_size,
                                 dtype=runner.dtype, device=runner.device)

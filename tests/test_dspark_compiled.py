@@ -57,7 +57,7 @@ def reqs():
 
 
 def mini_engine(mini_dir, weights, **kw) -> LLMEngine:
-    args = EngineArgs(model=mini_dir, device="cpu", dtype="float64", enable_prefix_caching=False, **{**ENGINE, **kw})
+    args = EngineArgs(model=mini_dir, device="cpu", enable_prefix_caching=False, **{"dtype": "float64", **ENGINE, **kw})
     return LLMEngine(args, weights=weights)
 
 
@@ -156,3 +156,53 @@ def test_compile_runner_compiles_the_draft(mini, mini_dir, tmp_path):
     n_draft = len(eng.runner.spec.draft.blocks)
     assert rep["draft"]["counts"] == list(eng.args.decode_sizes())
     assert rep["draft"]["stats"]["graphs"] == 1 and rep["draft"]["stats"]["pieces"] == n_draft
+
+
+def draft_outputs(draft, rings, counts) -> dict:
+    """The draft's logits and tokens at each request count, reading context rows of `rings`."""
+    out = {}
+    g = torch.Generator().manual_seed(6)
+    with torch.inference_mode():
+        for b in counts:
+            anchors = torch.randint(0, draft.cfg.vocab_size, (b,), generator=g)
+            pos = torch.arange(b) + 3 * draft.W
+            d = draft(anchors, pos, torch.arange(b), torch.zeros(b, dtype=torch.long), rings)
+            out[b] = (d.logits.clone(), d.tokens.clone())
+    return out
+
+
+@pytest.mark.parametrize("dtype,weight_format,backend", [("float64", "dequant", "inductor"),
+                                                         ("float32", "native", "post_grad_eager")])
+def test_compiled_draft_equals_eager(mini, mini_dir, tmp_path, dtype, weight_format, backend):
+    """The draft's compiled blocks give the eager draft's logits at every request count: with
+    Inductor's generated code (which asserts every static input size, so each dim that follows
+    the request count must be dynamic) and with native weights (the draft's format follows the
+    target's; their E8M0 scales go through Inductor's decomposition of the functionalized native
+    GEMM ops)."""
+    eng = mini_engine(mini_dir, mini[1], **DSPARK, dtype=dtype, weight_format=weight_format)
+    spec = eng.runner.spec
+    native = weight_format == "native"
+    assert eng.runner.model.native == native and spec.draft.blocks[0].ffn.native == native
+    rings = spec.draft_rings
+    rings.copy_(torch.randn(rings.shape, generator=torch.Generator().manual_seed(5)).to(rings.dtype))
+    counts = (1, 2, 4)
+    want = draft_outputs(spec.draft, rings, counts)
+    ccfg = C.CompileConfig(backend=backend, split=True, cache_dir=str(tmp_path))
+    from passes.manager import PassManager
+    C.compile_draft(spec, ccfg, PassManager(eng.cfg, eng.runner.dtype), counts)
+    got = draft_outputs(spec.draft, rings, counts)
+    for b in counts:
+        if dtype == "float64":
+            torch.testing.assert_close(got[b][0], want[b][0], rtol=1e-12, atol=1e-12)
+        else:       # the CPU keeps every op (backend_select): the eager arithmetic, bit for bit
+            assert torch.equal(got[b][0], want[b][0]), b
+        assert torch.equal(got[b][1], want[b][1]), b
+
+
+def test_draft_weight_format_follows_the_target(mini, mini_dir, monkeypatch):
+    """Where native weights are the device default (CUDA with the Triton impls), a dequant engine's
+    draft is dequantized too: the draft's format is the target's, never the device default."""
+    import v41.model
+    monkeypatch.setattr(v41.model, "native_weights", lambda device, dtype: True)
+    eng = mini_engine(mini_dir, mini[1], **DSPARK, dtype="float32", weight_format="dequant")
+    assert not eng.runner.model.native and not eng.runner.spec.draft.blocks[0].ffn.native

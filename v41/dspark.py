@@ -33,7 +33,7 @@ from v41.model import Block, prepare_weights, tap  # noqa: F401  (tap: the targe
 ops = torch.ops.v41
 
 
-def prepare_draft_weights(cfg: V41Config, weights, dtype, device=None) -> list[dict]:
+def prepare_draft_weights(cfg: V41Config, weights, dtype, device=None, native: bool | None = None) -> list[dict]:
     """The draft stages' compute tensors, one dict per stage in the layout `prepare_weights`
     gives a backbone layer (the stage `mtp.s` is layer n+s of the topology), plus the extras:
     `main_proj`, `main_norm` (stage 0); `norm`, `markov_head.embed`, `markov_head.head`,
@@ -44,7 +44,7 @@ def prepare_draft_weights(cfg: V41Config, weights, dtype, device=None) -> list[d
         if name.startswith("mtp."):
             _, s, rest = name.split(".", 2)
             renamed[f"layers.{n + int(s)}.{rest}"] = t
-    stages = prepare_weights(cfg, renamed, dtype, device)
+    stages = prepare_weights(cfg, renamed, dtype, device, native)
     out = []
     for s in range(cfg.n_draft):
         w = stages.get(f"layers.{n + s}")
@@ -100,14 +100,15 @@ class _StageRings:
 
 class DSpark(nn.Module):
     def __init__(self, cfg: V41Config, weights, embed_weight: torch.Tensor, head: torch.Tensor,
-                 dtype=torch.bfloat16, device=None, max_pos: int | None = None):
+                 dtype=torch.bfloat16, device=None, max_pos: int | None = None, native: bool | None = None):
         """`weights`: the checkpoint mapping (its `mtp.*` tensors are prepared here);
-        `embed_weight`, `head`: the target's (shared, spec §3.6)."""
+        `embed_weight`, `head`: the target's (shared, spec §3.6); `native`: FP8/FP4 weights kept
+        native, as the target's (`prepare_weights`)."""
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         self.T, self.W, self.hc = cfg.dspark_block_size, cfg.sliding_window, cfg.hc_mult
         self.noise = cfg.dspark_noise_token_id
-        w = prepare_draft_weights(cfg, weights, dtype, device)
+        w = prepare_draft_weights(cfg, weights, dtype, device, native)
         self.max_pos = (max_pos or cfg.max_position_embeddings) + self.T
         self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta, None, self.max_pos, device)
         specs = cfg.topology.layers[cfg.topology.n_backbone:]

@@ -76,7 +76,8 @@ class Transformer(nn.Module):
                  native: bool | None = None):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
-        w = prepare_weights(cfg, weights, dtype, device, native)
+        self.native = native_weights(device, dtype) if native is None else native
+        w = prepare_weights(cfg, weights, dtype, device, self.native)
         max_pos = max_pos or cfg.max_position_embeddings
         window = Rope(cfg.qk_rope_head_dim, cfg.rope_theta, None, max_pos, device)
         compressed = Rope(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling, max_pos, device)

@@ -283,15 +283,18 @@ def quant_fp4_expert(w: torch.Tensor):
 
 class BlockScaled:
     """A weight kept in its checkpoint format on the device: `q` (float8_e4m3fn [..., n, k], or
-    FP4 packed int8 [..., n, k/2]) and its E8M0 `scale` (FP8: per 32x32 block; FP4: per 1x32).
-    The native GEMM ops read it as is; `dequant` gives what the reference path multiplies."""
+    FP4 packed int8 [..., n, k/2]) and its E8M0 `scale` (FP8: per 32x32 block; FP4: per 1x32),
+    held as its uint8 codes: Inductor refuses to decompose a functionalized op that reads a
+    float8_e8m0fnu tensor (it allows that dtype in views and copies only), and every consumer
+    (the native GEMM ops, `e8m0_decode`) reads the codes. `dequant` gives what the reference
+    path multiplies."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
         if q.dtype not in (torch.float8_e4m3fn, torch.int8):
             raise TypeError(f"BlockScaled.q: float8_e4m3fn or packed-FP4 int8, got {q.dtype}")
-        if scale.dtype != torch.float8_e8m0fnu:
-            raise TypeError(f"BlockScaled.scale: float8_e8m0fnu, got {scale.dtype}")
-        self.q, self.scale = q, scale
+        if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+            raise TypeError(f"BlockScaled.scale: float8_e8m0fnu (or its uint8 codes), got {scale.dtype}")
+        self.q, self.scale = q, scale.view(torch.uint8)
 
     @property
     def fmt(self) -> str:

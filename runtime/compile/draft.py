@@ -4,8 +4,8 @@ The draft's three stages are Blocks like the target's layers (window attention o
 rings, MoE with the draft's experts), and a proposal runs them over 5·B rows: eagerly that is
 ~750 ATen ops a block, each a kernel launch, or a node of the draft's CUDA graph
 (`eager-ops-toy-cpu.json`). `compile_draft` makes them one more segment, `_DraftBlocks`, compiled
-like the target's segments (the piecewise backend and the target's pass manager; the draft rows'
-dim marked dynamic, traced once at the largest request count, then warm at every count and
+like the target's segments (the piecewise backend and the target's pass manager; the dims that
+follow the request count marked dynamic, traced once at the largest request count, then warm at every count and
 failing on a recompile) and installs it as `DSpark.run_blocks`. The draft batch is built and the
 heads (a GEMM, five Markov steps, the confidence head) run eagerly around it.
 """
@@ -30,9 +30,11 @@ class _DraftBlocks(_LateLayers):
         self.layers = draft.blocks
 
 
-def draft_rows(X, pre, batch) -> list:
-    """The tensors whose dim 0 is the draft rows (5·B)."""
-    return [X, pre, batch.input_ids, batch.positions, batch.batch_ids, batch.win_idx, batch.ring_dest]
+def dynamic_tensors(X, pre, batch) -> list:
+    """The tensors whose dim 0 varies with the request count B: the draft rows (5·B) and the
+    block table (B rows; a size left static would be asserted by Inductor's generated code)."""
+    return [X, pre, batch.input_ids, batch.positions, batch.batch_ids, batch.win_idx, batch.ring_dest,
+            batch.block_table]
 
 
 def compile_draft(spec, ccfg: CompileConfig, pass_manager, counts) -> dict:
@@ -47,7 +49,7 @@ def compile_draft(spec, ccfg: CompileConfig, pass_manager, counts) -> dict:
     def run_blocks(X, pre, batch, cache):
         with call_context(warm):
             if not warm:
-                for t in draft_rows(X, pre, batch):
+                for t in dynamic_tensors(X, pre, batch):
                     torch._dynamo.maybe_mark_dynamic(t, 0)
             return fn(seg, X, pre, batch, cache, {})
 
