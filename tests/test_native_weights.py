@@ -137,3 +137,24 @@ def test_native_engine_loads_wo_a_fp8(toy_weights):
     while eng.has_unfinished():
         eng.step()
     assert len(seq.completion_token_ids) == 4
+
+
+def test_native_engine_compiles(tmp_path):
+    """The compiled native forward (Inductor's graph pipeline and our passes, post_grad_eager)
+    decomposes the functionalized native GEMM ops, whose E8M0 scales it sees as uint8 codes,
+    and generates the eager native engine's tokens (float32 mini model, greedy)."""
+    import json
+
+    from runtime.sequence import SamplingParams
+    from tests.test_dspark_compiled import compile_engine, mini_engine, until_done
+    from v41.loader import dummy_weights
+    cfg = H.mini_cfg()
+    weights = dummy_weights(cfg, progress=False)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    reqs, params = H.prompts((5, 17, 40), seed=4), SamplingParams(max_tokens=6, ignore_eos=True)
+    want = until_done(mini_engine(str(tmp_path), weights, dtype="float32", weight_format="native"), reqs, params)
+    eng = mini_engine(str(tmp_path), weights, dtype="float32", weight_format="native")
+    assert eng.runner.model.native
+    with pytest.MonkeyPatch.context() as mp:
+        compile_engine(eng, "NONE", mp)
+    assert until_done(eng, reqs, params) == want
