@@ -95,7 +95,8 @@ class SpecStep:
         taps = [t.index_select(0, dec.rows) if dec is not None and layer < boundary else t[:len(rows)]
                 for t, layer in zip(self.taps, self.runner.cfg.topology.dspark_taps)]
         pos = fields["positions"][rows]
-        keys = self.draft.context_keys(taps, torch.as_tensor(pos, device=self.runner.device))
+        self.draft.check_positions("positions", pos)       # on the host copy: no device read
+        keys = self.draft.context_keys(taps, torch.as_tensor(pos, device=self.runner.device), check=False)
         verify_req = np.full(T, -1, np.int64)
         if self._verify is not None:
             verify_req[self._verify["rows"]] = self._verify["req"]

@@ -81,7 +81,7 @@ def compile_engine(eng, mode: str, patch) -> None:
         fwd(r.padding_batch(r.max_tokens), r.cache)
     fwd.finish_warmup()
     if r.spec is not None:
-        C.compile_draft(r.spec, ccfg, fwd.pass_manager, (1, 2, 4))
+        C.compile_draft(r.spec, ccfg, fwd.pass_manager, (1, 2, 4), (1, r.max_tokens))
     if mode == "NONE":
         return
     if hybrid:
@@ -156,10 +156,12 @@ def test_compile_runner_compiles_the_draft(mini, mini_dir, tmp_path):
     n_draft = len(eng.runner.spec.draft.blocks)
     assert rep["draft"]["counts"] == list(eng.args.decode_sizes())
     assert rep["draft"]["stats"]["graphs"] == 1 and rep["draft"]["stats"]["pieces"] == n_draft
+    assert rep["draft"]["keys"]["stats"]["graphs"] == 1 and rep["draft"]["keys"]["rows"] == rep["capture_sizes"]
 
 
-def draft_outputs(draft, rings, counts) -> dict:
-    """The draft's logits and tokens at each request count, reading context rows of `rings`."""
+def draft_outputs(draft, rings, counts, taps) -> dict:
+    """The draft's logits and tokens at each request count, reading context rows of `rings`,
+    and the context keys of the first 3·count rows of `taps`."""
     out = {}
     g = torch.Generator().manual_seed(6)
     with torch.inference_mode():
@@ -167,14 +169,15 @@ def draft_outputs(draft, rings, counts) -> dict:
             anchors = torch.randint(0, draft.cfg.vocab_size, (b,), generator=g)
             pos = torch.arange(b) + 3 * draft.W
             d = draft(anchors, pos, torch.arange(b), torch.zeros(b, dtype=torch.long), rings)
-            out[b] = (d.logits.clone(), d.tokens.clone())
+            keys = draft.context_keys([t[:3 * b] for t in taps], torch.arange(3 * b) + 5)
+            out[b] = (d.logits.clone(), d.tokens.clone(), [k.clone() for k in keys])
     return out
 
 
 @pytest.mark.parametrize("dtype,weight_format,backend", [("float64", "dequant", "inductor"),
                                                          ("float32", "native", "post_grad_eager")])
 def test_compiled_draft_equals_eager(mini, mini_dir, tmp_path, dtype, weight_format, backend):
-    """The draft's compiled blocks give the eager draft's logits at every request count: with
+    """The draft's compiled blocks and context keys give the eager draft's at every request count: with
     Inductor's generated code (which asserts every static input size, so each dim that follows
     the request count must be dynamic) and with native weights (the draft's format follows the
     target's; their E8M0 scales go through Inductor's decomposition of the functionalized native
@@ -185,17 +188,20 @@ def test_compiled_draft_equals_eager(mini, mini_dir, tmp_path, dtype, weight_for
     assert eng.runner.model.native == native and spec.draft.blocks[0].ffn.native == native
     rings = spec.draft_rings
     rings.copy_(torch.randn(rings.shape, generator=torch.Generator().manual_seed(5)).to(rings.dtype))
+    taps = torch.randn(spec.taps.shape, generator=torch.Generator().manual_seed(7)).to(spec.taps.dtype)
     counts = (1, 2, 4)
-    want = draft_outputs(spec.draft, rings, counts)
+    want = draft_outputs(spec.draft, rings, counts, taps)
     ccfg = C.CompileConfig(backend=backend, split=True, cache_dir=str(tmp_path))
     from passes.manager import PassManager
-    C.compile_draft(spec, ccfg, PassManager(eng.cfg, eng.runner.dtype), counts)
-    got = draft_outputs(spec.draft, rings, counts)
+    rep = C.compile_draft(spec, ccfg, PassManager(eng.cfg, eng.runner.dtype), counts, (4, 12))
+    assert rep["keys"]["rows"] == [4, 12]
+    got = draft_outputs(spec.draft, rings, counts, taps)
     for b in counts:
-        if dtype == "float64":
-            torch.testing.assert_close(got[b][0], want[b][0], rtol=1e-12, atol=1e-12)
-        else:       # the CPU keeps every op (backend_select): the eager arithmetic, bit for bit
-            assert torch.equal(got[b][0], want[b][0]), b
+        for x, y in [(got[b][0], want[b][0]), *zip(got[b][2], want[b][2], strict=True)]:
+            if dtype == "float64":
+                torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+            else:       # the CPU keeps every op (backend_select): the eager arithmetic, bit for bit
+                assert torch.equal(x, y), b
         assert torch.equal(got[b][1], want[b][1]), b
 
 

@@ -123,13 +123,20 @@ class DSpark(nn.Module):
         self.embed_weight, self.head = embed_weight, head
 
     # ---- context ------------------------------------------------------------------------
-    def context_keys(self, taps, positions: torch.Tensor) -> list[torch.Tensor]:
-        """Each stage's context key of the tapped rows: [T, head_dim] per stage."""
+    def context_keys(self, taps, positions: torch.Tensor, check: bool = True) -> list[torch.Tensor]:
+        """Each stage's context key of the tapped rows: [T, head_dim] per stage. `check=False`:
+        the caller checked the positions (SpecStep.keep_context, on its host copy)."""
         if len(taps) != len(self.cfg.dspark_target_layer_ids):
             raise ValueError(f"taps: {len(taps)} tensors, expected one per layer "
                              f"{self.cfg.dspark_target_layer_ids}")
-        self._check_positions("positions", positions)
-        main_x = self.main_norm(self.main_proj(torch.cat(list(taps), -1)))
+        if check:
+            self.check_positions("positions", positions)
+        return self.keys(torch.cat(list(taps), -1), positions)
+
+    def keys(self, taps: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """`context_keys` of the concatenated taps [T, n_taps·D] (a compiled engine installs its
+        compiled segment here: runtime/compile/draft.py)."""
+        main_x = self.main_norm(self.main_proj(taps))
         return [quant.fp8_qat(b.attn.rope(b.attn.kv_norm(b.attn.wkv(main_x)), positions)) for b in self.blocks]
 
     def write_context(self, taps, positions: torch.Tensor, dest: torch.Tensor, rings: torch.Tensor) -> None:
@@ -153,7 +160,7 @@ class DSpark(nn.Module):
                 raise ValueError(f"slots: outside the {n_ring // self.W} ring slots")
             if int(anchor_pos.min()) < 0:
                 raise ValueError("anchor_pos: negative position")
-            self._check_positions("anchor_pos", anchor_pos + self.T)     # the last draft row's
+            self.check_positions("anchor_pos", anchor_pos + self.T)     # the last draft row's
 
     def draft_batch(self, anchors, anchor_pos, slots, floors, n_ring: int, check: bool = True) -> DraftBatch:
         """The draft rows of B requests: anchors, anchor_pos (P), slots and context floors
@@ -212,6 +219,6 @@ class DSpark(nn.Module):
         if rings.dim() != 3 or (rings.shape[0], rings.shape[2]) != want or rings.shape[1] % self.W:
             raise ValueError(f"rings: shape {tuple(rings.shape)}, expected [{want[0]}, slots·{self.W}, {want[1]}]")
 
-    def _check_positions(self, name: str, pos) -> None:
+    def check_positions(self, name: str, pos) -> None:
         if len(pos) and int(pos.max()) >= self.max_pos:
             raise ValueError(f"{name}: position {int(pos.max())} past the draft's RoPE table ({self.max_pos})")

@@ -8,6 +8,12 @@ like the target's segments (the piecewise backend and the target's pass manager;
 follow the request count marked dynamic, traced once at the largest request count, then warm at every count and
 failing on a recompile) and installs it as `DSpark.run_blocks`. The draft batch is built and the
 heads (a GEMM, five Markov steps, the confidence head) run eagerly around it.
+
+The context keys of each step's tapped rows (`DSpark.keys`: the main projection and norm, then
+per stage the wkv GEMM, its norm, RoPE and the FP8 round trip; ~390 eager ops with their
+scatters, `eager-ops-toy-cpu.json`) run after every target step, graphed or not; `_ContextKeys`
+compiles them the same way (the row count dynamic, traced at the largest step) and installs
+them as `DSpark.keys`.
 """
 from __future__ import annotations
 
@@ -30,6 +36,17 @@ class _DraftBlocks(_LateLayers):
         self.layers = draft.blocks
 
 
+class _ContextKeys(nn.Module):
+    """The draft's context keys of tapped rows, `DSpark.keys` (no `layers`: one piece)."""
+
+    def __init__(self, draft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, taps, positions):
+        return type(self.draft).keys(self.draft, taps, positions)
+
+
 def dynamic_tensors(X, pre, batch) -> list:
     """The tensors whose dim 0 varies with the request count B: the draft rows (5·B) and the
     block table (B rows; a size left static would be asserted by Inductor's generated code)."""
@@ -37,10 +54,12 @@ def dynamic_tensors(X, pre, batch) -> list:
             batch.block_table]
 
 
-def compile_draft(spec, ccfg: CompileConfig, pass_manager, counts) -> dict:
+def compile_draft(spec, ccfg: CompileConfig, pass_manager, counts, rows) -> dict:
     """Compile `spec.draft`'s blocks and warm them at each request count in `counts` (inert
-    requests: no context row, nothing written). Returns {"counts", "stats"}."""
+    requests: no context row, nothing written), and its context keys at each step width in `rows`.
+    Returns {"counts", "stats", "keys": {"rows", "stats"}}."""
     draft = spec.draft
+    keys = compile_keys(draft, ccfg, pass_manager, rows, spec.taps)
     seg = _DraftBlocks(draft)
     fn, _, backend = compile_segment("_DraftBlocks", _DraftBlocks.forward, f"draft_{id(seg):x}",
                                      dataclasses.replace(ccfg, splitting_ops=()), pass_manager)
@@ -62,4 +81,34 @@ def compile_draft(spec, ccfg: CompileConfig, pass_manager, counts) -> dict:
             floors = torch.full((b,), draft.max_pos, dtype=torch.long, device=rings.device)   # no context row
             draft(zeros, zeros, zeros, floors, rings, check=False)
             warm = True
-    return {"counts": counts, "stats": backend.summary() if isinstance(backend, PiecewiseBackend) else {}}
+    return {"counts": counts, "stats": _summary(backend), "keys": keys}
+
+
+def compile_keys(draft, ccfg: CompileConfig, pass_manager, rows, taps) -> dict:
+    """Compile `draft.keys` and warm it at each width in `rows` (taps: SpecStep's buffer
+    [n_taps, rows, D], read for its shape)."""
+    seg = _ContextKeys(draft)
+    fn, _, backend = compile_segment("_ContextKeys", _ContextKeys.forward, f"keys_{id(seg):x}",
+                                     dataclasses.replace(ccfg, splitting_ops=()), pass_manager)
+    warm = False
+
+    def keys(x, positions):
+        with call_context(warm):
+            if not warm:
+                for t in (x, positions):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            return fn(seg, x, positions)
+
+    draft.keys = keys
+    rows = sorted(set(rows))
+    n_taps, _, D = taps.shape
+    with torch.inference_mode():
+        for t in reversed(rows):            # traced at the largest width, then warm
+            keys(torch.zeros(t, n_taps * D, dtype=taps.dtype, device=taps.device),
+                 torch.zeros(t, dtype=torch.long, device=taps.device))
+            warm = True
+    return {"rows": rows, "stats": _summary(backend)}
+
+
+def _summary(backend) -> dict:
+    return backend.summary() if isinstance(backend, PiecewiseBackend) else {}

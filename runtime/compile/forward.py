@@ -215,7 +215,7 @@ def compile_runner(runner, args, ccfg: CompileConfig, traces: TraceCache | None 
                 fwd(runner.padding_batch(s), runner.cache)
         draft = None
         if getattr(runner, "spec", None) is not None:      # DSpark: the draft's blocks too
-            draft = compile_draft(runner.spec, ccfg, fwd.pass_manager, args.decode_sizes())
+            draft = compile_draft(runner.spec, ccfg, fwd.pass_manager, args.decode_sizes(), sizes)
         seconds = time.perf_counter() - t0
         report = {"start": "warm" if was_ready else "cold", "seconds": round(seconds, 2),
                   "cache_dir": str(cdir.path), "key": cdir.key, "capture_sizes": list(sizes),
