@@ -15,7 +15,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from runtime import replay
+from runtime import replay, spec_step
 from runtime.batch import PAD, Batch, StepBuffers, step_fields
 from runtime.cache import KVCache
 from runtime.geometry import PoolGeometry
@@ -57,7 +57,8 @@ class ModelRunner:
         self.engram_stager = engram_stager(weights, T, self.device)    # tables mapped on the host
         ids_width = self.m * self.layout.n_heads
         self.bufs = StepBuffers(step_fields(T, B, self.W, self.max_pages, {l: ids_width for l in cfg.engram_layer_ids},
-                                            geo.page_tokens) | replay.step_fields(T), self.device)
+                                            geo.page_tokens) | replay.step_fields(T)
+                                | (spec_step.step_fields(T) if spec_tokens else {}), self.device)
         self.buf = {k: self.bufs.dev[k] for k in (*PAD, "block_table")}    # the Batch's fields
         width = cfg.engram_width
         self.engram_buf = {l: torch.zeros(T, width, dtype=dtype, device=self.device)
@@ -72,8 +73,7 @@ class ModelRunner:
         self.use_forward(self.model, static_shapes=False)
         self.spec = None                # runtime.spec_step.SpecStep with DSpark
         if spec_tokens:
-            from runtime.spec_step import SpecStep
-            self.spec = SpecStep(self, weights, spec_tokens)
+            self.spec = spec_step.SpecStep(self, weights, spec_tokens)
 
     def use_cache(self, num_pages: int, num_slots: int, num_images: int, transfer: str) -> None:
         """(Re)allocate the KV cache and its state transfer (the engine sizes the pool from

@@ -27,6 +27,14 @@ from v41.dspark import DSpark
 ops = torch.ops.v41
 
 
+def step_fields(T: int) -> dict:
+    """Shapes of DSpark's step buffers (runtime.batch.StepBuffers): the positions of the rows
+    `keep_context` keys and their ring and image destinations. They reach the device through
+    the pinned mirrors without waiting for the stream, so the host queues the keys while the
+    target's forward still runs (a pageable copy would wait for it)."""
+    return {f"ctx_{k}": (T,) for k in ("pos", "dest", "image_dest")}
+
+
 class SpecStep:
     def __init__(self, runner, weights, k: int):
         cfg = runner.cfg
@@ -96,22 +104,24 @@ class SpecStep:
                 for t, layer in zip(self.taps, self.runner.cfg.topology.dspark_taps)]
         pos = fields["positions"][rows]
         self.draft.check_positions("positions", pos)       # on the host copy: no device read
-        keys = self.draft.context_keys(taps, torch.as_tensor(pos, device=self.runner.device), check=False)
+        bufs = self.runner.bufs
+        keys = self.draft.context_keys(taps, bufs.put("ctx_pos", pos), check=False)
         verify_req = np.full(T, -1, np.int64)
         if self._verify is not None:
             verify_req[self._verify["rows"]] = self._verify["req"]
         vr = verify_req[rows]
         dest = np.where(vr < 0, fields["ring_dest"][rows], -1)
-        self._scatter(keys, dest, self.runner.cache.ring[self.n:])
-        if batch.image_dest is not None:
-            self._scatter(keys, fields["image_dest"][rows], self.runner.cache.image_ring[self.n:])
+        if (dest >= 0).any():
+            self._scatter(keys, bufs.put("ctx_dest", dest), self.runner.cache.ring[self.n:])
+        image_dest = fields["image_dest"][rows] if batch.image_dest is not None else dest[:0]
+        if (image_dest >= 0).any():
+            self._scatter(keys, bufs.put("ctx_image_dest", image_dest), self.runner.cache.image_ring[self.n:])
         self._ctx = (keys, pos, vr, fields["ring_dest"][rows].copy())
 
-    def _scatter(self, keys, dest: np.ndarray, rings: torch.Tensor) -> None:
-        if (dest >= 0).any():
-            d = torch.as_tensor(dest, device=self.runner.device)
-            for ring, key in zip(rings, keys):
-                ops.scatter_rows(ring, key, d)
+    @staticmethod
+    def _scatter(keys, dest: torch.Tensor, rings: torch.Tensor) -> None:
+        for ring, key in zip(rings, keys):
+            ops.scatter_rows(ring, key, dest)
 
     # ---- acceptance and commit -------------------------------------------------------------
     def accept(self, rows: torch.Tensor, drafts: list, seqs: list) -> tuple[torch.Tensor, dict]:
@@ -222,7 +232,9 @@ class SpecStep:
         if self._ctx is not None:
             keys, pos, vr, ring_dest = self._ctx
             ok = (vr >= 0) & (a_req[vr] >= 0) & (pos <= starts[vr] + a_req[vr])
-            self._scatter(keys, np.where(ok, ring_dest, -1), cache.ring[self.n:])
+            if ok.any():        # after the step's sampled copy: the GPU is idle, a plain copy
+                self._scatter(keys, torch.as_tensor(np.where(ok, ring_dest, -1), device=runner.device),
+                              cache.ring[self.n:])
         self._verify = self._ctx = None
 
     # ---- the next drafts --------------------------------------------------------------------

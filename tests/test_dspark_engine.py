@@ -238,3 +238,31 @@ def test_prefix_hits(toy_weights, replay):
     assert got == base and eng.bm.stats["hit_tokens"] > 0
     if not replay:
         assert eng.runner.state.stats["images_restored"] > 0
+
+
+def test_keep_context_copies_through_the_step_buffers(toy_weights, reqs, baseline, monkeypatch):
+    """keep_context runs while the target's forward may still run on the GPU: its row indices
+    reach the device through the step buffers (`ctx_*`: pinned mirrors, non-blocking copies),
+    never through a pageable torch.as_tensor copy, which waits for the stream."""
+    pageable, puts, inside = [], [], [False]
+    as_tensor = torch.as_tensor
+    monkeypatch.setattr(torch, "as_tensor", lambda *a, **k: (inside[0] and pageable.append(k), as_tensor(*a, **k))[1])
+
+    def hook(eng, live, step, rng):
+        spec, bufs = eng.runner.spec, eng.runner.bufs
+        if "keep_context" in vars(spec):
+            return
+        keep, put = spec.keep_context, bufs.put
+
+        def keep_context(*a, **k):
+            inside[0] = True
+            try:
+                return keep(*a, **k)
+            finally:
+                inside[0] = False
+        spec.keep_context = keep_context
+        bufs.put = lambda name, a: (puts.append(name), put(name, a))[1]
+
+    got, _ = run_dspark(toy_weights, reqs, baseline, hook=hook)
+    assert got == baseline
+    assert not pageable and {"ctx_pos", "ctx_dest"} <= set(puts)
