@@ -58,7 +58,7 @@ class ModelRunner:
         ids_width = self.m * self.layout.n_heads
         self.bufs = StepBuffers(step_fields(T, B, self.W, self.max_pages, {l: ids_width for l in cfg.engram_layer_ids},
                                             geo.page_tokens) | replay.step_fields(T)
-                                | (spec_step.step_fields(T) if spec_tokens else {}), self.device)
+                                | (spec_step.step_fields(T, B, 1 + self.m) if spec_tokens else {}), self.device)
         self.buf = {k: self.bufs.dev[k] for k in (*PAD, "block_table")}    # the Batch's fields
         width = cfg.engram_width
         self.engram_buf = {l: torch.zeros(T, width, dtype=dtype, device=self.device)
@@ -442,6 +442,7 @@ class ModelRunner:
             self.slot_hist[slots] = hist
 
     def set_cursors(self, slots: np.ndarray, cursors: np.ndarray) -> None:
-        """Slots' cursors, rows of `cursor_at` (DSpark's commit of accepted tokens): one copy."""
-        self.cache.cursor[torch.as_tensor(slots, device=self.device)] = torch.as_tensor(cursors, device=self.device)
+        """Slots' cursors, rows of `cursor_at` (DSpark's commit of accepted tokens), through the
+        step buffers (runtime.spec_step.step_fields)."""
+        self.cache.cursor[self.bufs.put("spec_cursor_slots", slots)] = self.bufs.put("spec_cursors", cursors)
         self.slot_meta[slots, 1], self.slot_hist[slots] = cursors[:, 0], cursors[:, 1:]

@@ -16,6 +16,8 @@
 """
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 import torch
 
@@ -27,12 +29,19 @@ from v41.dspark import DSpark
 ops = torch.ops.v41
 
 
-def step_fields(T: int) -> dict:
-    """Shapes of DSpark's step buffers (runtime.batch.StepBuffers): the positions of the rows
-    `keep_context` keys and their ring and image destinations. They reach the device through
-    the pinned mirrors without waiting for the stream, so the host queues the keys while the
-    target's forward still runs (a pageable copy would wait for it)."""
-    return {f"ctx_{k}": (T,) for k in ("pos", "dest", "image_dest")}
+def step_fields(T: int, B: int, cursor_width: int) -> dict:
+    """Shapes of DSpark's step buffers (runtime.batch.StepBuffers): every row index and token
+    a DSpark step sends to the device goes through a pinned mirror and a non-blocking copy (a
+    pageable copy waits for the stream; `keep_context` runs while the target's forward may still
+    run). Per row: the verify rows' ring rows (`stage`), the keyed rows' positions and ring and
+    image destinations (`keep_context`), the verified rows and drafts (`accept`), the rejected
+    rows and the accepted rows' ring destinations (`commit`); per request: the last rows, the
+    forced counts, the staged tails' slots and rows, the cursors' slots and values."""
+    rows = ("verify_ring", "ctx_pos", "ctx_dest", "ctx_image_dest", "verify_rows", "verify_drafts", "rejected",
+            "accepted_dest")
+    return ({f"spec_{k}": (T,) for k in rows} | {f"spec_{k}": (B,) for k in ("last", "forced", "tail_slots", "tail_rows",
+                                                                            "cursor_slots")}
+            | {"spec_cursors": (B, cursor_width)})
 
 
 class SpecStep:
@@ -74,8 +83,7 @@ class SpecStep:
         pos, c = fields["positions"][rows], starts[req]
         S = self.runner.cache.num_slots
         fields["tail_dst"][rows] = np.where(pos % 2 == 0, S + req * self.staging_per_request + (pos - c) // 2, -1)
-        ring = sb.slots[req] * self.W + pos % self.W
-        ring_t = torch.as_tensor(ring, device=self.runner.device)
+        ring_t = self.runner.bufs.put("spec_verify_ring", sb.slots[req] * self.W + pos % self.W)
         undo = self.runner.cache.ring[:self.n].index_select(1, ring_t)
         self._verify = dict(v=v, rows=rows, req=req, pos=pos, ring=ring_t, undo=undo)
 
@@ -105,17 +113,17 @@ class SpecStep:
         pos = fields["positions"][rows]
         self.draft.check_positions("positions", pos)       # on the host copy: no device read
         bufs = self.runner.bufs
-        keys = self.draft.context_keys(taps, bufs.put("ctx_pos", pos), check=False)
+        keys = self.draft.context_keys(taps, bufs.put("spec_ctx_pos", pos), check=False)
         verify_req = np.full(T, -1, np.int64)
         if self._verify is not None:
             verify_req[self._verify["rows"]] = self._verify["req"]
         vr = verify_req[rows]
         dest = np.where(vr < 0, fields["ring_dest"][rows], -1)
         if (dest >= 0).any():
-            self._scatter(keys, bufs.put("ctx_dest", dest), self.runner.cache.ring[self.n:])
+            self._scatter(keys, bufs.put("spec_ctx_dest", dest), self.runner.cache.ring[self.n:])
         image_dest = fields["image_dest"][rows] if batch.image_dest is not None else dest[:0]
         if (image_dest >= 0).any():
-            self._scatter(keys, bufs.put("ctx_image_dest", image_dest), self.runner.cache.image_ring[self.n:])
+            self._scatter(keys, bufs.put("spec_ctx_image_dest", image_dest), self.runner.cache.image_ring[self.n:])
         self._ctx = (keys, pos, vr, fields["ring_dest"][rows].copy())
 
     @staticmethod
@@ -128,23 +136,30 @@ class SpecStep:
         """`rows`: the sampled rows of the final requests (runner.run, final_only), their drafts
         and their requests. Returns each request's last row (what a plain step samples) and, for
         the verify requests, {index: (accepted count, [accepted drafts..., next token])}."""
+        bufs = self.runner.bufs
         cnt = np.array([1 + len(d) for d in drafts], np.int64)
         ends = np.cumsum(cnt) - 1
-        last = rows if len(cnt) == len(rows) else rows.index_select(0, torch.as_tensor(ends, device=rows.device))
-        out, groups = {}, {}
+        last = rows if len(cnt) == len(rows) else rows.index_select(0, bufs.put("spec_last", ends))
+        groups: dict = {}
         for j, d in enumerate(drafts):          # one batched verification per (k, greedy or sampled)
             if d:
                 groups.setdefault((len(d), seqs[j].params.temperature >= GREEDY_BELOW), []).append(j)
-        for (k, sampled), js in sorted(groups.items()):
-            idx = torch.as_tensor(np.concatenate([np.arange(ends[j] - k, ends[j] + 1) for j in js]),
-                                  device=rows.device)
-            target = rows.index_select(0, idx).view(len(js), k + 1, -1)
-            d = torch.as_tensor([drafts[j] for j in js], device=rows.device)
+        out, order = {}, sorted(groups.items())
+        if not order:
+            return last, out
+        # every group's rows and drafts (and forced counts) reach the device in one copy each
+        verify = [(k, j) for (k, _), js in order for j in js]
+        idx = bufs.put("spec_verify_rows", np.concatenate([np.arange(ends[j] - k, ends[j] + 1) for k, j in verify]))
+        flat = bufs.put("spec_verify_drafts", np.fromiter(chain.from_iterable(drafts[j] for _, j in verify), np.int64))
+        forced = bufs.put("spec_forced", self._forced_counts(verify)) if self.forced is not None else None
+        r = d0 = f = 0
+        for (k, sampled), js in order:
+            n = len(js)
+            target = rows.index_select(0, idx[r:r + n * (k + 1)]).view(n, k + 1, -1)
+            d = flat[d0:d0 + n * k].view(n, k)
             tokens = self._draws(target, [seqs[j] for j in js]) if sampled else target.argmax(-1)
-            if self.forced is None:
-                a, nxt = match_accept(tokens, d)
-            else:
-                a, nxt = forced_accept(tokens, d, self._forced_counts(len(js), k, rows.device))
+            a, nxt = match_accept(tokens, d) if forced is None else forced_accept(tokens, d, forced[f:f + n])
+            r, d0, f = r + n * (k + 1), d0 + n * k, f + n
             for j, aj, t in zip(js, a.tolist(), nxt.tolist()):
                 out[j] = (aj, list(drafts[j][:aj]) + [t])
                 self._count(k, aj)
@@ -170,16 +185,15 @@ class SpecStep:
         at = (st.step[:, None] + torch.arange(k1, device=target.device)).reshape(-1)     # output positions
         return draw(x, uniforms(rep(st.seed_lo), rep(st.seed_hi), at)).view(B, k1)
 
-    def _forced_counts(self, B: int, k: int, device) -> torch.Tensor:
-        """Benchmark only: B accepted counts, each floor or ceil of what keeps the running mean
-        at `forced` (the shortfall of a request with fewer than that many drafts is carried to
-        the next ones)."""
-        out = []
-        for _ in range(B):
-            a = min(k, int(self._forced_owed + self.forced + 1e-9))
-            self._forced_owed += self.forced - a
-            out.append(a)
-        return torch.tensor(out, dtype=torch.long, device=device)
+    def _forced_counts(self, verify: list) -> np.ndarray:
+        """Benchmark only: the accepted count of each verify request ((k, index) in order), each
+        floor or ceil of what keeps the running mean at `forced` (the shortfall of a request
+        with fewer than that many drafts is carried to the next ones)."""
+        out = np.empty(len(verify), np.int64)
+        for i, (k, _) in enumerate(verify):
+            out[i] = min(k, int(self._forced_owed + self.forced + 1e-9))
+            self._forced_owed += self.forced - out[i]
+        return out
 
     def _count(self, k: int, a: int) -> None:
         s = self.stats
@@ -205,8 +219,9 @@ class SpecStep:
         a_row, c_row = a_req[V["req"]], starts[V["req"]]
         live = a_row >= 0
         rejected = live & (V["pos"] > c_row + a_row)
+        bufs = runner.bufs
         if rejected.any():
-            sel = torch.as_tensor(np.flatnonzero(rejected), device=runner.device)
+            sel = bufs.put("spec_rejected", np.flatnonzero(rejected))
             cache.ring[:self.n].index_copy_(1, V["ring"].index_select(0, sel), V["undo"].index_select(1, sel))
         got = np.flatnonzero(a_req >= 0)
         if got.size:
@@ -215,9 +230,8 @@ class SpecStep:
             e = last - last % 2                           # plain decode's tail holds position e
             tail = e >= c                                 # ... staged by this step: copy it in
             if tail.any():
-                dst = torch.as_tensor(slots[tail], device=runner.device)
-                src = torch.as_tensor(S + got[tail] * self.staging_per_request + (e - c)[tail] // 2,
-                                      device=runner.device)
+                dst = bufs.put("spec_tail_slots", slots[tail])
+                src = bufs.put("spec_tail_rows", S + got[tail] * self.staging_per_request + (e - c)[tail] // 2)
                 for o in cache.owners.values():
                     if o.tail_v is not None:
                         o.tail_v.index_copy_(0, dst, o.tail_v.index_select(0, src))
@@ -232,9 +246,8 @@ class SpecStep:
         if self._ctx is not None:
             keys, pos, vr, ring_dest = self._ctx
             ok = (vr >= 0) & (a_req[vr] >= 0) & (pos <= starts[vr] + a_req[vr])
-            if ok.any():        # after the step's sampled copy: the GPU is idle, a plain copy
-                self._scatter(keys, torch.as_tensor(np.where(ok, ring_dest, -1), device=runner.device),
-                              cache.ring[self.n:])
+            if ok.any():
+                self._scatter(keys, bufs.put("spec_accepted_dest", np.where(ok, ring_dest, -1)), cache.ring[self.n:])
         self._verify = self._ctx = None
 
     # ---- the next drafts --------------------------------------------------------------------

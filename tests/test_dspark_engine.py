@@ -240,29 +240,42 @@ def test_prefix_hits(toy_weights, replay):
         assert eng.runner.state.stats["images_restored"] > 0
 
 
-def test_keep_context_copies_through_the_step_buffers(toy_weights, reqs, baseline, monkeypatch):
-    """keep_context runs while the target's forward may still run on the GPU: its row indices
-    reach the device through the step buffers (`ctx_*`: pinned mirrors, non-blocking copies),
-    never through a pageable torch.as_tensor copy, which waits for the stream."""
-    pageable, puts, inside = [], [], [False]
-    as_tensor = torch.as_tensor
-    monkeypatch.setattr(torch, "as_tensor", lambda *a, **k: (inside[0] and pageable.append(k), as_tensor(*a, **k))[1])
+@pytest.mark.parametrize("forced", [None, 3.51], ids=["oracle-drafts", "forced-acceptance"])
+def test_spec_step_copies_through_the_step_buffers(toy_weights, reqs, baseline, monkeypatch, forced):
+    """Every row index and token a DSpark step sends to the device (stage, keep_context, accept,
+    commit) goes through the step buffers (`spec_*`: pinned mirrors, non-blocking copies), never
+    a pageable torch.as_tensor / torch.tensor copy, which waits for the stream (keep_context runs
+    while the target's forward may still run on the GPU)."""
+    pageable, puts, inside = [], [], [0]
+    for name in ("as_tensor", "tensor"):
+        fn = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _fn=fn, _n=name, **k: (inside[0] and pageable.append(_n), _fn(*a, **k))[1])
+
+    def counted(fn):
+        def call(*a, **k):
+            inside[0] += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                inside[0] -= 1
+        return call
 
     def hook(eng, live, step, rng):
         spec, bufs = eng.runner.spec, eng.runner.bufs
-        if "keep_context" in vars(spec):
+        if "commit" in vars(spec):
             return
-        keep, put = spec.keep_context, bufs.put
-
-        def keep_context(*a, **k):
-            inside[0] = True
-            try:
-                return keep(*a, **k)
-            finally:
-                inside[0] = False
-        spec.keep_context = keep_context
+        for phase in ("stage", "keep_context", "accept", "commit"):
+            setattr(spec, phase, counted(getattr(spec, phase)))
+        put = bufs.put
         bufs.put = lambda name, a: (puts.append(name), put(name, a))[1]
 
-    got, _ = run_dspark(toy_weights, reqs, baseline, hook=hook)
-    assert got == baseline
-    assert not pageable and {"ctx_pos", "ctx_dest"} <= set(puts)
+    engine = {} if forced is None else {"spec_decode_acceptance_length": forced}
+    got, eng = run_dspark(toy_weights, reqs, baseline, hook=hook, oracle=forced is None, **engine)
+    if forced is None:
+        assert got == baseline
+    assert eng.runner.spec.stats["accepted"] > 0
+    assert not pageable, pageable
+    want = {"spec_verify_ring", "spec_ctx_pos", "spec_ctx_dest", "spec_last", "spec_verify_rows", "spec_verify_drafts",
+            "spec_rejected", "spec_tail_slots", "spec_tail_rows", "spec_cursor_slots", "spec_cursors",
+            "spec_accepted_dest"} | ({"spec_forced"} if forced else set())
+    assert want <= set(puts), want - set(puts)
