@@ -160,7 +160,7 @@ class SpecStep:
             tokens = self._draws(target, [seqs[j] for j in js]) if sampled else target.argmax(-1)
             a, nxt = match_accept(tokens, d) if forced is None else forced_accept(tokens, d, forced[f:f + n])
             r, d0, f = r + n * (k + 1), d0 + n * k, f + n
-            for j, aj, t in zip(js, a.tolist(), nxt.tolist()):
+            for j, (aj, t) in zip(js, torch.stack([a, nxt], 1).tolist()):     # one copy back
                 out[j] = (aj, list(drafts[j][:aj]) + [t])
                 self._count(k, aj)
         return last, out
