@@ -37,10 +37,10 @@ def step_fields(T: int, B: int, cursor_width: int) -> dict:
     image destinations (`keep_context`), the verified rows and drafts (`accept`), the rejected
     rows and the accepted rows' ring destinations (`commit`); per request: the last rows, the
     forced counts, the staged tails' slots and rows, the cursors' slots and values."""
-    rows = ("verify_ring", "ctx_pos", "ctx_dest", "ctx_image_dest", "verify_rows", "verify_drafts", "rejected",
-            "accepted_dest")
-    return ({f"spec_{k}": (T,) for k in rows} | {f"spec_{k}": (B,) for k in ("last", "forced", "tail_slots", "tail_rows",
-                                                                            "cursor_slots")}
+    per_row = ("verify_ring", "ctx_pos", "ctx_dest", "ctx_image_dest", "verify_rows", "verify_drafts", "rejected",
+               "accepted_dest")
+    per_request = ("last", "forced", "tail_slots", "tail_rows", "cursor_slots")
+    return ({f"spec_{k}": (T,) for k in per_row} | {f"spec_{k}": (B,) for k in per_request}
             | {"spec_cursors": (B, cursor_width)})
 
 
