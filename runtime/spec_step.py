@@ -121,9 +121,9 @@ class SpecStep:
         dest = np.where(vr < 0, fields["ring_dest"][rows], -1)
         if (dest >= 0).any():
             self._scatter(keys, bufs.put("spec_ctx_dest", dest), self.runner.cache.ring[self.n:])
-        image_dest = fields["image_dest"][rows] if batch.image_dest is not None else dest[:0]
-        if (image_dest >= 0).any():
-            self._scatter(keys, bufs.put("spec_ctx_image_dest", image_dest), self.runner.cache.image_ring[self.n:])
+        if batch.image_dest is not None and (fields["image_dest"][rows] >= 0).any():
+            image_dest = bufs.put("spec_ctx_image_dest", fields["image_dest"][rows])
+            self._scatter(keys, image_dest, self.runner.cache.image_ring[self.n:])
         self._ctx = (keys, pos, vr, fields["ring_dest"][rows].copy())
 
     @staticmethod

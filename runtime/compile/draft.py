@@ -47,7 +47,28 @@ class _ContextKeys(nn.Module):
         return type(self.draft).keys(self.draft, taps, positions)
 
 
-def dynamic_tensors(X, pre, batch) -> list:
+class _WarmSegment:
+    """`seg` compiled as segment `name` like the target's (the piecewise backend, `pass_manager`,
+    no splitting ops): while cold, dim 0 of each tensor `dynamic(*args)` lists is marked
+    dynamic; once `warm`, a recompile is an error."""
+
+    def __init__(self, name: str, seg: nn.Module, ccfg: CompileConfig, pass_manager, dynamic):
+        self.seg, self.dynamic, self.warm = seg, dynamic, False
+        self.fn, _, self.backend = compile_segment(name, type(seg).forward, f"{name}_{id(seg):x}",
+                                                   dataclasses.replace(ccfg, splitting_ops=()), pass_manager)
+
+    def __call__(self, *args):
+        with call_context(self.warm):
+            if not self.warm:
+                for t in self.dynamic(*args):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            return self.fn(self.seg, *args)
+
+    def summary(self) -> dict:
+        return self.backend.summary() if isinstance(self.backend, PiecewiseBackend) else {}
+
+
+def dynamic_tensors(X, pre, batch, cache, sel) -> list:
     """The tensors whose dim 0 varies with the request count B: the draft rows (5·B) and the
     block table (B rows; a size left static would be asserted by Inductor's generated code)."""
     return [X, pre, batch.input_ids, batch.positions, batch.batch_ids, batch.win_idx, batch.ring_dest,
@@ -60,19 +81,8 @@ def compile_draft(spec, ccfg: CompileConfig, pass_manager, counts, rows) -> dict
     Returns {"counts", "stats", "keys": {"rows", "stats"}}."""
     draft = spec.draft
     keys = compile_keys(draft, ccfg, pass_manager, rows, spec.taps)
-    seg = _DraftBlocks(draft)
-    fn, _, backend = compile_segment("_DraftBlocks", _DraftBlocks.forward, f"draft_{id(seg):x}",
-                                     dataclasses.replace(ccfg, splitting_ops=()), pass_manager)
-    warm = False
-
-    def run_blocks(X, pre, batch, cache):
-        with call_context(warm):
-            if not warm:
-                for t in dynamic_tensors(X, pre, batch):
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
-            return fn(seg, X, pre, batch, cache, {})
-
-    draft.run_blocks = run_blocks
+    blocks = _WarmSegment("_DraftBlocks", _DraftBlocks(draft), ccfg, pass_manager, dynamic_tensors)
+    draft.run_blocks = lambda X, pre, batch, cache: blocks(X, pre, batch, cache, {})
     counts = sorted(set(counts))
     rings = spec.draft_rings
     with torch.inference_mode():
@@ -80,25 +90,14 @@ def compile_draft(spec, ccfg: CompileConfig, pass_manager, counts, rows) -> dict
             zeros = torch.zeros(b, dtype=torch.long, device=rings.device)
             floors = torch.full((b,), draft.max_pos, dtype=torch.long, device=rings.device)   # no context row
             draft(zeros, zeros, zeros, floors, rings, check=False)
-            warm = True
-    return {"counts": counts, "stats": _summary(backend), "keys": keys}
+            blocks.warm = True
+    return {"counts": counts, "stats": blocks.summary(), "keys": keys}
 
 
 def compile_keys(draft, ccfg: CompileConfig, pass_manager, rows, taps) -> dict:
     """Compile `draft.keys` and warm it at each width in `rows` (taps: SpecStep's buffer
     [n_taps, rows, D], read for its shape)."""
-    seg = _ContextKeys(draft)
-    fn, _, backend = compile_segment("_ContextKeys", _ContextKeys.forward, f"keys_{id(seg):x}",
-                                     dataclasses.replace(ccfg, splitting_ops=()), pass_manager)
-    warm = False
-
-    def keys(x, positions):
-        with call_context(warm):
-            if not warm:
-                for t in (x, positions):
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
-            return fn(seg, x, positions)
-
+    keys = _WarmSegment("_ContextKeys", _ContextKeys(draft), ccfg, pass_manager, lambda x, positions: (x, positions))
     draft.keys = keys
     rows = sorted(set(rows))
     n_taps, _, D = taps.shape
@@ -106,9 +105,5 @@ def compile_keys(draft, ccfg: CompileConfig, pass_manager, rows, taps) -> dict:
         for t in reversed(rows):            # traced at the largest width, then warm
             keys(torch.zeros(t, n_taps * D, dtype=taps.dtype, device=taps.device),
                  torch.zeros(t, dtype=torch.long, device=taps.device))
-            warm = True
-    return {"rows": rows, "stats": _summary(backend)}
-
-
-def _summary(backend) -> dict:
-    return backend.summary() if isinstance(backend, PiecewiseBackend) else {}
+            keys.warm = True
+    return {"rows": rows, "stats": keys.summary()}
