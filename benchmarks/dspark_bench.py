@@ -9,7 +9,9 @@ round, at each batch size. The JSON's "forced_acceptance" (issue 17's field) hol
 Each case: `requests` prompts of `--ctx` random tokens are prefilled, one more step runs
 untimed, then `--steps` engine steps are timed (wall clock around LLMEngine.step, which copies
 the tokens to the host, so the device has finished); tokens_per_s = tokens generated in those
-steps / their time, ms_per_step = their median. The weights are loaded once and each variant
+steps / their time, ms_per_step = their median, host_ms_by_phase = each phase's median host time
+in those steps (benchmarks/profiling.phases_timed: no profiler; `runner.spec.accept` and `_sample`
+include the wait for the device). The weights are loaded once and each variant
 builds its engine from them in turn (one engine's compute weights in memory at a time). Both
 variants run eager by default; `--no-enforce-eager` compiles both, and `--cudagraph-mode FULL`
 (the default on CUDA then) replays plain decode steps, DSpark's verify steps (widths 6 x batch)
@@ -31,7 +33,7 @@ import time
 
 import torch
 
-from benchmarks.profiling import SPEC_PHASES, STEP_PHASES, profile_step
+from benchmarks.profiling import SPEC_PHASES, STEP_PHASES, median_by_phase, phases_timed, profile_step
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.sequence import SamplingParams
 
@@ -52,12 +54,13 @@ def case(eng: LLMEngine, bs: int, ctx: int, steps: int, profile: str | None = No
     before = dict(spec.stats) if spec is not None else None
     n0 = sum(len(s.completion_token_ids) for s in seqs)
     ts = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        eng.step()
-        if torch.device(eng.runner.device).type == "cuda":
-            torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t)
+    with phases_timed(eng, STEP_PHASES + (SPEC_PHASES if spec is not None else ())) as host:
+        for _ in range(steps):
+            t = time.perf_counter()
+            eng.step()
+            if torch.device(eng.runner.device).type == "cuda":
+                torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t)
     tokens = sum(len(s.completion_token_ids) for s in seqs) - n0
     assert not any(s.is_finished for s in seqs), "a request finished while timed"
     if profile:
@@ -65,7 +68,7 @@ def case(eng: LLMEngine, bs: int, ctx: int, steps: int, profile: str | None = No
     for s in seqs:
         eng.abort(s.request_id)
     out = {"requests": bs, "tokens_per_s": round(tokens / sum(ts), 2), "ms_per_step": round(statistics.median(ts) * 1e3, 3),
-           "tokens_per_step": round(tokens / steps / bs, 3)}
+           "tokens_per_step": round(tokens / steps / bs, 3), "host_ms_by_phase": median_by_phase(host)}
     if spec is not None:
         drafts = spec.stats["drafts"] - before["drafts"]
         accepted = spec.stats["accepted"] - before["accepted"]

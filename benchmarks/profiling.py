@@ -4,11 +4,14 @@
 `phases` wrapped in a `record_function` range `step:<phase>` and appends to `path` a summary
 (summed kernel time; per phase its host time and, from the device's side, the span of the work
 it launched) and the profiler's tables sorted by device and by host time. Every profile of a run
-goes to one file: a device call brings back few files.
+goes to one file: a device call brings back few files. The profiler inflates host times several
+fold; `phases_timed` gives the same phases' host times of ordinary steps (perf_counter, no sync).
 """
 from __future__ import annotations
 
 import contextlib
+import statistics
+import time
 
 import torch
 
@@ -21,27 +24,60 @@ SPEC_PHASES = ("runner.spec.stage", "runner.spec.keep_context", "runner.spec.acc
 
 
 @contextlib.contextmanager
-def phases_named(eng, phases=STEP_PHASES):
-    """Each phase (an attribute path from the engine) as a profiler range `step:<phase>`: the
-    wrappers are instance attributes, removed after."""
-    from torch.profiler import record_function
+def _wrapped(eng, phases, around):
+    """Each phase (an attribute path from the engine) replaced by `around(name, fn)` while the
+    context is open: the wrappers are instance attributes, removed after."""
     wrapped = []
     for path in phases:
         *up, name = path.split(".")
         obj = eng
         for attr in up:
             obj = getattr(obj, attr)
-
-        def ranged(*a, _fn=getattr(obj, name), _name=f"step:{path}", **k):
-            with record_function(_name):
-                return _fn(*a, **k)
-        setattr(obj, name, ranged)
+        setattr(obj, name, around(path, getattr(obj, name)))
         wrapped.append((obj, name))
     try:
         yield
     finally:
         for obj, name in wrapped:
             delattr(obj, name)
+
+
+@contextlib.contextmanager
+def phases_named(eng, phases=STEP_PHASES):
+    """Each phase as a profiler range `step:<phase>`."""
+    from torch.profiler import record_function
+
+    def around(path, fn):
+        def ranged(*a, **k):
+            with record_function(f"step:{path}"):
+                return fn(*a, **k)
+        return ranged
+    with _wrapped(eng, phases, around):
+        yield
+
+
+@contextlib.contextmanager
+def phases_timed(eng, phases=STEP_PHASES):
+    """Host time of every call of each phase, ms, without the profiler and without a sync: yields
+    {phase: [ms, ...]}. A phase that waits for the device (the copy of the sampled ids) counts
+    the wait; nested phases (prepare inside run) count in both."""
+    times: dict = {}
+
+    def around(path, fn):
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                times.setdefault(path, []).append((time.perf_counter() - t) * 1e3)
+        return timed
+    with _wrapped(eng, phases, around):
+        yield times
+
+
+def median_by_phase(times: dict) -> dict:
+    """{phase: median ms} of `phases_timed`'s lists, rounded to µs."""
+    return {k: round(statistics.median(v), 3) for k, v in times.items()}
 
 
 def phase_summary(events) -> list[str]:

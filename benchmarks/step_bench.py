@@ -1,7 +1,9 @@
 """Engine step latency on a GPU (flash-slice, bf16, random weights): decode steps at batch 1,
 16 and 64 (contexts of 1,024 tokens) and prefill steps of 1x4096 and 8x1024 tokens, timed with
 CUDA events after warm-up, median of several steps, each case beside the summed kernel time of
-one more step of it under torch.profiler (`device_ms`: wall / device says how host-bound it is).
+one more step of it under torch.profiler (`device_ms`: wall / device says how host-bound it is);
+decode cases also carry each engine phase's median host time over the timed steps
+(`host_ms_by_phase`, benchmarks/profiling.phases_timed: no profiler).
 The variants share one engine and its weights (flash-slice's 62 GB of bf16 weights fit once on
 an H200, not twice): eager, compiled (the compiled segments), full (compiled + the FULL CUDA
 graphs captured at decode sizes 1-64; prefill runs compiled), tr_hybrid (a second compile cut at
@@ -26,7 +28,7 @@ import time
 
 import torch
 
-from benchmarks.profiling import profile_step
+from benchmarks.profiling import median_by_phase, phases_timed, profile_step
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.piece_check import METRICS, by_piece, compare_pieces
 from runtime.sequence import SamplingParams
@@ -57,18 +59,20 @@ def kernel_ms(fn) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
 
 
-def decode_ms(eng, bs: int, ctx: int, steps: int) -> tuple[float, float]:
-    """(wall ms median, kernel ms of one more step) of decode steps at batch `bs`."""
+def decode_ms(eng, bs: int, ctx: int, steps: int) -> tuple[float, float, dict]:
+    """(wall ms median, kernel ms of one more step, median host ms per phase of the timed steps)
+    of decode steps at batch `bs`."""
     g = torch.Generator().manual_seed(bs)
     seqs = [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (ctx,), generator=g).tolist(),
                             SamplingParams(max_tokens=steps + 5, ignore_eos=True)) for _ in range(bs)]
     while any(s.num_computed < s.num_prompt_tokens for s in seqs):
         eng.step()
-    ts = [timed(eng.step) for _ in range(steps)]
+    with phases_timed(eng) as host:
+        ts = [timed(eng.step) for _ in range(steps)]
     dev = kernel_ms(eng.step)
     for s in seqs:
         eng.abort(s.request_id)
-    return statistics.median(ts[2:]), dev
+    return statistics.median(ts[2:]), dev, median_by_phase(host)
 
 
 def prefill_ms(eng, n: int, length: int, reps: int) -> tuple[float, float]:
@@ -224,9 +228,10 @@ def run_cases(eng, cases, variants, use, steps: int, res: dict, save) -> None:
     for kind, n, length in cases:
         for v in variants:  # alternate variants case by case
             use(v)
-            ms, dev = decode_ms(eng, n, length, steps) if kind == "decode" else prefill_ms(eng, n, length, 3)
+            ms, dev, *host = decode_ms(eng, n, length, steps) if kind == "decode" else prefill_ms(eng, n, length, 3)
             res["results"].append({"variant": v, "step": kind, "requests": n, "tokens_each": length,
-                                   "ms": round(ms, 3), "device_ms": round(dev, 3)})
+                                   "ms": round(ms, 3), "device_ms": round(dev, 3),
+                                   **({"host_ms_by_phase": host[0]} if host else {})})
             print(json.dumps(res["results"][-1]), flush=True)
             save()
 

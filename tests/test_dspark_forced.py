@@ -108,7 +108,8 @@ def test_server_refuses_it_without_allow_benchmark_only(monkeypatch, capsys):
 def test_bench_smoke(tmp_path):
     """benchmarks/dspark_bench.py on the CPU toy, tiny sizes: plain and dspark rows of issue
     17's shape at each batch size, DSpark at the forced acceptance length (the default 3.51), and
-    a profiled step per case with the step's and DSpark's phases named."""
+    a profiled step per case with the step's and DSpark's phases named, and each phase's host
+    time over the timed steps without the profiler."""
     out, prof = tmp_path / "bench.json", tmp_path / "profiles.txt"
     res = dspark_bench.main(["--model", "toy", "--device", "cpu", "--dtype", "float32", "--ctx", "20",
                              "--steps", "3", "--batch-sizes", "1,2", "--rounds", "1", "--out", str(out),
@@ -122,6 +123,9 @@ def test_bench_smoke(tmp_path):
         assert {"variant", "forced_acceptance", "requests", "tokens_per_s", "ms_per_step"} <= set(r)
         assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0
         assert r["forced_acceptance"] == (L if r["variant"] == "dspark" else None)
+        host = r["host_ms_by_phase"]
+        assert ("runner.spec.propose" in host) == (r["variant"] == "dspark")
+        assert 0 < host["runner.prepare"] < host["runner.run"] <= r["ms_per_step"] * 1.5, host
     assert res["forced_acceptance"] == L
     assert all(r["tokens_per_step"] == 1 for r in rows[:2])
     # three timed steps: 1 + floor/ceil counts of 2.51 accepted drafts, and as many tokens per step
