@@ -20,7 +20,7 @@ STEP_PHASES = ("scheduler.schedule", "runner.prepare", "runner.run", "_sample", 
                "scheduler.postprocess")
 # DSpark's parts of a step (runtime/spec_step.py)
 SPEC_PHASES = ("runner.spec.stage", "runner.spec.keep_context", "runner.spec.accept", "runner.spec.commit",
-               "runner.spec.propose")
+               "runner.spec.propose", "runner.spec.roll_back")
 
 
 @contextlib.contextmanager

@@ -9,10 +9,11 @@
   matched against the token a plain step would emit at each row (the argmax, or for a sampled
   request the plain sampler's own draw at that output position: `_draws`), which for greedy
   drafts is rejection sampling; or, benchmark only, `forced` acceptance;
-- `commit` (before the scheduler appends the tokens): rejected rows get their saved ring bytes
-  back, the staged tail of the last committed even position moves into the slot, the cursor is
-  written from the accepted tokens, accepted rows enter the draft rings;
-- `propose`: the draft's next five tokens for every request that sampled and may draft.
+- `commit` (before the scheduler appends the tokens): accepted rows enter the draft rings;
+- `propose`: the draft's next five tokens for every request that sampled and may draft; while
+  its graph runs, `roll_back`: rejected rows get their saved ring bytes back, the staged tail of
+  the last committed even position moves into the slot, the cursor is written from the accepted
+  tokens.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ class SpecStep:
                       "acceptance_length": [0] * (k + 2)}
         self._verify = None
         self._ctx = None
+        self._rollback = None   # (sb, verify rows, accepted counts, starts): `commit` to `roll_back`
         self.graphs = None      # runtime.draft_graphs.DraftGraphRunner, when the target is graphed
         # benchmark only (EngineArgs.spec_decode_acceptance_length L): the mean accepted drafts
         # per verify step, L - 1, whatever the target says; None: real verification
@@ -70,6 +72,8 @@ class SpecStep:
     # ---- before the forward ---------------------------------------------------------------
     def stage(self, sb, fields: dict, starts: np.ndarray, n: np.ndarray) -> None:
         """Verify rows: tails to staging rows, and the undo log of the ring rows they write."""
+        if self._rollback is not None:
+            raise RuntimeError("the last verify step was not rolled back (SpecStep.propose runs roll_back)")
         self._verify = self._ctx = None
         d = np.array([len(x) for x in sb.drafts], np.int64)
         v = np.flatnonzero(d)
@@ -206,66 +210,82 @@ class SpecStep:
 
     def commit(self, sb, accepted: dict) -> None:
         """accepted: batch index -> accepted count, for the verify requests that got tokens.
-        Requests no longer running (aborted, failed) are skipped: their slot is not theirs."""
+        Requests no longer running (aborted, failed) are skipped: their slot is not theirs. The
+        accepted verify rows' context keys enter the draft rings now (the next drafts read
+        them); the target's part waits for `propose`, which runs it while the draft's graph runs."""
         V = self._verify
         if V is None:
             return
-        cache, runner, S = self.runner.cache, self.runner, self.runner.cache.num_slots
         a_req = np.full(len(sb.seqs), -1, np.int64)
         for i, a in accepted.items():
             if sb.seqs[i].status is Status.RUNNING:
                 a_req[i] = a
         starts = np.array([s.num_computed for s in sb.seqs], np.int64)
+        if self._ctx is not None:
+            keys, pos, vr, ring_dest = self._ctx
+            ok = (vr >= 0) & (a_req[vr] >= 0) & (pos <= starts[vr] + a_req[vr])
+            if ok.any():
+                self._scatter(keys, self.runner.bufs.put("spec_accepted_dest", np.where(ok, ring_dest, -1)),
+                              self.runner.cache.ring[self.n:])
+        self._verify = self._ctx = None
+        self._rollback = (sb, V, a_req, starts)
+
+    def roll_back(self) -> None:
+        """The target's state after a verify step, as if only the accepted tokens had been
+        decoded (after the scheduler appended them): rejected rows get their saved ring bytes
+        back, the staged tail of the last committed even position moves into the slot, the
+        cursor is written from the accepted tokens."""
+        if self._rollback is None:
+            return
+        sb, V, a_req, starts = self._rollback
+        self._rollback = None
+        cache, runner, S = self.runner.cache, self.runner, self.runner.cache.num_slots
+        # a request that finished in this step (its slot is free) or was aborted is skipped
+        a_req = np.where([s.status is Status.RUNNING for s in sb.seqs], a_req, -1)
         a_row, c_row = a_req[V["req"]], starts[V["req"]]
-        live = a_row >= 0
-        rejected = live & (V["pos"] > c_row + a_row)
+        rejected = (a_row >= 0) & (V["pos"] > c_row + a_row)
         bufs = runner.bufs
         if rejected.any():
             sel = bufs.put("spec_rejected", np.flatnonzero(rejected))
             cache.ring[:self.n].index_copy_(1, V["ring"].index_select(0, sel), V["undo"].index_select(1, sel))
         got = np.flatnonzero(a_req >= 0)
-        if got.size:
-            c, slots = starts[got], sb.slots[got]
-            last = c + a_req[got]                         # the last committed position
-            e = last - last % 2                           # plain decode's tail holds position e
-            tail = e >= c                                 # ... staged by this step: copy it in
-            if tail.any():
-                dst = bufs.put("spec_tail_slots", slots[tail])
-                src = bufs.put("spec_tail_rows", S + got[tail] * self.staging_per_request + (e - c)[tail] // 2)
-                for o in cache.owners.values():
-                    if o.tail_v is not None:
-                        o.tail_v.index_copy_(0, dst, o.tail_v.index_select(0, src))
-                        o.tail_g.index_copy_(0, dst, o.tail_g.index_select(0, src))
-            m = runner.m              # the cursor reads the m tokens before last + 1
-            cursors = []
-            for i, p in zip(got.tolist(), (last + 1).tolist()):
-                ids, a = sb.seqs[i].token_ids, int(a_req[i])
-                recent = ids[-m:]
-                cursors.append(runner.cursor_at(recent + list(sb.spec[i][:a]), p, base=len(ids) - len(recent)))
-            runner.set_cursors(slots, np.array(cursors, np.int64))
-        if self._ctx is not None:
-            keys, pos, vr, ring_dest = self._ctx
-            ok = (vr >= 0) & (a_req[vr] >= 0) & (pos <= starts[vr] + a_req[vr])
-            if ok.any():
-                self._scatter(keys, bufs.put("spec_accepted_dest", np.where(ok, ring_dest, -1)), cache.ring[self.n:])
-        self._verify = self._ctx = None
+        if not got.size:
+            return
+        c, slots = starts[got], sb.slots[got]
+        last = c + a_req[got]                         # the last committed position
+        e = last - last % 2                           # plain decode's tail holds position e
+        tail = e >= c                                 # ... staged by this step: copy it in
+        if tail.any():
+            dst = bufs.put("spec_tail_slots", slots[tail])
+            src = bufs.put("spec_tail_rows", S + got[tail] * self.staging_per_request + (e - c)[tail] // 2)
+            for o in cache.owners.values():
+                if o.tail_v is not None:
+                    o.tail_v.index_copy_(0, dst, o.tail_v.index_select(0, src))
+                    o.tail_g.index_copy_(0, dst, o.tail_g.index_select(0, src))
+        # the scheduler appended the accepted drafts and the next token: positions below last + 1
+        # hold the tokens the cursor reads
+        runner.set_cursors(slots, np.array([runner.cursor_at(sb.seqs[i].token_ids, p)
+                                            for i, p in zip(got.tolist(), (last + 1).tolist())], np.int64))
 
     # ---- the next drafts --------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seqs: list) -> None:
         """Drafts for every request that sampled this step and is still running (anchor: its
-        last token, at position num_computed)."""
+        last token, at position num_computed). While the draft's graph runs, the host rolls the
+        target back (`roll_back`: nothing there reads what the draft writes, or the reverse)."""
         seqs = [s for s in seqs if s.status is Status.RUNNING and s.may_draft]
-        if not seqs:
-            return
-        # per request: anchor token, its position, STATE slot, context floor
-        cols = np.array([(s.token_ids[-1], s.num_computed - 1, s.slot, max(s.decoder_start or 0, s.swa_floor))
-                         for s in seqs], np.int64).T.copy()
-        tokens = self.graphs.propose(cols) if self.graphs is not None else None
-        if tokens is None:
-            tokens = self.draft(*torch.as_tensor(cols, device=self.runner.device), self.draft_rings).tokens
-        for s, toks in zip(seqs, tokens[:, :self.k].tolist()):
-            s.spec_token_ids = toks
+        tokens = None
+        if seqs:
+            # per request: anchor token, its position, STATE slot, context floor
+            cols = np.array([(s.token_ids[-1], s.num_computed - 1, s.slot, max(s.decoder_start or 0, s.swa_floor))
+                             for s in seqs], np.int64).T.copy()
+            tokens = self.graphs.propose(cols) if self.graphs is not None else None
+            if tokens is None:
+                tokens = self.draft(*torch.as_tensor(cols, device=self.runner.device), self.draft_rings).tokens
+        self.roll_back()
+        if seqs:
+            for s, toks in zip(seqs, tokens[:, :self.k].tolist()):
+                s.spec_token_ids = toks
 
     @property
     def draft_rings(self) -> torch.Tensor:

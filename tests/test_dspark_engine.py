@@ -243,7 +243,7 @@ def test_prefix_hits(toy_weights, replay):
 @pytest.mark.parametrize("forced", [None, 3.51], ids=["oracle-drafts", "forced-acceptance"])
 def test_spec_step_copies_through_the_step_buffers(toy_weights, reqs, baseline, monkeypatch, forced):
     """Every row index and token a DSpark step sends to the device (stage, keep_context, accept,
-    commit) goes through the step buffers (`spec_*`: pinned mirrors, non-blocking copies), never
+    commit, roll_back) goes through the step buffers (`spec_*`: pinned mirrors, non-blocking copies), never
     a pageable torch.as_tensor / torch.tensor copy, which waits for the stream (keep_context runs
     while the target's forward may still run on the GPU)."""
     pageable, puts, inside = [], [], [0]
@@ -264,7 +264,7 @@ def test_spec_step_copies_through_the_step_buffers(toy_weights, reqs, baseline, 
         spec, bufs = eng.runner.spec, eng.runner.bufs
         if "commit" in vars(spec):
             return
-        for phase in ("stage", "keep_context", "accept", "commit"):
+        for phase in ("stage", "keep_context", "accept", "commit", "roll_back"):
             setattr(spec, phase, counted(getattr(spec, phase)))
         put = bufs.put
         bufs.put = lambda name, a: (puts.append(name), put(name, a))[1]
@@ -279,3 +279,29 @@ def test_spec_step_copies_through_the_step_buffers(toy_weights, reqs, baseline, 
             "spec_rejected", "spec_tail_slots", "spec_tail_rows", "spec_cursor_slots", "spec_cursors",
             "spec_accepted_dest"} | ({"spec_forced"} if forced else set())
     assert want <= set(puts), want - set(puts)
+
+
+def test_roll_back_runs_while_the_draft_runs(toy_weights, reqs, baseline):
+    """A verify step's roll-back of the target (rejected ring rows, staged tails, cursors) is
+    queued after the next draft's launch, so the host does it while the device drafts, and
+    before the drafts are read; requests that finish in the step are skipped, and the tokens
+    stay plain decode's."""
+    log = []
+
+    def hook(eng, live, step, rng):
+        spec = eng.runner.spec
+        if "roll_back" in vars(spec):
+            return
+        forward, roll_back, put = spec.draft.forward, spec.roll_back, eng.runner.bufs.put
+        spec.draft.forward = lambda *a, **k: (log.append("draft"), forward(*a, **k))[1]
+        spec.roll_back = lambda: (log.append("roll_back" if spec._rollback is not None else "-"), roll_back())[1]
+        eng.runner.bufs.put = lambda name, a: (log.append(name) if name == "spec_cursors" else None, put(name, a))[1]
+
+    got, eng = run_dspark(toy_weights, reqs, baseline, hook=hook)
+    assert got == baseline
+    rolls = [i for i, e in enumerate(log) if e == "roll_back"]
+    assert 0 < log.count("spec_cursors") <= len(rolls)        # none when every request finished
+    # each roll-back follows a draft launch, unless no request drafts any more (the last steps)
+    drafted = [i for i in rolls if "draft" in log[i:]]
+    assert len(drafted) >= 3 and all(log[i - 1] == "draft" for i in drafted), log
+    assert eng.runner.spec._rollback is None and eng.bm.all_free
