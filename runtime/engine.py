@@ -188,7 +188,10 @@ class LLMEngine:
         if self.runner.spec is not None and sb.spec:
             drafts = sb.drafts
             rows, verified = self.runner.spec.accept(rows, [drafts[i] for i in np.flatnonzero(final)], seqs)
-        toks, errors = share_tokens(*self._sample(rows, seqs, slots))
+        if len(verified) == len(seqs):      # DSpark's steady state: acceptance chose every token
+            toks, errors = [-1] * len(seqs), {}
+        else:
+            toks, errors = share_tokens(*self._sample(rows, seqs, slots))
         for j, (_, got) in verified.items():
             toks[j] = got           # the plain sample of the last row is not used
         lps = self._logprobs(rows, seqs, toks, errors)

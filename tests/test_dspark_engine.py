@@ -305,3 +305,29 @@ def test_roll_back_runs_while_the_draft_runs(toy_weights, reqs, baseline):
     drafted = [i for i in rolls if "draft" in log[i:]]
     assert len(drafted) >= 3 and all(log[i - 1] == "draft" for i in drafted), log
     assert eng.runner.spec._rollback is None and eng.bm.all_free
+
+
+def test_steps_whose_every_token_is_verified_do_not_sample(toy_weights, reqs, baseline):
+    """A step where acceptance chose every request's token (every final request verified)
+    launches no sampling; a step with any other final request samples."""
+    now, verified_all, sampled = [0], {}, set()
+
+    def hook(eng, live, step, rng):
+        now[0] = step
+        if "_sample" in vars(eng):
+            return
+        sample, accept = eng._sample, eng.runner.spec.accept
+        eng._sample = lambda rows, seqs, slots: (sampled.add(now[0]), sample(rows, seqs, slots))[1]
+
+        def counted(rows, drafts, seqs):
+            last, verified = accept(rows, drafts, seqs)
+            verified_all[now[0]] = len(verified) == len(seqs)
+            return last, verified
+        eng.runner.spec.accept = counted
+
+    got, eng = run_dspark(toy_weights, reqs, baseline, hook=hook)
+    assert got == baseline
+    every = {st for st, v in verified_all.items() if v}
+    assert len(every) >= 2 and len(verified_all) > len(every), verified_all
+    assert not every & sampled
+    assert set(verified_all) - every <= sampled
