@@ -27,6 +27,7 @@ thread. Writes the loss curve as JSON and PNG (benchmarks/results/train-toy.{jso
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import platform
@@ -306,6 +307,8 @@ def main(argv=None) -> int:
     for field in ("steps", "seq", "eval_every", "eval_tokens", "warmup"):
         if getattr(a, field) <= 0:
             ap.error(f"--{field.replace('_', '-')}: must be positive")
+    if importlib.util.find_spec("matplotlib") is None:     # the loss plot: refuse now, not after the run
+        ap.error("the loss plot needs matplotlib: pip install -e '.[train]'")
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
 
