@@ -59,8 +59,9 @@ hybrid)
   echo "rc=$?"; grep -E '^\{"variant|^graphs|Error' "$OUT/hybrid.log" | tail -24 ;;
 dspark)
   # compiled + FULL, one round: each variant's engine compiles (~200 s cold, the compile keys
-  # differ) and captures its graphs. Two cold compiles do not fit one call: run `dspark dspark`
-  # first, then (the machine still warm, its compile cache kept) `dspark` times both variants.
+  # differ) and captures its graphs. A cold compile and the other variant do not fit one call
+  # (2026-12-02: `dspark` after `dspark dspark` ran out of time in the DSpark engine's capture):
+  # run `dspark dspark`, then `dspark plain`, then on the same warm machine `dspark` (both warm).
   step "dspark_bench compiled with FULL graphs (plain decode, verify steps and the draft replay)"
   timeout 580 $py benchmarks/dspark_bench.py --model flash-slice --acceptance-length 3.51 --no-enforce-eager \
     --cudagraph-mode FULL --rounds 1 --variants "${3:-plain,dspark}" --profile "$OUT/dspark-profiles.txt" \
