@@ -228,10 +228,13 @@ def run_cases(eng, cases, variants, use, steps: int, res: dict, save) -> None:
     for kind, n, length in cases:
         for v in variants:  # alternate variants case by case
             use(v)
-            ms, dev, *host = decode_ms(eng, n, length, steps) if kind == "decode" else prefill_ms(eng, n, length, 3)
+            if kind == "decode":
+                ms, dev, host = decode_ms(eng, n, length, steps)
+            else:
+                (ms, dev), host = prefill_ms(eng, n, length, 3), None
             res["results"].append({"variant": v, "step": kind, "requests": n, "tokens_each": length,
                                    "ms": round(ms, 3), "device_ms": round(dev, 3),
-                                   **({"host_ms_by_phase": host[0]} if host else {})})
+                                   **({"host_ms_by_phase": host} if host is not None else {})})
             print(json.dumps(res["results"][-1]), flush=True)
             save()
 

@@ -35,9 +35,10 @@ def step_fields(T: int, B: int, cursor_width: int) -> dict:
     a DSpark step sends to the device goes through a pinned mirror and a non-blocking copy (a
     pageable copy waits for the stream; `keep_context` runs while the target's forward may still
     run). Per row: the verify rows' ring rows (`stage`), the keyed rows' positions and ring and
-    image destinations (`keep_context`), the verified rows and drafts (`accept`), the rejected
-    rows and the accepted rows' ring destinations (`commit`); per request: the last rows, the
-    forced counts, the staged tails' slots and rows, the cursors' slots and values."""
+    image destinations (`keep_context`), the verified rows and drafts (`accept`), the accepted
+    rows' ring destinations (`commit`), the rejected rows (`roll_back`); per request: the last
+    rows and the forced counts (`accept`), the staged tails' slots and rows, the cursors' slots
+    and values (`roll_back`)."""
     per_row = ("verify_ring", "ctx_pos", "ctx_dest", "ctx_image_dest", "verify_rows", "verify_drafts", "rejected",
                "accepted_dest")
     per_request = ("last", "forced", "tail_slots", "tail_rows", "cursor_slots")
@@ -274,18 +275,22 @@ class SpecStep:
         last token, at position num_computed). While the draft's graph runs, the host rolls the
         target back (`roll_back`: nothing there reads what the draft writes, or the reverse)."""
         seqs = [s for s in seqs if s.status is Status.RUNNING and s.may_draft]
-        tokens = None
-        if seqs:
-            # per request: anchor token, its position, STATE slot, context floor
-            cols = np.array([(s.token_ids[-1], s.num_computed - 1, s.slot, max(s.decoder_start or 0, s.swa_floor))
-                             for s in seqs], np.int64).T.copy()
-            tokens = self.graphs.propose(cols) if self.graphs is not None else None
-            if tokens is None:
-                tokens = self.draft(*torch.as_tensor(cols, device=self.runner.device), self.draft_rings).tokens
+        tokens = self._launch(seqs) if seqs else None
         self.roll_back()
-        if seqs:
+        if tokens is not None:
             for s, toks in zip(seqs, tokens[:, :self.k].tolist()):
                 s.spec_token_ids = toks
+
+    def _launch(self, seqs: list) -> torch.Tensor:
+        """The draft over `seqs` (its graph when one holds that many requests, else eagerly): the
+        proposed tokens [B, T] on the device, not yet waited for."""
+        # per request: anchor token, its position, STATE slot, context floor
+        cols = np.array([(s.token_ids[-1], s.num_computed - 1, s.slot, max(s.decoder_start or 0, s.swa_floor))
+                         for s in seqs], np.int64).T.copy()
+        tokens = self.graphs.propose(cols) if self.graphs is not None else None
+        if tokens is None:
+            tokens = self.draft(*torch.as_tensor(cols, device=self.runner.device), self.draft_rings).tokens
+        return tokens
 
     @property
     def draft_rings(self) -> torch.Tensor:
