@@ -12,6 +12,7 @@ the weights come from HBM and not from the 50 MB L2; CUDA events around 20 repla
 their rate and its share of the copy rate (a device-to-device copy measured in the same run,
 bytes read + written per second), and at prefill widths TFLOP/s against the measured FP8 peak.
 Targets (issue 16): >= 70% of the copy rate at decode widths, >= 60% of the FP8 peak at prefill.
+"sweep" rows: the same cases at widths 1 and 64 with other tile knobs (the defaults' candidates).
 """
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ PREFILL = (2048, 4096)
 EXPERTS = (384, 6, 5120, 2304)     # E, top-k, D, I (Flash)
 TINY_DENSE = {"tiny": (96, 64)}
 TINY_EXPERTS = (6, 2, 64, 64)
+# tile variants timed beside the defaults at the edge decode widths (the "sweep" rows)
+DENSE_SWEEP = ({"block_k": 256}, {"block_n": 32}, {"block_n": 128}, {"block_k": 256, "block_n": 32},
+               {"num_warps": 8, "block_k": 256}, {"split_k": 1})
+EXPERT_SWEEP = ({"block_k": 64}, {"block_k": 256}, {"block_n_up": 32}, {"block_n_down": 64},
+                {"num_warps": 8}, {"block_k": 256, "num_warps": 8})
+SWEEP_M = (1, 64)
 
 
 def parse(argv=None):
@@ -95,7 +102,9 @@ def run(dev, dense, decode, prefill, experts) -> dict:
            "torch": torch.__version__, "triton": __import__("triton").__version__,
            "date": datetime.date.today().isoformat(), "copy_rate_TBps": copy_rate / 1e12,
            "fp8_peak_TFLOPs": fp8_peak / 1e12, "bf16_peak_TFLOPs": bf16_peak / 1e12, "dense": [],
-           "experts": []}
+           "experts": [], "sweep": []}
+    sweep_m = (1,) if dev == "cpu" else SWEEP_M
+    dense_sweep, expert_sweep = (DENSE_SWEEP[:1], EXPERT_SWEEP[:1]) if dev == "cpu" else (DENSE_SWEEP, EXPERT_SWEEP)
     budget = 256 * 2**20 if dev == "cuda" else 1
     for name, (N, K) in dense.items():
         for M in decode + prefill:
@@ -109,6 +118,9 @@ def run(dev, dense, decode, prefill, experts) -> dict:
             wb = [a.float().bfloat16() for a, _ in ws_]
             us_bf16 = timed(lambda: [torch.mm(xb, b.T, out=o) for b in wb], copies)
             row = case_row(name, M, N, K, us, wbytes, copy_rate, fp8_peak)
+            for kw in dense_sweep if M in sweep_m else ():
+                t = timed(lambda: [triton_fp8_block_gemm(xq, xs, a, b, o, **kw) for a, b in ws_], copies)
+                out["sweep"].append({**case_row(name, M, N, K, t, wbytes, copy_rate, fp8_peak), "knobs": kw})
             row.update(cublas_bf16_us=us_bf16, cublas_bf16_pct_copy=100 * 2 * N * K / (us_bf16 * 1e-6) / copy_rate)
             if M in prefill:
                 one = torch.ones((), dtype=torch.float32, device=dev)
@@ -129,6 +141,10 @@ def run(dev, dense, decode, prefill, experts) -> dict:
                        flops=2 * 3 * T * k * D * I)
         row["experts_hit"] = hit
         out["experts"].append(row)
+        for kw in expert_sweep if T in sweep_m else ():
+            t = timed(lambda: triton_moe_experts_w4a8(x, ids, wts, w1, s1, w3, s3, w2, s2, 10.0, o, **kw), 1)
+            out["sweep"].append({**case_row("experts_w4a8", T, 3 * I, D, t, hit * per_expert, copy_rate, fp8_peak,
+                                            flops=2 * 3 * T * k * D * I), "knobs": kw})
     return out
 
 

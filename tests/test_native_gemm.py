@@ -46,7 +46,8 @@ if not INTERPRETED:
         assert [row["M"] for row in res["dense"]] == [1, 3, 40]
         assert [row["M"] for row in res["experts"]] == [1, 3, 40]
         assert "scaled_mm_us" in res["dense"][-1] and res["fp8_peak_TFLOPs"] > 0
-        assert all(row["us"] > 0 and row["weight_bytes"] > 0 for row in res["dense"] + res["experts"])
+        assert all(row["us"] > 0 and row["weight_bytes"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
+        assert [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1), ("experts_w4a8", 1)]
 
 else:
     import torch
@@ -58,7 +59,7 @@ else:
     from custom_ops import gemm as ref
     from custom_ops import registry
     from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_moe_experts_w4a8
-    from custom_ops.triton.moe_w4a8 import w4a8_expert_gemms
+    from custom_ops.triton.moe import run_experts
     from tests.kernel_cases import fp8_gemm_case, rne_bf16_casts, w4a8_case
     from v41 import quant
 
@@ -108,14 +109,19 @@ else:
             r = torch.empty(M, N)
             ref.fp8_block_gemm(xq, xs, w, ws, r)
             assert torch.equal(r.double(), exact)
-            for split_k in (1, 3):          # K = 256: 8 blocks as 3 + 3 + 2; K = 64: 2 splits of 1
-                out = torch.full((M, N), float("nan"))
-                triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k)
-                assert torch.equal(out, r), split_k
+            # the FP8-MMA kernel: K = 256 is 8 blocks of 32, split 3 + 3 + 2; K = 64, 2 splits of 1;
+            # the decode kernel (M <= 64) in blocks of 64: K = 256 split 2 + 1 + 1
+            for split_k in (1, 3):
+                for decode in (False, True) if M <= 64 else (False,):
+                    out = torch.full((M, N), float("nan"))
+                    triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k, decode=decode, block_k=64)
+                    assert torch.equal(out, r), (split_k, decode)
 
     @pytest.mark.parametrize("M,kw", [(1, {}), (5, {"block_n": 32}), (16, {"block_m": 16}),
                                       (64, {"block_n": 128}), (64, {"block_m": 32, "block_n": 32}),
-                                      (1, {"split_k": 4}), (7, {"split_k": 10}), (33, {"split_k": 3})])
+                                      (1, {"split_k": 4}), (7, {"split_k": 10}), (33, {"split_k": 3}),
+                                      (1, {"block_k": 32, "split_k": 3}), (16, {"decode": False}),
+                                      (65, {}), (65, {"decode": True, "block_k": 256})])
     def test_fp8_block_gemm_bound(g, M, kw):
         N, K = 96, 320
         xq, xs, w, ws = fp8_gemm_case(g, M, N, K)
@@ -169,20 +175,29 @@ else:
     def pair_experts(ids, order):
         return ids.reshape(-1)[order.long()]
 
+    def w4a8_expert_gemms(x, ids, wts, w1, s1, w3, s3, w2, s2, limit, **kw):
+        """(h: w2's input rows in expert order, y: the per-pair outputs, order) of the op."""
+        got: list = []
+        scales = tuple(s.view(torch.uint8) for s in (s1, s3, s2))
+        run_experts(x, ids, wts, w1, w3, w2, scales, limit, torch.empty(x.shape), hidden=got,
+                    **{"block_k": 64, **kw})
+        h, order, y = got
+        return h, y, order
+
     @pytest.mark.parametrize("T,kw", [(1, {}), (6, {"block_m": 16, "block_n_up": 32, "block_n_down": 32}),
-                                      (64, {}), (300, {"block_m": 64})])
+                                      (6, {"block_k": 32}), (64, {"block_k": 128}), (300, {"block_m": 64})])
     def test_w4a8_down_gemm_bound(g, T, kw):
         """The down GEMM alone: each pair's y against its own h codes · w2[e] in float64."""
         E, D, I, k = 5, 96, 64, 3
         args = w4a8_case(g, T, E, D, I, k)
         x, ids, wts, w1, s1, w3, s3, w2, s2 = args
-        hq, hs, y, order = w4a8_expert_gemms(*args, 1.0, **kw)
+        h, y, order = w4a8_expert_gemms(*args, 1.0, **kw)
         valid = (ids.reshape(-1) >= 0).nonzero().squeeze(1)
         e = ids.reshape(-1)[valid]
         w2d = quant.dequant_fp4_expert(w2, s2, torch.float64)[e]          # [P, D, I]
         sorted_row = torch.empty_like(order)
         sorted_row[order.long()] = torch.arange(order.numel(), dtype=order.dtype)
-        h = dequant_act(hq, hs)[sorted_row[valid].long()]                  # [P, I]
+        h = h.double()[sorted_row[valid].long()]                            # [P, I]
         exact = torch.einsum("pi,pdi->pd", h, w2d)
         S = torch.einsum("pi,pdi->pd", h.abs(), w2d.abs())
         assert not y[valid].isnan().any()
@@ -196,8 +211,8 @@ else:
         T, E, D, I, k, limit = 40, 6, 64, 96, 2, 1.0e4
         args = w4a8_case(g, T, E, D, I, k, exact=True)
         x, ids, wts, w1, s1, w3, s3, w2, s2 = args
-        hq, hs, _, order = w4a8_expert_gemms(*args, limit)
-        h = dequant_act(hq, hs)
+        h, _, order = w4a8_expert_gemms(*args, limit)
+        h = h.double()
         pe = pair_experts(ids, order)
         live = pe >= 0
         tok = (order.long() // k)[live]

@@ -12,8 +12,15 @@ promotion; both scales are powers of two, so the promotion is exact and only the
 FP32 sums differs from the reference). The E8M0 weight scales are decoded from their bits.
 Output rounded once to out's dtype. FP64 outputs and K not a multiple of 32 run the reference.
 
+Decode widths (M <= 64 rows) read bytes, not FLOPs: there a second kernel walks BLOCK_K-wide
+K blocks (128 weight bytes per row and step, not 32) and dequantizes both operands in registers
+to bf16 — an E4M3 code times a power of two is a bf16 value, so the dequantization is exact —
+then one bf16 dot per block accumulates in FP32: the products are exact as before and only the
+order of the FP32 sums differs. (An E8M0 code 0, 2^-127, puts a weight below bf16's normal
+range; its products are 2^-100 of any other block's and may lose bits there.)
+
 Split-K (grid axis 2) where the output tiles alone leave SMs idle (decode widths): each split
-walks its share of the K blocks into FP32 partials [splits, M, N]; a second kernel sums them
+walks its share of the K blocks into FP32 partials [splits, M, N]; a third kernel sums them
 in ascending split order and rounds once.
 """
 from __future__ import annotations
@@ -30,6 +37,8 @@ GROUP = 32
 GROUP_K = tl.constexpr(GROUP)   # the same width inside kernels (compiled Triton reads only constexpr globals)
 BLOCK_M_MAX = 64
 BLOCK_N = 64
+DECODE_M = 64          # widths up to this run the bf16-dequant decode kernel
+DECODE_BLOCK_K = 128
 
 
 @triton.jit
@@ -110,6 +119,40 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, KB, KB_SPLIT,
 
 
 @triton.jit
+def _fp8_decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, K, K_SPLIT,
+                       stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_os,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       OP: tl.constexpr, PREC: tl.constexpr):
+    """Program (m, n, s): K columns [s·K_SPLIT, (s+1)·K_SPLIT) of one output tile, both operands
+    dequantized to OP (exact), stored at o + s·stride_os as _fp8_gemm_kernel."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    rk = tl.arange(0, BLOCK_K)
+    mmask = rm < M
+    nmask = rn < N
+    x_rows = x_ptr + rm.to(tl.int64) * stride_xm
+    xs_rows = xs_ptr + rm.to(tl.int64) * stride_sm
+    w_rows = w_ptr + rn.to(tl.int64) * stride_wn
+    ws_rows = ws_ptr + (rn // GROUP_K).to(tl.int64) * stride_wsn
+    k_lo = split * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + rk
+        kmask = ks < k_hi
+        am = mmask[:, None] & kmask[None, :]
+        a = tl.load(x_rows[:, None] + ks[None, :], mask=am, other=0.0).to(tl.float32) * \
+            tl.load(xs_rows[:, None] + (ks // GROUP_K)[None, :], mask=am, other=0.0)
+        bm = kmask[:, None] & nmask[None, :]
+        w = tl.load(w_rows[None, :] + ks[:, None], mask=bm, other=0.0).to(tl.float32) * \
+            e8m0_to_f32(tl.load(ws_rows[None, :] + (ks // GROUP_K)[:, None], mask=bm, other=127).to(tl.int32))
+        acc = tl.dot(a.to(OP), w.to(OP), acc, input_precision=PREC)
+    o_ptrs = o_ptr + split.to(tl.int64) * stride_os + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
 def _sum_splits_kernel(p_ptr, o_ptr, M, N, SPLITS, stride_ps, stride_pm, stride_om, BLOCK_N: tl.constexpr):
     """out[m, n] = Σ_s partial[s, m, n] in ascending s (FP32), rounded once to out's dtype."""
     m = tl.program_id(0).to(tl.int64)
@@ -125,21 +168,23 @@ def _block_m(M: int) -> int:
     return min(BLOCK_M_MAX, max(16, triton.next_power_of_2(M)))
 
 
-def _splits(tiles: int, KB: int, device) -> int:
+def _splits(tiles: int, KB: int, device, least: int = 4) -> int:
     """Split-K count: enough programs for two waves over the SMs when the output tiles alone
     leave them idle (a decode GEMM at N = 1280 is 20 tiles on 132 SMs), each split keeping at
-    least 4 K blocks."""
+    least `least` K blocks."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(KB // 4, triton.cdiv(2 * sms, tiles))) if tiles < sms else 1
+    return max(1, min(KB // least, triton.cdiv(2 * sms, tiles))) if tiles < sms else 1
 
 
 def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None, block_n: int | None = None,
-                          split_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> None:
-    """`v41::fp8_block_gemm` (same signature); keyword knobs: tile sizes, split-K count (None:
-    `_splits`), warps, stages. Split-K sums FP32 partials in a fixed order: deterministic, and
-    only the order of the FP32 sums differs from one split."""
+                          block_k: int | None = None, split_k: int | None = None, decode: bool | None = None,
+                          num_warps: int = 4, num_stages: int = 3) -> None:
+    """`v41::fp8_block_gemm` (same signature); keyword knobs: the kernel (`decode`: the
+    bf16-dequant one; None: by M), tile sizes (block_k: the decode kernel's, a multiple of
+    32), split-K count (None: `_splits`), warps, stages. Split-K sums FP32 partials in a fixed
+    order: deterministic, and only the order of the FP32 sums differs from one split."""
     M, K = xq.shape
     N = w.shape[0]
     if K % GROUP or out.dtype not in TL_DTYPES or xs.dtype != torch.float32 or \
@@ -147,17 +192,27 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None, blo
         return _ref.fp8_block_gemm(xq, xs, w, ws, out)
     if M == 0 or N == 0:
         return
-    bm, bn, KB = block_m or _block_m(M), block_n or BLOCK_N, K // GROUP
+    decode = M <= DECODE_M if decode is None else decode
+    bm, bn = block_m or _block_m(M), block_n or BLOCK_N
+    bk = (block_k or DECODE_BLOCK_K) if decode else GROUP
+    KB = triton.cdiv(K, bk)
     grid_m, grid_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
-    splits = min(KB, split_k or _splits(grid_m * grid_n, KB, out.device))
+    splits = min(KB, split_k or _splits(grid_m * grid_n, KB, out.device, 4 if bk == GROUP else 2))
     per = triton.cdiv(KB, splits)
     splits = triton.cdiv(KB, per)                   # no empty split
     wsc = ws.view(torch.uint8)
     dest = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=out.device)
-    _fp8_gemm_kernel[(grid_m, grid_n, splits)](
-        xq, xs, w, wsc, dest, M, N, KB, per, xq.stride(0), xs.stride(0), w.stride(0),
-        wsc.stride(0), dest.stride(-2), dest.stride(0) if splits > 1 else 0, BLOCK_M=bm, BLOCK_N=bn,
-        num_warps=num_warps, num_stages=num_stages)
+    strides = (xq.stride(0), xs.stride(0), w.stride(0), wsc.stride(0), dest.stride(-2),
+               dest.stride(0) if splits > 1 else 0)
+    if decode:
+        interp = out.device.type == "cpu"
+        _fp8_decode_kernel[(grid_m, grid_n, splits)](
+            xq, xs, w, wsc, dest, M, N, K, per * bk, *strides, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            OP=tl.float32 if interp else tl.bfloat16, PREC="ieee" if interp else "tf32", num_warps=num_warps, num_stages=num_stages)
+    else:
+        _fp8_gemm_kernel[(grid_m, grid_n, splits)](
+            xq, xs, w, wsc, dest, M, N, KB, per, *strides, BLOCK_M=bm, BLOCK_N=bn,
+            num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _sum_splits_kernel[(M, triton.cdiv(N, 256))](dest, out, M, N, splits, dest.stride(0), dest.stride(1),
                                                      out.stride(0), BLOCK_N=256, num_warps=4)

@@ -30,14 +30,17 @@ import torch
 import triton
 import triton.language as tl
 
+from custom_ops import gemm as _gemm_ref
 from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, fp8_qat_groups, skinny_gemm
+from custom_ops.triton.fp8_gemm import e8m0_to_f32
 
 ROUTE_BLOCK_T = 4
 BLOCK_N_UP = 64
 BLOCK_N_DOWN = 128
 BLOCK_K = 64
+FP4_BLOCK_K = 128
 REDUCE_BLOCK_D = 512
 
 
@@ -110,11 +113,45 @@ def triton_moe_route(x, gate, bias, top_k, route_scale, ids, weights, *,
 # ---- experts ---------------------------------------------------------------------------------
 
 @triton.jit
-def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr,
+def e2m1_value(c):
+    """FP32 values of int32 E2M1 codes 0..15: bit 3 the sign, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    m = c & 7
+    mag = tl.where(m < 2, m.to(tl.float32) * 0.5,
+                   ((((m >> 1) + 126) << 23) | ((m & 1) << 22)).to(tl.float32, bitcast=True))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def fp4_tile(w_rows, s_rows, k0, K, nmask, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """K block [k0, k0 + BLOCK_K) of packed E2M1 rows (w_rows, s_rows: [BLOCK_N] pointers to a
+    row's bytes and its E8M0 scales, one per 32 along K), dequantized (exactly) to bf16 (FP32
+    with DOT_F32) as (even elements, odd elements), each [BLOCK_K / 2, BLOCK_N]: byte j holds
+    element 2j in its low nibble and 2j + 1 in its high one, both in one scale group."""
+    kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+    m = (kk < K)[:, None] & nmask[None, :]
+    b = tl.load(w_rows[None, :] + (kk // 2)[:, None], mask=m, other=0).to(tl.int32)
+    s = e8m0_to_f32(tl.load(s_rows[None, :] + (kk // 32)[:, None], mask=m, other=127).to(tl.int32))
+    op = tl.float32 if DOT_F32 else tl.bfloat16
+    return (e2m1_value(b & 15) * s).to(op), (e2m1_value((b >> 4) & 15) * s).to(op)
+
+
+@triton.jit
+def even_odd(a_rows, rmask, k0, K, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """The activation columns fp4_tile's halves multiply: (k0 + 2j, k0 + 2j + 1) for j <
+    BLOCK_K / 2, each [BLOCK_M, BLOCK_K / 2], in bf16 (FP8-QAT values: exact) or FP32."""
+    kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+    m = rmask[:, None] & (kk < K)[None, :]
+    op = tl.float32 if DOT_F32 else tl.bfloat16
+    return (tl.load(a_rows + kk[None, :], mask=m, other=0.0).to(op),
+            tl.load(a_rows + kk[None, :] + 1, mask=m, other=0.0).to(op))
+
+
+@triton.jit
+def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr,
                    n_tiles, I, D, k, limit,
-                   stride_x, stride_w1e, stride_w1n, stride_w3e, stride_w3n, stride_h,
+                   stride_x, stride_w1e, stride_w1n, stride_w3e, stride_w3n, stride_se, stride_sn, stride_h,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_F32: tl.constexpr, PREC: tl.constexpr):
+                   DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr):
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     r0 = tl.load(meta_ptr + n_tiles + tile)
@@ -131,23 +168,31 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr,
     nmask = rn < I
     rk = tl.arange(0, BLOCK_K)
     a_rows = xq_ptr + tok[:, None] * stride_x
-    b1 = w1_ptr + e * stride_w1e + rn.to(tl.int64)[None, :] * stride_w1n
-    b3 = w3_ptr + e * stride_w3e + rn.to(tl.int64)[None, :] * stride_w3n
+    b1 = w1_ptr + e * stride_w1e + rn.to(tl.int64) * stride_w1n
+    b3 = w3_ptr + e * stride_w3e + rn.to(tl.int64) * stride_w3n
+    sc = e * stride_se + rn.to(tl.int64) * stride_sn        # w1 and w3 share their scale strides
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        ks = k0 + rk
-        kmask = ks < D
-        a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        bm = kmask[:, None] & nmask[None, :]
-        wg = tl.load(b1 + ks[:, None], mask=bm, other=0.0)
-        wu = tl.load(b3 + ks[:, None], mask=bm, other=0.0)
-        if DOT_F32:
-            a = a.to(tl.float32)
-            wg = wg.to(tl.float32)
-            wu = wu.to(tl.float32)
-        acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
-        acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
+        if FP4:
+            a_even, a_odd = even_odd(a_rows, rmask, k0, D, BLOCK_K, DOT_F32)
+            g_even, g_odd = fp4_tile(b1, s1_ptr + sc, k0, D, nmask, BLOCK_K, DOT_F32)
+            u_even, u_odd = fp4_tile(b3, s3_ptr + sc, k0, D, nmask, BLOCK_K, DOT_F32)
+            acc_g = tl.dot(a_odd, g_odd, tl.dot(a_even, g_even, acc_g, input_precision=PREC), input_precision=PREC)
+            acc_u = tl.dot(a_odd, u_odd, tl.dot(a_even, u_even, acc_u, input_precision=PREC), input_precision=PREC)
+        else:
+            ks = k0 + rk
+            kmask = ks < D
+            a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            bm = kmask[:, None] & nmask[None, :]
+            wg = tl.load(b1[None, :] + ks[:, None], mask=bm, other=0.0)
+            wu = tl.load(b3[None, :] + ks[:, None], mask=bm, other=0.0)
+            if DOT_F32:
+                a = a.to(tl.float32)
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
     act = h_ptr.dtype.element_ty
     g = acc_g.to(act).to(tl.float32)
     u = acc_u.to(act).to(tl.float32)
@@ -161,10 +206,10 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr,
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, w2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles, D, I,
-                     stride_h, stride_w2e, stride_w2n, stride_y,
+def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles, D, I,
+                     stride_h, stride_w2e, stride_w2n, stride_se, stride_sn, stride_y,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_F32: tl.constexpr, PREC: tl.constexpr):
+                     DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr):
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     r0 = tl.load(meta_ptr + n_tiles + tile)
@@ -179,17 +224,23 @@ def _moe_down_kernel(h_ptr, w2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles, D, I,
     nmask = rn < D
     rk = tl.arange(0, BLOCK_K)
     a_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
-    b = w2_ptr + e * stride_w2e + rn.to(tl.int64)[None, :] * stride_w2n
+    b = w2_ptr + e * stride_w2e + rn.to(tl.int64) * stride_w2n
+    sc = s2_ptr + e * stride_se + rn.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        ks = k0 + rk
-        kmask = ks < I
-        a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(b + ks[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-        if DOT_F32:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=PREC)
+        if FP4:
+            a_even, a_odd = even_odd(a_rows, rmask, k0, I, BLOCK_K, DOT_F32)
+            w_even, w_odd = fp4_tile(b, sc, k0, I, nmask, BLOCK_K, DOT_F32)
+            acc = tl.dot(a_odd, w_odd, tl.dot(a_even, w_even, acc, input_precision=PREC), input_precision=PREC)
+        else:
+            ks = k0 + rk
+            kmask = ks < I
+            a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(b[None, :] + ks[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if DOT_F32:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision=PREC)
     tl.store(y_ptr + pair[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=rmask[:, None] & nmask[None, :])
 
@@ -243,18 +294,44 @@ def expert_tiles(ids: torch.Tensor, E: int, block_m: int):
     return order.to(torch.int32), meta.contiguous(), n_tiles
 
 
-def triton_moe_experts(x, ids, weights, w1, w3, w2, limit, out, *, block_m: int | None = None,
-                       block_n_up: int | None = None, block_n_down: int | None = None,
-                       block_k: int | None = None) -> None:
-    """`v41::moe_experts` (same signature); keyword knobs: tile sizes."""
-    T, D = x.shape
-    E, I, _ = w1.shape
-    k = ids.shape[1]
-    bnu = block_n_up or BLOCK_N_UP
+def triton_moe_experts(x, ids, weights, w1, w3, w2, limit, out, **knobs) -> None:
+    """`v41::moe_experts` (same signature); keyword knobs: block_m, block_n_up (a multiple of
+    32), block_n_down, block_k, num_warps."""
     if x.dtype not in TL_DTYPES or not (w1.dtype == w3.dtype == w2.dtype == x.dtype) or \
-            out.dtype != torch.float32 or D % 32 or I % 32 or bnu % 32 or \
-            not all(t.stride(-1) == 1 for t in (w1, w3, w2)):
+            not _fits(x, (w1, w3, w2), w1.shape[1], out, knobs):
         return _ref.moe_experts(x, ids, weights, w1, w3, w2, limit, out)
+    run_experts(x, ids, weights, w1, w3, w2, None, limit, out, **knobs)
+
+
+def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out, **knobs) -> None:
+    """`v41::moe_experts_w4a8` (same signature), the FP4 experts read as stored: the same tiles
+    and kernels as moe_experts, each K block of packed E2M1 codes and E8M0 scales dequantized
+    in registers to bf16 (exact: a 2-bit-mantissa value times a power of two), split into its
+    even and odd elements (the low and high nibbles), each half one bf16 dot with the matching
+    activation columns. The products are exact in FP32, so only the order of the FP32 sums
+    differs from the reference. Knobs as moe_experts (block_k default 128: 64 bytes a row)."""
+    if x.dtype not in TL_DTYPES or w1.dtype != torch.int8 or w1.stride() != w3.stride() or \
+            s1.stride() != s3.stride() or not _fits(x, (w1, w3, w2, s1, s3, s2), w1.shape[1], out, knobs):
+        return _gemm_ref.moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
+    run_experts(x, ids, weights, w1, w3, w2, tuple(t.view(torch.uint8) for t in (s1, s3, s2)), limit, out,
+                **{"block_k": FP4_BLOCK_K, **knobs})
+
+
+def _fits(x, weights, I: int, out, knobs) -> bool:
+    D = x.shape[1]
+    return out.dtype == torch.float32 and not D % 32 and not I % 32 and \
+        not (knobs.get("block_n_up") or BLOCK_N_UP) % 32 and all(t.stride(-1) == 1 for t in weights)
+
+
+def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int | None = None,
+                block_n_up: int | None = None, block_n_down: int | None = None,
+                block_k: int | None = None, num_warps: int = 4, hidden: list | None = None) -> None:
+    """Steps 0-3 on dequantized experts (`scales` None) or packed FP4 ones (`scales` = their
+    E8M0 scales as uint8: (s1, s3, s2)); `hidden`, when given, receives (h, order, y): w2's
+    input rows in expert order, the sort, the per-pair outputs, for the tests."""
+    T, D = x.shape
+    E, I = w1.shape[:2]
+    k = ids.shape[1]
     if T == 0:
         return
     dev = x.device
@@ -263,22 +340,28 @@ def triton_moe_experts(x, ids, weights, w1, w3, w2, limit, out, *, block_m: int 
     fp8_qat(x, xq)
     bm = block_m or _block_m(T * k, E)
     bk = block_k or BLOCK_K
-    bnd = block_n_down or BLOCK_N_DOWN
+    bnu, bnd = block_n_up or BLOCK_N_UP, block_n_down or BLOCK_N_DOWN
     order, meta, n_tiles = expert_tiles(ids, E, bm)
     wts = weights.reshape(-1).contiguous()
     h = torch.empty(T * k, I, dtype=x.dtype, device=dev)
     y = torch.empty(T * k, D, dtype=x.dtype, device=dev)
     interp = dev.type == "cpu"
-    f32 = interp and x.dtype != torch.float32
-    prec = dot_precision(x)
+    fp4 = scales is not None
+    f32 = interp and (fp4 or x.dtype != torch.float32)
+    prec = "ieee" if interp else dot_precision(x)
+    s1, s3, s2 = scales if fp4 else (w1, w3, w2)        # placeholders the dense kernels never read
+    ss1, ss2 = (s1.stride(), s2.stride()) if fp4 else ((0, 0, 0), (0, 0, 0))
     _moe_up_kernel[(n_tiles, triton.cdiv(I, bnu))](
-        xq, w1, w3, order, wts, meta, h, n_tiles, I, D, k, limit,
-        xq.stride(0), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), h.stride(0),
-        BLOCK_M=bm, BLOCK_N=bnu, BLOCK_K=bk, DOT_F32=f32, PREC=prec, num_warps=4)
+        xq, w1, w3, s1, s3, order, wts, meta, h, n_tiles, I, D, k, limit,
+        xq.stride(0), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), ss1[0], ss1[1], h.stride(0),
+        BLOCK_M=bm, BLOCK_N=bnu, BLOCK_K=bk, DOT_F32=f32, PREC=prec, FP4=fp4, num_warps=num_warps)
     _moe_down_kernel[(n_tiles, triton.cdiv(D, bnd))](
-        h, w2, order, meta, y, n_tiles, D, I, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bnd, BLOCK_K=bk, DOT_F32=f32, PREC=prec, num_warps=4)
+        h, w2, s2, order, meta, y, n_tiles, D, I, h.stride(0), w2.stride(0), w2.stride(1), ss2[0], ss2[1],
+        y.stride(0), BLOCK_M=bm, BLOCK_N=bnd, BLOCK_K=bk, DOT_F32=f32, PREC=prec, FP4=fp4,
+        num_warps=num_warps)
     reduce_pairs(y, ids, E, out)
+    if hidden is not None:
+        hidden.extend((h, order, y))
 
 
 def reduce_pairs(y: torch.Tensor, ids: torch.Tensor, E: int, out: torch.Tensor) -> None:
@@ -300,3 +383,4 @@ def reduce_pairs(y: torch.Tensor, ids: torch.Tensor, E: int, out: torch.Tensor) 
 
 register_impl("moe_route", "triton", triton_moe_route, device_type="cuda")
 register_impl("moe_experts", "triton", triton_moe_experts, device_type="cuda")
+register_impl("moe_experts_w4a8", "triton", triton_moe_experts_w4a8, device_type="cuda")
