@@ -59,7 +59,11 @@ else:
     from custom_ops import gemm as ref
     from custom_ops import registry
     from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_moe_experts_w4a8
-    from custom_ops.triton.moe import run_experts
+    import triton
+    import triton.language as tl
+
+    from custom_ops.triton.fp8_gemm import e8m0_to_op
+    from custom_ops.triton.moe import e2m1_op, run_experts
     from tests.kernel_cases import fp8_gemm_case, rne_bf16_casts, w4a8_case
     from v41 import quant
 
@@ -170,6 +174,24 @@ else:
         triton_fp8_block_gemm(xq, xs, w, ws2, out)
         assert out[:, 32:].isnan().all() and not out[:, :32].isnan().any()
         assert torch.allclose(out[:, :32], r[:, :32], rtol=1e-6, atol=0)
+
+    @triton.jit
+    def _decode_kernel(c_ptr, scale_ptr, e2m1_ptr):
+        c = tl.load(c_ptr + tl.arange(0, 256))
+        tl.store(scale_ptr + tl.arange(0, 256), e8m0_to_op(c, tl.bfloat16))
+        tl.store(e2m1_ptr + tl.arange(0, 256), e2m1_op(c & 15, tl.bfloat16))
+
+    def test_bf16_decoders():
+        """The GPU kernels build dequantized operands as bf16 bits (the interpreter runs them in
+        FP32): every E8M0 code (0 the subnormal 2^-127, 255 NaN) and every E2M1 code decode to
+        the values of v41.quant."""
+        c = torch.arange(256, dtype=torch.int32)
+        scale, e2m1 = torch.empty(256, dtype=torch.bfloat16), torch.empty(256, dtype=torch.bfloat16)
+        _decode_kernel[(1,)](c, scale, e2m1)
+        want = c.to(torch.uint8).view(torch.float8_e8m0fnu).float()
+        assert torch.equal(scale[:255].float(), torch.where(c[:255] == 0, 2.0**-127, want[:255]))
+        assert scale[255].isnan()
+        assert torch.equal(e2m1.float(), quant.e2m1_decode((c & 15).to(torch.uint8), torch.float32))
 
     # ---- moe_experts_w4a8 ------------------------------------------------------------------
     def pair_experts(ids, order):

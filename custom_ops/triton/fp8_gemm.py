@@ -39,6 +39,7 @@ BLOCK_M_MAX = 64
 BLOCK_N = 64
 DECODE_M = 64          # widths up to this run the bf16-dequant decode kernel
 DECODE_BLOCK_K = 128
+DECODE_BLOCK_N = 128
 
 
 @triton.jit
@@ -47,6 +48,16 @@ def e8m0_to_f32(c):
     255 NaN."""
     v = tl.where(c == 0, 0x400000, c << 23).to(tl.float32, bitcast=True)
     return tl.where(c == 255, float("nan"), v)
+
+
+@triton.jit
+def e8m0_to_op(c, OP: tl.constexpr):
+    """e8m0_to_f32 built directly as bf16 bits (c << 7; 0x40 the subnormal 2^-127, 0x7FC0 NaN)
+    where OP is bf16, else e8m0_to_f32."""
+    if OP == tl.bfloat16:
+        bits = tl.where(c == 255, 0x7FC0, tl.where(c == 0, 0x40, c << 7))
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return e8m0_to_f32(c)
 
 
 @triton.jit
@@ -129,6 +140,8 @@ def _fp8_decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, K, K_SPLIT,
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
     rk = tl.arange(0, BLOCK_K)
+    g = tl.arange(0, BLOCK_K // GROUP_K)
+    j = tl.arange(0, GROUP_K)
     mmask = rm < M
     nmask = rn < N
     x_rows = x_ptr + rm.to(tl.int64) * stride_xm
@@ -144,10 +157,15 @@ def _fp8_decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, K, K_SPLIT,
         am = mmask[:, None] & kmask[None, :]
         a = tl.load(x_rows[:, None] + ks[None, :], mask=am, other=0.0).to(tl.float32) * \
             tl.load(xs_rows[:, None] + (ks // GROUP_K)[None, :], mask=am, other=0.0)
-        bm = kmask[:, None] & nmask[None, :]
-        w = tl.load(w_rows[None, :] + ks[:, None], mask=bm, other=0.0).to(tl.float32) * \
-            e8m0_to_f32(tl.load(ws_rows[None, :] + (ks // GROUP_K)[:, None], mask=bm, other=127).to(tl.int32))
-        acc = tl.dot(a.to(OP), w.to(OP), acc, input_precision=PREC)
+        # the weight block as [groups, 32, BLOCK_N]: one scale per (group, 32 rows) broadcast
+        # over the group's 32 K, no per-element scale gather
+        kg = k0 + g * GROUP_K
+        gm = (kg < k_hi)[:, None, None] & nmask[None, None, :]
+        w = tl.load(w_rows[None, None, :] + (kg[:, None] + j[None, :])[:, :, None], mask=gm, other=0.0)
+        sw = e8m0_to_op(tl.load(ws_rows[None, None, :] + (kg // GROUP_K)[:, None, None], mask=gm, other=127)
+                        .to(tl.int32), OP)
+        w = tl.reshape(w.to(OP) * sw, [BLOCK_K, BLOCK_N])
+        acc = tl.dot(a.to(OP), w, acc, input_precision=PREC)
     o_ptrs = o_ptr + split.to(tl.int64) * stride_os + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
@@ -193,7 +211,7 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None, blo
     if M == 0 or N == 0:
         return
     decode = M <= DECODE_M if decode is None else decode
-    bm, bn = block_m or _block_m(M), block_n or BLOCK_N
+    bm, bn = block_m or _block_m(M), block_n or (DECODE_BLOCK_N if decode else BLOCK_N)
     bk = (block_k or DECODE_BLOCK_K) if decode else GROUP
     KB = triton.cdiv(K, bk)
     grid_m, grid_n = triton.cdiv(M, bm), triton.cdiv(N, bn)

@@ -34,7 +34,7 @@ from custom_ops import gemm as _gemm_ref
 from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, fp8_qat_groups, skinny_gemm
-from custom_ops.triton.fp8_gemm import e8m0_to_f32
+from custom_ops.triton.fp8_gemm import e8m0_to_op
 
 ROUTE_BLOCK_T = 4
 BLOCK_N_UP = 64
@@ -113,26 +113,36 @@ def triton_moe_route(x, gate, bias, top_k, route_scale, ids, weights, *,
 # ---- experts ---------------------------------------------------------------------------------
 
 @triton.jit
-def e2m1_value(c):
-    """FP32 values of int32 E2M1 codes 0..15: bit 3 the sign, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+def e2m1_op(c, OP: tl.constexpr):
+    """Values of int32 E2M1 codes 0..15 (bit 3 the sign; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6)
+    as OP: for bf16 built as bits (exponent (m >> 1) + 126, the mantissa's top bit m & 1)."""
     m = c & 7
+    if OP == tl.bfloat16:
+        bits = tl.where(m < 2, m * 0x3F00, (((m >> 1) + 126) << 7) | ((m & 1) << 6)) | ((c & 8) << 12)
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     mag = tl.where(m < 2, m.to(tl.float32) * 0.5,
                    ((((m >> 1) + 126) << 23) | ((m & 1) << 22)).to(tl.float32, bitcast=True))
     return tl.where((c & 8) != 0, -mag, mag)
 
 
 @triton.jit
-def fp4_tile(w_rows, s_rows, k0, K, nmask, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+def fp4_tile(w_rows, s_rows, k0, K, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+             DOT_F32: tl.constexpr):
     """K block [k0, k0 + BLOCK_K) of packed E2M1 rows (w_rows, s_rows: [BLOCK_N] pointers to a
     row's bytes and its E8M0 scales, one per 32 along K), dequantized (exactly) to bf16 (FP32
     with DOT_F32) as (even elements, odd elements), each [BLOCK_K / 2, BLOCK_N]: byte j holds
-    element 2j in its low nibble and 2j + 1 in its high one, both in one scale group."""
-    kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-    m = (kk < K)[:, None] & nmask[None, :]
-    b = tl.load(w_rows[None, :] + (kk // 2)[:, None], mask=m, other=0).to(tl.int32)
-    s = e8m0_to_f32(tl.load(s_rows[None, :] + (kk // 32)[:, None], mask=m, other=127).to(tl.int32))
-    op = tl.float32 if DOT_F32 else tl.bfloat16
-    return (e2m1_value(b & 15) * s).to(op), (e2m1_value((b >> 4) & 15) * s).to(op)
+    element 2j in its low nibble and 2j + 1 in its high one, both in one scale group. The bytes
+    load as [groups, 16, BLOCK_N], so one scale per (group, row) broadcasts over its 16 bytes."""
+    op: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
+    g = tl.arange(0, BLOCK_K // 32)
+    kg = k0 + g * 32
+    m = (kg < K)[:, None, None] & nmask[None, None, :]
+    byte = (kg // 2)[:, None] + tl.arange(0, 16)[None, :]
+    b = tl.load(w_rows[None, None, :] + byte[:, :, None], mask=m, other=0).to(tl.int32)
+    s = e8m0_to_op(tl.load(s_rows[None, None, :] + (kg // 32)[:, None, None], mask=m, other=127).to(tl.int32), op)
+    even = tl.reshape(e2m1_op(b & 15, op) * s, [BLOCK_K // 2, BLOCK_N])
+    odd = tl.reshape(e2m1_op((b >> 4) & 15, op) * s, [BLOCK_K // 2, BLOCK_N])
+    return even, odd
 
 
 @triton.jit
@@ -141,7 +151,7 @@ def even_odd(a_rows, rmask, k0, K, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr)
     BLOCK_K / 2, each [BLOCK_M, BLOCK_K / 2], in bf16 (FP8-QAT values: exact) or FP32."""
     kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
     m = rmask[:, None] & (kk < K)[None, :]
-    op = tl.float32 if DOT_F32 else tl.bfloat16
+    op: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
     return (tl.load(a_rows + kk[None, :], mask=m, other=0.0).to(op),
             tl.load(a_rows + kk[None, :] + 1, mask=m, other=0.0).to(op))
 
@@ -176,8 +186,8 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
     for k0 in range(0, D, BLOCK_K):
         if FP4:
             a_even, a_odd = even_odd(a_rows, rmask, k0, D, BLOCK_K, DOT_F32)
-            g_even, g_odd = fp4_tile(b1, s1_ptr + sc, k0, D, nmask, BLOCK_K, DOT_F32)
-            u_even, u_odd = fp4_tile(b3, s3_ptr + sc, k0, D, nmask, BLOCK_K, DOT_F32)
+            g_even, g_odd = fp4_tile(b1, s1_ptr + sc, k0, D, nmask, BLOCK_K, BLOCK_N, DOT_F32)
+            u_even, u_odd = fp4_tile(b3, s3_ptr + sc, k0, D, nmask, BLOCK_K, BLOCK_N, DOT_F32)
             acc_g = tl.dot(a_odd, g_odd, tl.dot(a_even, g_even, acc_g, input_precision=PREC), input_precision=PREC)
             acc_u = tl.dot(a_odd, u_odd, tl.dot(a_even, u_even, acc_u, input_precision=PREC), input_precision=PREC)
         else:
@@ -230,7 +240,7 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles,
     for k0 in range(0, I, BLOCK_K):
         if FP4:
             a_even, a_odd = even_odd(a_rows, rmask, k0, I, BLOCK_K, DOT_F32)
-            w_even, w_odd = fp4_tile(b, sc, k0, I, nmask, BLOCK_K, DOT_F32)
+            w_even, w_odd = fp4_tile(b, sc, k0, I, nmask, BLOCK_K, BLOCK_N, DOT_F32)
             acc = tl.dot(a_odd, w_odd, tl.dot(a_even, w_even, acc, input_precision=PREC), input_precision=PREC)
         else:
             ks = k0 + rk
