@@ -52,12 +52,10 @@ def e8m0_to_f32(c):
 
 @triton.jit
 def e8m0_to_op(c, OP: tl.constexpr):
-    """e8m0_to_f32 built directly as bf16 bits (c << 7; 0x40 the subnormal 2^-127, 0x7FC0 NaN)
-    where OP is bf16, else e8m0_to_f32."""
-    if OP == tl.bfloat16:
-        bits = tl.where(c == 255, 0x7FC0, tl.where(c == 0, 0x40, c << 7))
-        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return e8m0_to_f32(c)
+    """2^(c-127) as OP for int32 E8M0 codes, built as bf16 bits (c << 7; 0x40 the subnormal
+    2^-127, 0x7FC0 NaN): exact in bf16 and in FP32."""
+    bits = tl.where(c == 255, 0x7FC0, tl.where(c == 0, 0x40, c << 7))
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True).to(OP)
 
 
 @triton.jit

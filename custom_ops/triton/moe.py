@@ -115,14 +115,10 @@ def triton_moe_route(x, gate, bias, top_k, route_scale, ids, weights, *,
 @triton.jit
 def e2m1_op(c, OP: tl.constexpr):
     """Values of int32 E2M1 codes 0..15 (bit 3 the sign; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6)
-    as OP: for bf16 built as bits (exponent (m >> 1) + 126, the mantissa's top bit m & 1)."""
+    as OP, built as bf16 bits: exponent (m >> 1) + 126 and the mantissa's top bit m & 1."""
     m = c & 7
-    if OP == tl.bfloat16:
-        bits = tl.where(m < 2, m * 0x3F00, (((m >> 1) + 126) << 7) | ((m & 1) << 6)) | ((c & 8) << 12)
-        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    mag = tl.where(m < 2, m.to(tl.float32) * 0.5,
-                   ((((m >> 1) + 126) << 23) | ((m & 1) << 22)).to(tl.float32, bitcast=True))
-    return tl.where((c & 8) != 0, -mag, mag)
+    bits = tl.where(m < 2, m * 0x3F00, (((m >> 1) + 126) << 7) | ((m & 1) << 6)) | ((c & 8) << 12)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True).to(OP)
 
 
 @triton.jit
