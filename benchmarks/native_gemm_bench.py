@@ -33,10 +33,10 @@ EXPERTS = (384, 6, 5120, 2304)     # E, top-k, D, I (Flash)
 TINY_DENSE = {"tiny": (96, 64)}
 TINY_EXPERTS = (6, 2, 64, 64)
 # tile variants timed beside the defaults at the edge decode widths (the "sweep" rows)
-DENSE_SWEEP = ({"block_n": 64}, {"block_n": 256}, {"block_k": 64}, {"block_k": 256}, {"num_warps": 8},
-               {"num_stages": 4}, {"num_stages": 2})
-EXPERT_SWEEP = ({"block_k": 64}, {"block_k": 256}, {"num_warps": 8}, {"block_n_up": 32}, {"block_n_up": 128},
-                {"block_n_down": 256}, {"block_k": 64, "num_warps": 8})
+DENSE_SWEEP = ({"block_k": 128}, {"block_n": 64}, {"block_n": 256}, {"num_stages": 2}, {"num_warps": 8},
+               {"split_k": 4})
+EXPERT_SWEEP = ({"block_k": 128}, {"block_n_up": 64}, {"num_warps": 8}, {"block_n_down": 64},
+                {"num_warps": 8, "block_n_up": 64})
 SWEEP_M = (1, 64)
 
 

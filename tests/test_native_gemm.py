@@ -148,6 +148,11 @@ else:
         cuda = torch.device("cuda")
         assert _splits(20, 160, cuda) == 14 and _splits(512, 40, cuda) == 1 and _splits(20, 6, cuda) == 1
         assert _splits(20, 160, torch.device("cpu")) == 1
+        # the decode kernel: wq_a in 128-wide tiles (10) and 64-wide K blocks (80): one block a
+        # split at M = 1 (8 programs per SM allowed); at M = 64 the partials' bytes cap it at 5
+        from custom_ops.triton.fp8_gemm import _decode_splits
+        assert _decode_splits(10, 80, 1, 5120, cuda) == 80 and _decode_splits(10, 80, 64, 5120, cuda) == 5
+        assert _decode_splits(256, 20, 1, 1280, cuda) == 5 and _decode_splits(10, 80, 1, 5120, torch.device("cpu")) == 1
 
     def test_fp8_block_gemm_bf16_out(g, monkeypatch):
         """bf16 output (the activation dtype of the model): one RNE rounding past the FP32 bound."""

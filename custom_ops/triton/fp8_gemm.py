@@ -38,7 +38,7 @@ GROUP_K = tl.constexpr(GROUP)   # the same width inside kernels (compiled Triton
 BLOCK_M_MAX = 64
 BLOCK_N = 64
 DECODE_M = 64          # widths up to this run the bf16-dequant decode kernel
-DECODE_BLOCK_K = 128
+DECODE_BLOCK_K = 64
 DECODE_BLOCK_N = 128
 
 
@@ -194,6 +194,16 @@ def _splits(tiles: int, KB: int, device, least: int = 4) -> int:
     return max(1, min(KB // least, triton.cdiv(2 * sms, tiles))) if tiles < sms else 1
 
 
+def _decode_splits(tiles: int, KB: int, M: int, K: int, device) -> int:
+    """Split-K count of the decode kernel: up to 8 programs per SM (a decode tile's loads wait
+    on DRAM latency, so resident programs, not a deep K loop, keep bytes in flight), while the
+    FP32 partials (written and read: 8·M·N bytes a split) stay under half the weight's N·K."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(KB, triton.cdiv(8 * sms, tiles), K // (16 * M)))
+
+
 def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None, block_n: int | None = None,
                           block_k: int | None = None, split_k: int | None = None, decode: bool | None = None,
                           num_warps: int = 4, num_stages: int = 3) -> None:
@@ -213,7 +223,8 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None, blo
     bk = (block_k or DECODE_BLOCK_K) if decode else GROUP
     KB = triton.cdiv(K, bk)
     grid_m, grid_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
-    splits = min(KB, split_k or _splits(grid_m * grid_n, KB, out.device, 4 if bk == GROUP else 2))
+    splits = min(KB, split_k or (_decode_splits(grid_m * grid_n, KB, M, K, out.device) if decode
+                                 else _splits(grid_m * grid_n, KB, out.device)))
     per = triton.cdiv(KB, splits)
     splits = triton.cdiv(KB, per)                   # no empty split
     wsc = ws.view(torch.uint8)

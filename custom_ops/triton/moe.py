@@ -40,7 +40,8 @@ ROUTE_BLOCK_T = 4
 BLOCK_N_UP = 64
 BLOCK_N_DOWN = 128
 BLOCK_K = 64
-FP4_BLOCK_K = 128
+FP4_BLOCK_K = 64
+FP4_BLOCK_N_UP = 32
 REDUCE_BLOCK_D = 512
 
 
@@ -315,12 +316,12 @@ def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out,
     in registers to bf16 (exact: a 2-bit-mantissa value times a power of two), split into its
     even and odd elements (the low and high nibbles), each half one bf16 dot with the matching
     activation columns. The products are exact in FP32, so only the order of the FP32 sums
-    differs from the reference. Knobs as moe_experts (block_k default 128: 64 bytes a row)."""
+    differs from the reference. Knobs as moe_experts (defaults: block_k 64, block_n_up 32)."""
     if x.dtype not in TL_DTYPES or w1.dtype != torch.int8 or w1.stride() != w3.stride() or \
             s1.stride() != s3.stride() or not _fits(x, (w1, w3, w2, s1, s3, s2), w1.shape[1], out, knobs):
         return _gemm_ref.moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
     run_experts(x, ids, weights, w1, w3, w2, tuple(t.view(torch.uint8) for t in (s1, s3, s2)), limit, out,
-                **{"block_k": FP4_BLOCK_K, **knobs})
+                **{"block_k": FP4_BLOCK_K, "block_n_up": FP4_BLOCK_N_UP, **knobs})
 
 
 def _fits(x, weights, I: int, out, knobs) -> bool:
