@@ -12,7 +12,8 @@ promotion; both scales are powers of two, so the promotion is exact and only the
 FP32 sums differs from the reference). The E8M0 weight scales are decoded from their bits.
 Output rounded once to out's dtype. FP64 outputs and K not a multiple of 32 run the reference.
 
-Decode widths (M <= 64 rows) read bytes, not FLOPs: there a second kernel walks BLOCK_K-wide
+Decode widths (M <= 16 rows, N narrower than 64 x the SM count) read bytes, not FLOPs, and the
+FP8-MMA kernel's few output tiles leave SMs idle: there a second kernel walks BLOCK_K-wide
 K blocks (128 weight bytes per row and step, not 32) and dequantizes both operands in registers
 to bf16 — an E4M3 code times a power of two is a bf16 value, so the dequantization is exact —
 then one bf16 dot per block accumulates in FP32: the products are exact as before and only the
@@ -31,13 +32,13 @@ import triton.language as tl
 
 from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, ceil_log2, pow2, round_e4m3, rows2d
+from custom_ops.triton.common import TL_DTYPES, ceil_log2, num_sms, pow2, round_e4m3, rows2d
 
 GROUP = 32
 GROUP_K = tl.constexpr(GROUP)   # the same width inside kernels (compiled Triton reads only constexpr globals)
 BLOCK_M_MAX = 64
 BLOCK_N = 64
-DECODE_M = 64          # widths up to this run the bf16-dequant decode kernel
+DECODE_M = 16          # widths up to this run the bf16-dequant decode kernel (where N is narrow)
 DECODE_BLOCK_K = 64
 DECODE_BLOCK_N = 128
 
@@ -208,7 +209,7 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None, blo
                           block_k: int | None = None, split_k: int | None = None, decode: bool | None = None,
                           num_warps: int = 4, num_stages: int = 3) -> None:
     """`v41::fp8_block_gemm` (same signature); keyword knobs: the kernel (`decode`: the
-    bf16-dequant one; None: by M), tile sizes (block_k: the decode kernel's, a multiple of
+    bf16-dequant one; None: by M and N), tile sizes (block_k: the decode kernel's, a multiple of
     32), split-K count (None: `_splits`), warps, stages. Split-K sums FP32 partials in a fixed
     order: deterministic, and only the order of the FP32 sums differs from one split."""
     M, K = xq.shape
@@ -218,7 +219,8 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None, blo
         return _ref.fp8_block_gemm(xq, xs, w, ws, out)
     if M == 0 or N == 0:
         return
-    decode = M <= DECODE_M if decode is None else decode
+    if decode is None:      # where the FP8-MMA kernel's tiles alone cover the SMs it read faster (H200)
+        decode = M <= DECODE_M and triton.cdiv(N, BLOCK_N) < num_sms(out.device)
     bm, bn = block_m or _block_m(M), block_n or (DECODE_BLOCK_N if decode else BLOCK_N)
     bk = (block_k or DECODE_BLOCK_K) if decode else GROUP
     KB = triton.cdiv(K, bk)

@@ -30,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops import gemm as _gemm_ref
 from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, fp8_qat_groups, skinny_gemm
@@ -305,26 +304,12 @@ def triton_moe_experts(x, ids, weights, w1, w3, w2, limit, out, **knobs) -> None
     """`v41::moe_experts` (same signature); keyword knobs: block_m, block_n_up (a multiple of
     32), block_n_down, block_k, num_warps."""
     if x.dtype not in TL_DTYPES or not (w1.dtype == w3.dtype == w2.dtype == x.dtype) or \
-            not _fits(x, (w1, w3, w2), w1.shape[1], out, knobs):
+            not fits(x, (w1, w3, w2), w1.shape[1], out, knobs):
         return _ref.moe_experts(x, ids, weights, w1, w3, w2, limit, out)
     run_experts(x, ids, weights, w1, w3, w2, None, limit, out, **knobs)
 
 
-def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out, **knobs) -> None:
-    """`v41::moe_experts_w4a8` (same signature), the FP4 experts read as stored: the same tiles
-    and kernels as moe_experts, each K block of packed E2M1 codes and E8M0 scales dequantized
-    in registers to bf16 (exact: a 2-bit-mantissa value times a power of two), split into its
-    even and odd elements (the low and high nibbles), each half one bf16 dot with the matching
-    activation columns. The products are exact in FP32, so only the order of the FP32 sums
-    differs from the reference. Knobs as moe_experts (defaults: block_k 64, block_n_up 32)."""
-    if x.dtype not in TL_DTYPES or w1.dtype != torch.int8 or w1.stride() != w3.stride() or \
-            s1.stride() != s3.stride() or not _fits(x, (w1, w3, w2, s1, s3, s2), w1.shape[1], out, knobs):
-        return _gemm_ref.moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
-    run_experts(x, ids, weights, w1, w3, w2, tuple(t.view(torch.uint8) for t in (s1, s3, s2)), limit, out,
-                **{"block_k": FP4_BLOCK_K, "block_n_up": FP4_BLOCK_N_UP, **knobs})
-
-
-def _fits(x, weights, I: int, out, knobs) -> bool:
+def fits(x, weights, I: int, out, knobs) -> bool:
     D = x.shape[1]
     return out.dtype == torch.float32 and not D % 32 and not I % 32 and \
         not (knobs.get("block_n_up") or BLOCK_N_UP) % 32 and all(t.stride(-1) == 1 for t in weights)
@@ -390,4 +375,3 @@ def reduce_pairs(y: torch.Tensor, ids: torch.Tensor, E: int, out: torch.Tensor) 
 
 register_impl("moe_route", "triton", triton_moe_route, device_type="cuda")
 register_impl("moe_experts", "triton", triton_moe_experts, device_type="cuda")
-register_impl("moe_experts_w4a8", "triton", triton_moe_experts_w4a8, device_type="cuda")
