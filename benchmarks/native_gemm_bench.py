@@ -12,8 +12,7 @@ the weights come from HBM and not from the 50 MB L2; CUDA events around 20 repla
 their rate and its share of the copy rate (a device-to-device copy measured in the same run,
 bytes read + written per second), and at prefill widths TFLOP/s against the measured FP8 peak.
 Targets (issue 16): >= 70% of the copy rate at decode widths, >= 60% of the FP8 peak at prefill.
-"sweep" rows: the same cases at widths 1 and 64 with other knobs (the FP8-MMA kernel at decode
-widths, tile variants: the defaults' candidates).
+"sweep" rows: the same cases at widths 1 and 64 with other knobs (the defaults' candidates).
 """
 from __future__ import annotations
 
@@ -34,8 +33,8 @@ EXPERTS = (384, 6, 5120, 2304)     # E, top-k, D, I (Flash)
 TINY_DENSE = {"tiny": (96, 64)}
 TINY_EXPERTS = (6, 2, 64, 64)
 # tile variants timed beside the defaults at the edge decode widths (the "sweep" rows)
-DENSE_SWEEP = ({"decode": False}, {"block_k": 128}, {"block_n": 64}, {"block_n": 256}, {"num_stages": 2}, {"num_warps": 8},
-               {"split_k": 4})
+DENSE_SWEEP = ({"block_n": 128}, {"block_n": 256}, {"split_k": 4}, {"split_k": 8}, {"num_stages": 4},
+               {"num_warps": 8})
 EXPERT_SWEEP = ({"block_k": 128}, {"block_n_up": 64}, {"num_warps": 8}, {"block_n_down": 64},
                 {"num_warps": 8, "block_n_up": 64})
 SWEEP_M = (1, 64)

@@ -113,19 +113,14 @@ else:
             r = torch.empty(M, N)
             ref.fp8_block_gemm(xq, xs, w, ws, r)
             assert torch.equal(r.double(), exact)
-            # the FP8-MMA kernel: K = 256 is 8 blocks of 32, split 3 + 3 + 2; K = 64, 2 splits of 1;
-            # the decode kernel (M <= 64) in blocks of 64: K = 256 split 2 + 1 + 1
-            for split_k in (1, 3):
-                for decode in (False, True) if M <= 64 else (False,):
-                    out = torch.full((M, N), float("nan"))
-                    triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k, decode=decode, block_k=64)
-                    assert torch.equal(out, r), (split_k, decode)
+            for split_k in (1, 3):          # K = 256: 8 blocks as 3 + 3 + 2; K = 64: 2 splits of 1
+                out = torch.full((M, N), float("nan"))
+                triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k)
+                assert torch.equal(out, r), split_k
 
     @pytest.mark.parametrize("M,kw", [(1, {}), (5, {"block_n": 32}), (16, {"block_m": 16}),
                                       (64, {"block_n": 128}), (64, {"block_m": 32, "block_n": 32}),
-                                      (1, {"split_k": 4}), (7, {"split_k": 10}), (33, {"split_k": 3}),
-                                      (1, {"block_k": 32, "split_k": 3}), (16, {"decode": False}),
-                                      (65, {}), (65, {"decode": True, "block_k": 256})])
+                                      (1, {"split_k": 4}), (7, {"split_k": 10}), (33, {"split_k": 3})])
     def test_fp8_block_gemm_bound(g, M, kw):
         N, K = 96, 320
         xq, xs, w, ws = fp8_gemm_case(g, M, N, K)
@@ -146,13 +141,12 @@ else:
         from custom_ops.triton.fp8_gemm import _splits
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
         cuda = torch.device("cuda")
-        assert _splits(20, 160, cuda) == 14 and _splits(512, 40, cuda) == 1 and _splits(20, 6, cuda) == 1
-        assert _splits(20, 160, torch.device("cpu")) == 1
-        # the decode kernel: wq_a in 128-wide tiles (10) and 64-wide K blocks (80): one block a
-        # split at M = 1 (8 programs per SM allowed); at M = 64 the partials' bytes cap it at 5
-        from custom_ops.triton.fp8_gemm import _decode_splits
-        assert _decode_splits(10, 80, 1, 5120, cuda) == 80 and _decode_splits(10, 80, 64, 5120, cuda) == 5
-        assert _decode_splits(256, 20, 1, 1280, cuda) == 5 and _decode_splits(10, 80, 1, 5120, torch.device("cpu")) == 1
+        assert _splits(20, 160, 1, 5120, cuda) == 14 and _splits(20, 6, 1, 192, cuda) == 1
+        # under 4 tiles per SM at least 4 splits (wq_b, 16384x4096 at M = 1), unless the FP32
+        # partials would outweigh half the weight (wq_b at M = 64); 4 tiles per SM: no split
+        assert _splits(512, 40, 1, 1280, cuda) == 4 and _splits(256, 128, 1, 4096, cuda) == 4
+        assert _splits(512, 40, 64, 1280, cuda) == 1 and _splits(528, 160, 1, 5120, cuda) == 1
+        assert _splits(20, 160, 1, 5120, torch.device("cpu")) == 1
 
     def test_fp8_block_gemm_bf16_out(g, monkeypatch):
         """bf16 output (the activation dtype of the model): one RNE rounding past the FP32 bound."""

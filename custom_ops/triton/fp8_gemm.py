@@ -12,16 +12,8 @@ promotion; both scales are powers of two, so the promotion is exact and only the
 FP32 sums differs from the reference). The E8M0 weight scales are decoded from their bits.
 Output rounded once to out's dtype. FP64 outputs and K not a multiple of 32 run the reference.
 
-Decode widths (M <= 16 rows, N narrower than 64 x the SM count) read bytes, not FLOPs, and the
-FP8-MMA kernel's few output tiles leave SMs idle: there a second kernel walks BLOCK_K-wide
-K blocks (128 weight bytes per row and step, not 32) and dequantizes both operands in registers
-to bf16 — an E4M3 code times a power of two is a bf16 value, so the dequantization is exact —
-then one bf16 dot per block accumulates in FP32: the products are exact as before and only the
-order of the FP32 sums differs. (An E8M0 code 0, 2^-127, puts a weight below bf16's normal
-range; its products are 2^-100 of any other block's and may lose bits there.)
-
 Split-K (grid axis 2) where the output tiles alone leave SMs idle (decode widths): each split
-walks its share of the K blocks into FP32 partials [splits, M, N]; a third kernel sums them
+walks its share of the K blocks into FP32 partials [splits, M, N]; a second kernel sums them
 in ascending split order and rounds once.
 """
 from __future__ import annotations
@@ -32,15 +24,12 @@ import triton.language as tl
 
 from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, ceil_log2, num_sms, pow2, round_e4m3, rows2d
+from custom_ops.triton.common import TL_DTYPES, ceil_log2, pow2, round_e4m3, rows2d
 
 GROUP = 32
 GROUP_K = tl.constexpr(GROUP)   # the same width inside kernels (compiled Triton reads only constexpr globals)
 BLOCK_M_MAX = 64
 BLOCK_N = 64
-DECODE_M = 16          # widths up to this run the bf16-dequant decode kernel (where N is narrow)
-DECODE_BLOCK_K = 64
-DECODE_BLOCK_N = 128
 
 
 @triton.jit
@@ -129,47 +118,6 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, KB, KB_SPLIT,
 
 
 @triton.jit
-def _fp8_decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, K, K_SPLIT,
-                       stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_os,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       OP: tl.constexpr, PREC: tl.constexpr):
-    """Program (m, n, s): K columns [s·K_SPLIT, (s+1)·K_SPLIT) of one output tile, both operands
-    dequantized to OP (exact), stored at o + s·stride_os as _fp8_gemm_kernel."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(2)
-    rk = tl.arange(0, BLOCK_K)
-    g = tl.arange(0, BLOCK_K // GROUP_K)
-    j = tl.arange(0, GROUP_K)
-    mmask = rm < M
-    nmask = rn < N
-    x_rows = x_ptr + rm.to(tl.int64) * stride_xm
-    xs_rows = xs_ptr + rm.to(tl.int64) * stride_sm
-    w_rows = w_ptr + rn.to(tl.int64) * stride_wn
-    ws_rows = ws_ptr + (rn // GROUP_K).to(tl.int64) * stride_wsn
-    k_lo = split * K_SPLIT
-    k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        ks = k0 + rk
-        kmask = ks < k_hi
-        am = mmask[:, None] & kmask[None, :]
-        a = tl.load(x_rows[:, None] + ks[None, :], mask=am, other=0.0).to(tl.float32) * \
-            tl.load(xs_rows[:, None] + (ks // GROUP_K)[None, :], mask=am, other=0.0)
-        # the weight block as [groups, 32, BLOCK_N]: one scale per (group, 32 rows) broadcast
-        # over the group's 32 K, no per-element scale gather
-        kg = k0 + g * GROUP_K
-        gm = (kg < k_hi)[:, None, None] & nmask[None, None, :]
-        w = tl.load(w_rows[None, None, :] + (kg[:, None] + j[None, :])[:, :, None], mask=gm, other=0.0)
-        sw = e8m0_to_op(tl.load(ws_rows[None, None, :] + (kg // GROUP_K)[:, None, None], mask=gm, other=127)
-                        .to(tl.int32), OP)
-        w = tl.reshape(w.to(OP) * sw, [BLOCK_K, BLOCK_N])
-        acc = tl.dot(a.to(OP), w, acc, input_precision=PREC)
-    o_ptrs = o_ptr + split.to(tl.int64) * stride_os + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
-
-
-@triton.jit
 def _sum_splits_kernel(p_ptr, o_ptr, M, N, SPLITS, stride_ps, stride_pm, stride_om, BLOCK_N: tl.constexpr):
     """out[m, n] = Σ_s partial[s, m, n] in ascending s (FP32), rounded once to out's dtype."""
     m = tl.program_id(0).to(tl.int64)
@@ -185,33 +133,25 @@ def _block_m(M: int) -> int:
     return min(BLOCK_M_MAX, max(16, triton.next_power_of_2(M)))
 
 
-def _splits(tiles: int, KB: int, device, least: int = 4) -> int:
+def _splits(tiles: int, KB: int, M: int, K: int, device) -> int:
     """Split-K count: enough programs for two waves over the SMs when the output tiles alone
     leave them idle (a decode GEMM at N = 1280 is 20 tiles on 132 SMs), each split keeping at
-    least `least` K blocks."""
+    least 4 K blocks; under 4 tiles per SM, at least 4 splits where their FP32 partials
+    (written and read, 8·M·N bytes a split) stay under half the weight's N·K bytes (H200: 4
+    splits took 16384x4096 at M = 1 from 59 to 32 µs; at M = 64 they slowed wq_b, whose
+    partials outweigh it, from 38 to 49 µs)."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(KB // least, triton.cdiv(2 * sms, tiles))) if tiles < sms else 1
-
-
-def _decode_splits(tiles: int, KB: int, M: int, K: int, device) -> int:
-    """Split-K count of the decode kernel: up to 8 programs per SM (a decode tile's loads wait
-    on DRAM latency, so resident programs, not a deep K loop, keep bytes in flight), while the
-    FP32 partials (written and read: 8·M·N bytes a split) stay under half the weight's N·K."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(KB, triton.cdiv(8 * sms, tiles), K // (16 * M)))
+    n = max(1, min(KB // 4, triton.cdiv(2 * sms, tiles))) if tiles < sms else 1
+    return max(n, min(4, KB // 4, K // (16 * M))) if tiles < 4 * sms else n
 
 
 def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None, block_n: int | None = None,
-                          block_k: int | None = None, split_k: int | None = None, decode: bool | None = None,
-                          num_warps: int = 4, num_stages: int = 3) -> None:
-    """`v41::fp8_block_gemm` (same signature); keyword knobs: the kernel (`decode`: the
-    bf16-dequant one; None: by M and N), tile sizes (block_k: the decode kernel's, a multiple of
-    32), split-K count (None: `_splits`), warps, stages. Split-K sums FP32 partials in a fixed
-    order: deterministic, and only the order of the FP32 sums differs from one split."""
+                          split_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> None:
+    """`v41::fp8_block_gemm` (same signature); keyword knobs: tile sizes, split-K count (None:
+    `_splits`), warps, stages. Split-K sums FP32 partials in a fixed order: deterministic, and
+    only the order of the FP32 sums differs from one split."""
     M, K = xq.shape
     N = w.shape[0]
     if K % GROUP or out.dtype not in TL_DTYPES or xs.dtype != torch.float32 or \
@@ -219,29 +159,17 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None, blo
         return _ref.fp8_block_gemm(xq, xs, w, ws, out)
     if M == 0 or N == 0:
         return
-    if decode is None:      # where the FP8-MMA kernel's tiles alone cover the SMs it read faster (H200)
-        decode = M <= DECODE_M and triton.cdiv(N, BLOCK_N) < num_sms(out.device)
-    bm, bn = block_m or _block_m(M), block_n or (DECODE_BLOCK_N if decode else BLOCK_N)
-    bk = (block_k or DECODE_BLOCK_K) if decode else GROUP
-    KB = triton.cdiv(K, bk)
+    bm, bn, KB = block_m or _block_m(M), block_n or BLOCK_N, K // GROUP
     grid_m, grid_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
-    splits = min(KB, split_k or (_decode_splits(grid_m * grid_n, KB, M, K, out.device) if decode
-                                 else _splits(grid_m * grid_n, KB, out.device)))
+    splits = min(KB, split_k or _splits(grid_m * grid_n, KB, M, K, out.device))
     per = triton.cdiv(KB, splits)
     splits = triton.cdiv(KB, per)                   # no empty split
     wsc = ws.view(torch.uint8)
     dest = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=out.device)
-    strides = (xq.stride(0), xs.stride(0), w.stride(0), wsc.stride(0), dest.stride(-2),
-               dest.stride(0) if splits > 1 else 0)
-    if decode:
-        interp = out.device.type == "cpu"
-        _fp8_decode_kernel[(grid_m, grid_n, splits)](
-            xq, xs, w, wsc, dest, M, N, K, per * bk, *strides, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            OP=tl.float32 if interp else tl.bfloat16, PREC="ieee" if interp else "tf32", num_warps=num_warps, num_stages=num_stages)
-    else:
-        _fp8_gemm_kernel[(grid_m, grid_n, splits)](
-            xq, xs, w, wsc, dest, M, N, KB, per, *strides, BLOCK_M=bm, BLOCK_N=bn,
-            num_warps=num_warps, num_stages=num_stages)
+    _fp8_gemm_kernel[(grid_m, grid_n, splits)](
+        xq, xs, w, wsc, dest, M, N, KB, per, xq.stride(0), xs.stride(0), w.stride(0),
+        wsc.stride(0), dest.stride(-2), dest.stride(0) if splits > 1 else 0, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _sum_splits_kernel[(M, triton.cdiv(N, 256))](dest, out, M, N, splits, dest.stride(0), dest.stride(1),
                                                      out.stride(0), BLOCK_N=256, num_warps=4)
