@@ -2,7 +2,12 @@
 width (rows), largest first, into one shared memory pool. The graphs read the runner's
 persistent step buffers (runtime.batch.StepBuffers) and the KV cache, so a replay is what
 `ModelRunner.prepare` already does (host mirrors, one copy per field, padding rows to the
-captured width) plus `graph.replay()`; no Python runs in the forward.
+captured width) plus the replay; no Python runs in the forward.
+
+A width's forward is a chain of graphs (`GraphChain`), cut at compiled-piece boundaries
+(`CHAIN_CUTS`): launching a graph of ~4,200 kernels took the host 2-3 ms at 16-56 rows on the
+H200 while the device waited (benchmarks/decode_timeline.py); a small first graph starts the
+device at once, and each later graph launches while the one before it runs.
 
 A step replays when every row it computes is one it samples: decode rows, and DSpark verify
 requests (the anchor and each draft, `1 + k` rows, all sampled): then no row takes the decoder
@@ -46,6 +51,76 @@ def capturing(dev):
     report.update(seconds=round(time.perf_counter() - t0, 2), pool_bytes=torch.cuda.memory_reserved(dev) - before)
 
 
+# the compiled pieces (in call order) a new graph of a chain begins at: the first graph holds the
+# forward's head and one layer piece, and each graph is about three times the one before, so its
+# launch ends before the one before it has run
+CHAIN_CUTS = (1, 3, 9, 27)
+
+
+class GraphChain:
+    """One forward captured as consecutive CUDA graphs in one memory pool, replayed in capture
+    order (tensors passed from one graph to the next stay referenced through the capture, so no
+    later graph reuses their memory before it reads them). Cuts happen on real CUDA only: the
+    CPU tests' recording stand-in keeps one graph per forward."""
+    active: GraphChain | None = None     # the chain being captured: compiled pieces call `piece_boundary`
+
+    def __init__(self, pool):
+        self.pool, self.graphs, self.pieces, self.replays = pool, [], 0, 0
+
+    def begin(self) -> None:
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin(pool=self.pool)
+        self.graphs.append(g)
+
+    def end(self) -> None:
+        self.graphs[-1].capture_end()
+        if self.pool is None:
+            self.pool = self.graphs[-1].pool()
+
+    def cut(self) -> None:
+        """A compiled piece is about to run: end the graph and begin the next at CHAIN_CUTS."""
+        if self.pieces in CHAIN_CUTS and torch.cuda.is_available():
+            self.end()
+            self.begin()
+        self.pieces += 1
+
+    def replay(self) -> None:
+        for g in self.graphs:
+            g.replay()
+        self.replays += 1
+
+
+def piece_boundary() -> None:
+    """Called before every compiled piece (runtime.compile.backend): a cut point of the chain
+    being captured, if any."""
+    if GraphChain.active is not None:
+        GraphChain.active.cut()
+
+
+_capture_stream = None
+
+
+def capture_chain(fn, args, pool, dev) -> tuple[GraphChain, torch.Tensor]:
+    """(chain, output) of `fn(*args)` captured into `pool` (None: a new one) on a side stream,
+    after a warm-up call (autotuning, lazy allocations)."""
+    global _capture_stream
+    fn(*args)
+    torch.cuda.synchronize(dev)
+    chain = GraphChain(pool)
+    # one side stream for every capture: the pool reuses a freed block only on its own stream
+    if _capture_stream is None and torch.cuda.is_available():
+        _capture_stream = torch.cuda.Stream(dev)
+    with torch.cuda.stream(_capture_stream):
+        chain.begin()
+        GraphChain.active = chain
+        try:
+            out = fn(*args)
+        finally:
+            GraphChain.active = None
+            chain.end()
+    return chain, out
+
+
 def capture_graph(fn, args, pool, dev) -> tuple:
     """(graph, output) of `fn(*args)` captured into `pool` (None: a new one, `graph.pool()`),
     after a warm-up call (autotuning, lazy allocations)."""
@@ -66,7 +141,7 @@ class CUDAGraphRunner:
         if not sizes or sizes[0] < 1 or sizes[-1] > runner.max_tokens:
             raise ValueError(f"capture sizes {sizes} not in [1, {runner.max_tokens}]")
         self.runner, self.sizes = runner, sizes
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, GraphChain] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
 
@@ -94,13 +169,14 @@ class CUDAGraphRunner:
         r, dev = self.runner, self.runner.device
         with capturing(dev) as report, torch.inference_mode():
             for width in tqdm(sorted(self.sizes, reverse=True), desc="CUDA graphs", unit="graph", disable=not progress):
-                g, out = capture_graph(r.forward, (r.padding_batch(width), r.cache), self.pool, dev)
-                if self.pool is None:
-                    self.pool = g.pool()
-                self.graphs[width], self.outputs[width] = g, out
-        report = {"sizes": list(self.sizes), **report}
-        log.info("CUDA graphs: %d widths captured in %.1fs (largest %d rows), graph pool %.1f MiB",
-                 len(self.sizes), report["seconds"], self.sizes[-1], report["pool_bytes"] / 2**20)
+                chain, out = capture_chain(r.forward, (r.padding_batch(width), r.cache), self.pool, dev)
+                self.pool = chain.pool
+                self.graphs[width], self.outputs[width] = chain, out
+        report = {"sizes": list(self.sizes), **report,
+                  "graphs_per_width": {w: len(c.graphs) for w, c in self.graphs.items()}}
+        log.info("CUDA graphs: %d widths captured in %.1fs (largest %d rows, %d graphs each), graph pool %.1f MiB",
+                 len(self.sizes), report["seconds"], self.sizes[-1], len(self.graphs[self.sizes[-1]].graphs),
+                 report["pool_bytes"] / 2**20)
         return report
 
     def replay(self, width: int, batch=None, cache=None) -> torch.Tensor:

@@ -72,6 +72,12 @@ class RecordedGraph:
     def pool(self):
         return ("pool", id(self))
 
+    def capture_begin(self, pool=None):
+        RecordedGraph.recording = self
+
+    def capture_end(self):
+        RecordedGraph.recording = None
+
     def record(self, forward, args, out):
         self.call = (forward, args, out, [(t, t.data_ptr(), t.shape) for a in args for t in tensors_in(a)])
 
@@ -155,3 +161,48 @@ def test_padding_rows_of_a_replay_write_nothing(toy_weights, cpu_graphs):
     plain_step = planes_written_by_a_step(H.make_engine(toy_weights))
     assert all(torch.equal(a, b) for a, b in zip(graphed_step, plain_step))
     assert any(a.any() for a in graphed_step)
+
+
+def test_a_chain_cuts_at_its_pieces_and_replays_in_capture_order(monkeypatch):
+    """GraphChain on "CUDA": graphs end and begin at CHAIN_CUTS' piece calls, share the first
+    graph's pool, and replay in capture order."""
+    from runtime import cuda_graph as cg
+    events = []
+
+    class Graph:
+        def __init__(self):
+            self.n = len(events)
+
+        def capture_begin(self, pool=None):
+            events.append(("begin", pool))
+
+        def capture_end(self):
+            events.append(("end",))
+
+        def pool(self):
+            return "pool"
+
+        def replay(self):
+            events.append(("replay", self.n))
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(cg, "_capture_stream", None)
+
+    def forward(x):
+        for _ in range(40):
+            cg.piece_boundary()
+            x = x + 1
+        return x
+    chain, out = cg.capture_chain(forward, (torch.zeros(2),), None, "cuda")
+    assert cg.GraphChain.active is None and torch.equal(out, torch.full((2,), 40.0))
+    assert chain.pieces == 40 and len(chain.graphs) == len(cg.CHAIN_CUTS) + 1
+    begins = [e for e in events if e[0] == "begin"]
+    assert begins == [("begin", None)] + [("begin", "pool")] * len(cg.CHAIN_CUTS)
+    assert [e[0] for e in events] == ["begin", "end"] * (len(cg.CHAIN_CUTS) + 1)
+    events.clear()
+    chain.replay()
+    assert [e[1] for e in events] == [g.n for g in chain.graphs] and chain.replays == 1

@@ -55,6 +55,10 @@ def test_replay_equals_the_compiled_forward_at_its_width(cuda_weights, traces, r
                  decoder_swa_bounded_replay=replay)
     assert eng.runner.graphs is not None and eng.graph_report["sizes"] == [1, 2, 4, 8]
     assert eng.graph_report["pool_bytes"] >= 0
+    # the toy's compiled forward has more pieces than the last cut: every width a chain of graphs
+    from runtime.cuda_graph import CHAIN_CUTS
+    assert set(eng.graph_report["graphs_per_width"].values()) == {len(CHAIN_CUTS) + 1}
+    print("graph report", eng.graph_report)
     decoding(eng, 3)
     replay_equals_plain_forward(eng, 4)
 

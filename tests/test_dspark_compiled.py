@@ -138,6 +138,8 @@ def test_compiled_dspark_tokens_equal_plain(mini, mini_dir, reqs, monkeypatch, m
     if mode == "FULL":        # verify steps replayed (at 6, 12 or 24 rows)
         replays = {w: g.replays for w, g in eng.runner.graphs.graphs.items()}
         assert sum(replays[w] for w in (6, 12, 24)) > 0, replays
+        # each capture saw the compiled pieces announce themselves (a chain's cut points)
+        assert min(g.pieces for g in eng.runner.graphs.graphs.values()) >= eng.cfg.num_hidden_layers
         assert eng.runner.spec.graphs.replays > 0       # the draft replayed its graphs
     # the draft's context rings (ring layers past the target's) are the eager DSpark engine's
     ref = mini_engine(mini_dir, weights, **DSPARK, decoder_swa_bounded_replay=replay)

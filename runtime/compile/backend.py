@@ -18,6 +18,7 @@ import torch
 
 from runtime.compile.config import CompileConfig
 from runtime.compile.debug import _dump_context
+from runtime.cuda_graph import piece_boundary
 
 log = logging.getLogger("v41.compile")
 
@@ -118,6 +119,7 @@ class PiecewiseBackend:
         """The compiled piece in place of its submodule (behind a PieceGraph with TR_HYBRID)."""
         sub = getattr(split_gm, target)
         fn = self.compile_piece(sub, args, target, name)
+        fn = _boundary(fn)
         if self.piece_graphs is not None:
             fn = self.piece_graphs.add(fn, args, f"{self.segment}.{target}.{name}")
         split_gm.__dict__[target] = fn
@@ -188,6 +190,14 @@ class PiecewiseBackend:
             (dump.parent / "piece_graph.py").write_text(gm.print_readable(print_output=False))
         with nocache, _dump_context(self.pass_manager, dump.parent if dump else None):
             return compile_fx(gm, args, config_patches=patches)
+
+
+def _boundary(fn):
+    """The piece, announced first to a FULL graph chain being captured (a possible cut point)."""
+    def piece(*args):
+        piece_boundary()
+        return fn(*args)
+    return piece
 
 
 def _drop_all_guards(entries):
