@@ -151,8 +151,8 @@ def test_a_decode_step_does_not_synchronize(cuda_weights, traces, monkeypatch):
     decoding(eng, 3)
     copies = []
 
-    def sample(rows, seqs, eos):        # runtime.sampler.sample, the one copy allowed
-        st = SamplingTensors.build(seqs, rows.shape[-1], rows.device, torch.float32, eos)
+    def sample(rows, seqs, eos, table=None, slots=None):     # runtime.sampler.sample, the one copy allowed
+        st = SamplingTensors.build(seqs, rows.shape[-1], rows.device, torch.float32, eos, table, slots)
         ids = sample_tensors(rows, st)
         torch.cuda.set_sync_debug_mode(0)
         copies.append(1)
