@@ -36,7 +36,7 @@ TINY_EXPERTS = (6, 2, 64, 64)
 DENSE_SWEEP = ({"block_n": 128}, {"block_n": 256}, {"split_k": 4}, {"split_k": 8}, {"num_stages": 4},
                {"num_warps": 8})
 EXPERT_SWEEP = ({"block_k": 128}, {"block_n_up": 64}, {"num_warps": 8}, {"block_n_down": 64},
-                {"num_warps": 8, "block_n_up": 64})
+                {"num_warps": 8, "block_n_up": 64}, {"splits": 1}, {"splits": 4}, {"splits": 20})
 SWEEP_M = (1, 64)
 
 

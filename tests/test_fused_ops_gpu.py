@@ -33,7 +33,8 @@ from custom_ops import moe as ref_moe  # noqa: E402
 from custom_ops import norm as ref_norm  # noqa: E402
 from custom_ops import registry  # noqa: E402
 from custom_ops import rope as ref_rope  # noqa: E402
-from custom_ops.triton.moe import triton_moe_experts, triton_moe_route  # noqa: E402
+from custom_ops.triton.moe import triton_moe_experts  # noqa: E402
+from custom_ops.triton.moe_route import triton_moe_route  # noqa: E402
 from custom_ops.triton.mhc import triton_mhc_mix  # noqa: E402
 from v41 import quant  # noqa: E402
 from v41.layers import Rope  # noqa: E402

@@ -206,9 +206,11 @@ else:
         return h, y, order
 
     @pytest.mark.parametrize("T,kw", [(1, {}), (6, {"block_m": 16, "block_n_up": 32, "block_n_down": 32}),
-                                      (6, {"block_k": 32}), (64, {"block_k": 128}), (300, {"block_m": 64})])
+                                      (6, {"block_k": 32}), (64, {"block_k": 128}), (300, {"block_m": 64}),
+                                      (6, {"block_k": 32, "splits": 2}), (300, {"block_k": 32, "splits": 2})])
     def test_w4a8_down_gemm_bound(g, T, kw):
-        """The down GEMM alone: each pair's y against its own h codes · w2[e] in float64."""
+        """The down GEMM alone: each pair's y against its own h codes · w2[e] in float64 (split-K:
+        the splits' FP32 sums added in order, within the same bound)."""
         E, D, I, k = 5, 96, 64, 3
         args = w4a8_case(g, T, E, D, I, k)
         x, ids, wts, w1, s1, w3, s3, w2, s2 = args
@@ -224,15 +226,16 @@ else:
         assert not y[valid].isnan().any()
         assert ((y[valid].double() - exact).abs() <= gamma(I) * S).all()
 
-    def test_w4a8_up_gemm_exact_inputs(g):
+    @pytest.mark.parametrize("kw", [{}, {"block_k": 32, "splits": 2}], ids=["one-split", "split-k"])
+    def test_w4a8_up_gemm_exact_inputs(g, kw):
         """Exactly summable inputs: the kernel's h (w2's quantized input) equals the reference's
         (fp8_qat of silu(g)·u·w with g, u exact), except where the pre-quant value sits within a
         few FP32 ulps of an FP8 rounding point (silu's exp may differ by an ulp): at most one
-        element in a thousand, and then by one E4M3 step."""
+        element in a thousand, and then by one E4M3 step. Split-K sums exact partials: the same."""
         T, E, D, I, k, limit = 40, 6, 64, 96, 2, 1.0e4
         args = w4a8_case(g, T, E, D, I, k, exact=True)
         x, ids, wts, w1, s1, w3, s3, w2, s2 = args
-        h, _, order = w4a8_expert_gemms(*args, limit)
+        h, _, order = w4a8_expert_gemms(*args, limit, **kw)
         h = h.double()
         pe = pair_experts(ids, order)
         live = pe >= 0
@@ -266,6 +269,21 @@ else:
         row_err = (out - r).double().norm(dim=1) / r.double().norm(dim=1).clamp(min=1e-30)
         tight = 1e-5 if dtype == torch.float32 else 1e-2
         assert (row_err[int(pad):] <= tight).float().mean() >= 0.75
+        assert float((out - r).double().norm() / r.double().norm()) < 2e-2
+
+    def test_moe_experts_w4a8_splits_k_by_shape(g, monkeypatch):
+        """The op's default split-K: about 8 K blocks a split, set by the GEMM's K alone (D =
+        1024: the up GEMMs in 2 splits, the down GEMM whole), and the op still gives the
+        reference's rows."""
+        from custom_ops.triton.moe import fp4_splits
+        assert (fp4_splits(1024, 64), fp4_splits(96, 64), fp4_splits(5120, 64)) == (2, 1, 10)
+        rne_bf16_casts(monkeypatch)
+        T, E, D, I, k = 2, 5, 1024, 64, 3
+        args = w4a8_case(g, T, E, D, I, k, dtype=torch.float32)
+        r, out = torch.empty(T, D), torch.full((T, D), float("nan"))
+        ref.moe_experts_w4a8(*args, 1.5, r)
+        triton_moe_experts_w4a8(*args, 1.5, out)
+        assert not out.isnan().any()
         assert float((out - r).double().norm() / r.double().norm()) < 2e-2
 
     def test_moe_experts_w4a8_no_tokens(g):

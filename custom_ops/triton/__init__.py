@@ -12,7 +12,8 @@ from custom_ops.triton.attn_out import triton_inv_rope_wo_a  # noqa: F401
 from custom_ops.triton.fp8_gemm import triton_fp8_act_quant, triton_fp8_block_gemm  # noqa: F401
 from custom_ops.triton.engram import triton_engram_gate, triton_engram_gather  # noqa: F401
 from custom_ops.triton.mhc import triton_hc_collapse, triton_hc_expand, triton_mhc_mix  # noqa: F401
-from custom_ops.triton.moe import triton_moe_experts, triton_moe_route  # noqa: F401
+from custom_ops.triton.moe import triton_moe_experts  # noqa: F401
+from custom_ops.triton.moe_route import triton_moe_route  # noqa: F401
 from custom_ops.triton.moe_w4a8 import triton_moe_experts_w4a8  # noqa: F401
 from custom_ops.triton.norm import triton_rms_norm, triton_rms_norm_fp8  # noqa: F401
 from custom_ops.triton.rope import triton_rope, triton_rope_fp8_qat  # noqa: F401

@@ -1,11 +1,5 @@
-"""Triton impls of `v41::moe_route` and `v41::moe_experts` (custom_ops/moe.py is the definition).
-
-moe_route, two launches. Scores: the split-K skinny GEMM of common.py, x[T, D] · gateᵀ in FP32
-with full-precision products (Flash: E = 384 in 64-wide tiles, K split to fill the GPU at
-decode). Selection, BLOCK_T tokens x all experts per program: the splits summed in a fixed
-order, sqrt(softplus) (torch's threshold 20; log1p by the compensated log(1+u)·u/((1+u)-1)),
-then top_k rounds of (max of the biased scores, smallest expert id among the maxima), the
-unbiased score gathered per round, the weights normalized and scaled at the end.
+"""Triton impl of `v41::moe_experts` (custom_ops/moe.py is the definition; the routing is
+moe_route.py).
 
 moe_experts: tokens sorted by expert, grouped GEMM tiles, a deterministic reduction.
   0. x is FP8-QAT'd once ([T, D], common.fp8_qat); the (token, slot) pairs are sorted by expert
@@ -13,12 +7,15 @@ moe_experts: tokens sorted by expert, grouped GEMM tiles, a deterministic reduct
      are a contiguous run, cut into BLOCK_M-row tiles; a static upper bound of tiles
      (cdiv(T·k, BLOCK_M) + min(E, T·k)) is launched and the tiles past the real count return
      at once, so nothing on the host depends on the routing (CUDA-graph safe).
-  1. Up kernel, grid (tiles, I / BLOCK_N): gathers the tile's token rows of x_q, two
+  1. Up kernel, grid (tiles, I / BLOCK_N, K splits): gathers the tile's token rows of x_q, two
      accumulators (w1 and w3 tiles of the tile's expert), then in registers: both rounded to
      the activation dtype (the reference's GEMM outputs), clamp, silu, x routing weight, rounded,
      FP8 QAT per 32 along I (BLOCK_N is a multiple of 32) -> h [pairs in expert order, I].
-  2. Down kernel, grid (tiles, D / BLOCK_N): h tile · w2[e]ᵀ, rounded to the activation dtype,
-     stored at the pair's own row of y [T·k, D].
+     Split-K (the FP4 experts): each split's FP32 sums go to partials and a second kernel adds
+     them in split order before that epilogue.
+  2. Down kernel, grid (tiles, D / BLOCK_N, K splits): h tile · w2[e]ᵀ, rounded to the
+     activation dtype, stored at the pair's own row of y [T·k, D] (split-K: partials, summed
+     in split order by a second kernel).
   3. Reduce, grid (token tiles, D tiles): out[t] = Σ of the token's valid slots in ascending
      expert id, in FP32 from 0 — the reference's accumulation order, so the result does not
      depend on the batch or on atomics.
@@ -32,82 +29,15 @@ import triton.language as tl
 
 from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, fp8_qat_groups, skinny_gemm
+from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, fp8_qat_groups
 from custom_ops.triton.fp8_gemm import e8m0_to_op
 
-ROUTE_BLOCK_T = 4
 BLOCK_N_UP = 64
 BLOCK_N_DOWN = 128
 BLOCK_K = 64
 FP4_BLOCK_K = 64
 FP4_BLOCK_N_UP = 32
 REDUCE_BLOCK_D = 512
-
-
-# ---- routing ---------------------------------------------------------------------------------
-
-@triton.jit
-def _route_select_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, T, E, S, top_k, route_scale,
-                         stride_ps, stride_pt, stride_it, stride_wt,
-                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    e = tl.arange(0, BLOCK_E)
-    tmask = t < T
-    emask = e < E
-    t64 = t.to(tl.int64)
-    m2 = tmask[:, None] & emask[None, :]
-    raw = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    for s in range(S):
-        raw += tl.load(part_ptr + s * stride_ps + t64[:, None] * stride_pt + e[None, :], mask=m2,
-                       other=0.0)
-    u = tl.exp(raw)
-    v = 1.0 + u
-    log1p = tl.where(v == 1.0, u, tl.log(v) * (u / (v - 1.0)))
-    sc = tl.sqrt(tl.where(raw > 20.0, raw, log1p))
-    b = tl.load(bias_ptr + e, mask=emask, other=0.0)
-    biased = tl.where(m2, sc + b[None, :], float("-inf"))
-    kk = tl.arange(0, BLOCK_K)
-    sel_ids = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
-    sel_w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-    for r in range(top_k):
-        mx = tl.max(biased, axis=1)
-        sel = tl.min(tl.where(biased == mx[:, None], e[None, :], BLOCK_E), axis=1)
-        hit = e[None, :] == sel[:, None]
-        w = tl.sum(tl.where(hit, sc, 0.0), axis=1)
-        sel_ids = tl.where(kk[None, :] == r, sel[:, None], sel_ids)
-        sel_w = tl.where(kk[None, :] == r, w[:, None], sel_w)
-        biased = tl.where(hit, float("-inf"), biased)
-    tot = tl.sum(sel_w, axis=1)
-    wn = sel_w / (tot + 1e-20)[:, None] * route_scale
-    km = tmask[:, None] & (kk < top_k)[None, :]
-    tl.store(ids_ptr + t64[:, None] * stride_it + kk[None, :], sel_ids.to(ids_ptr.dtype.element_ty), mask=km)
-    tl.store(w_ptr + t64[:, None] * stride_wt + kk[None, :], wn.to(w_ptr.dtype.element_ty), mask=km)
-
-
-def triton_moe_route(x, gate, bias, top_k, route_scale, ids, weights, *,
-                     split: int | None = None) -> None:
-    """`v41::moe_route` (same signature); `split`: K splits of the score GEMM."""
-    T, D = x.shape
-    E = gate.shape[0]
-    if x.dtype not in TL_DTYPES or gate.dtype != torch.float32 or bias.dtype != torch.float32 or \
-            weights.dtype != torch.float32 or ids.dtype not in (torch.int64, torch.int32) or top_k > E:
-        return _ref.moe_route(x, gate, bias, top_k, route_scale, ids, weights)
-    if T == 0:
-        return
-    x = x if x.stride(1) == 1 else x.contiguous()
-    part, _ = skinny_gemm(x, gate, False, split=split)
-    dst_i, dst_w = (t if t.stride(1) == 1 or top_k == 1 else
-                    torch.empty_like(t, memory_format=torch.contiguous_format) for t in (ids, weights))
-    BLOCK_E = triton.next_power_of_2(E)
-    bt = max(1, min(ROUTE_BLOCK_T, 4096 // BLOCK_E))
-    _route_select_kernel[(triton.cdiv(T, bt),)](
-        part, bias.contiguous(), dst_i, dst_w, T, E, part.shape[0], top_k, route_scale,
-        part.stride(0), part.stride(1), dst_i.stride(0), dst_w.stride(0),
-        BLOCK_T=bt, BLOCK_E=BLOCK_E, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
-    if dst_i is not ids:
-        ids.copy_(dst_i)
-    if dst_w is not weights:
-        weights.copy_(dst_w)
 
 
 # ---- experts ---------------------------------------------------------------------------------
@@ -153,13 +83,17 @@ def even_odd(a_rows, rmask, k0, K, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr)
 
 
 @triton.jit
-def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr,
-                   n_tiles, I, D, k, limit,
+def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr, part_ptr,
+                   n_tiles, I, D, k, limit, k_split,
                    stride_x, stride_w1e, stride_w1n, stride_w3e, stride_w3n, stride_se, stride_sn, stride_h,
+                   stride_ps, stride_pu,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr):
+                   DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr, SPLIT: tl.constexpr):
+    """One (tile, N block, K split): with SPLIT the two FP32 sums over the split's K range go to
+    the partials [splits, 2, rows, I] (_moe_up_sum_kernel finishes them), else the epilogue."""
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
+    k_lo = tl.program_id(2) * k_split
     r0 = tl.load(meta_ptr + n_tiles + tile)
     r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
     if r0 >= r1:
@@ -179,7 +113,7 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
     sc = e * stride_se + rn.to(tl.int64) * stride_sn        # w1 and w3 share their scale strides
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, D, BLOCK_K):
+    for k0 in range(k_lo, tl.minimum(D, k_lo + k_split), BLOCK_K):
         if FP4:
             a_even, a_odd = even_odd(a_rows, rmask, k0, D, BLOCK_K, DOT_F32)
             g_even, g_odd = fp4_tile(b1, s1_ptr + sc, k0, D, nmask, BLOCK_K, BLOCK_N, DOT_F32)
@@ -199,6 +133,19 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
                 wu = wu.to(tl.float32)
             acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
             acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
+    if SPLIT:
+        at = part_ptr + tl.program_id(2) * stride_ps + rows.to(tl.int64)[:, None] * I + rn[None, :]
+        tl.store(at, acc_g, mask=rmask[:, None] & nmask[None, :])
+        tl.store(at + stride_pu, acc_u, mask=rmask[:, None] & nmask[None, :])
+    else:
+        swiglu_store(acc_g, acc_u, wt, rows, rn, rmask, nmask, h_ptr, stride_h, limit, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def swiglu_store(acc_g, acc_u, wt, rows, rn, rmask, nmask, h_ptr, stride_h, limit,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The up GEMMs' epilogue: both sums rounded to the activation dtype (the reference's GEMM
+    outputs), clamp, silu, x routing weight, rounded, FP8 QAT per 32 along I -> h rows."""
     act = h_ptr.dtype.element_ty
     g = acc_g.to(act).to(tl.float32)
     u = acc_u.to(act).to(tl.float32)
@@ -212,12 +159,40 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles, D, I,
-                     stride_h, stride_w2e, stride_w2n, stride_se, stride_sn, stride_y,
+def _moe_up_sum_kernel(part_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr, n_tiles, I, splits, limit,
+                       stride_ps, stride_pu, stride_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split-K up GEMMs, grid (tiles, N blocks): the partials summed in split order from 0,
+    then the epilogue."""
+    tile = tl.program_id(0)
+    r0 = tl.load(meta_ptr + n_tiles + tile)
+    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
+    if r0 >= r1:
+        return
+    rows = r0 + tl.arange(0, BLOCK_M)
+    rmask = rows < r1
+    wt = tl.load(wts_ptr + tl.load(order_ptr + rows, mask=rmask, other=0), mask=rmask, other=0.0).to(tl.float32)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < I
+    m = rmask[:, None] & nmask[None, :]
+    at = part_ptr + rows.to(tl.int64)[:, None] * I + rn[None, :]
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for sp in range(splits):
+        acc_g += tl.load(at + sp * stride_ps, mask=m, other=0.0)
+        acc_u += tl.load(at + sp * stride_ps + stride_pu, mask=m, other=0.0)
+    swiglu_store(acc_g, acc_u, wt, rows, rn, rmask, nmask, h_ptr, stride_h, limit, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, part_ptr, n_tiles, D, I, k_split,
+                     stride_h, stride_w2e, stride_w2n, stride_se, stride_sn, stride_y, stride_ps,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr):
+                     DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr, SPLIT: tl.constexpr):
+    """One (tile, N block, K split): y rows at the pairs' own rows, or with SPLIT the FP32 sum
+    over the split's K range into the partials [splits, pairs, D] (_moe_down_sum_kernel)."""
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
+    k_lo = tl.program_id(2) * k_split
     r0 = tl.load(meta_ptr + n_tiles + tile)
     r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
     if r0 >= r1:
@@ -233,7 +208,7 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles,
     b = w2_ptr + e * stride_w2e + rn.to(tl.int64) * stride_w2n
     sc = s2_ptr + e * stride_se + rn.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in range(k_lo, tl.minimum(I, k_lo + k_split), BLOCK_K):
         if FP4:
             a_even, a_odd = even_odd(a_rows, rmask, k0, I, BLOCK_K, DOT_F32)
             w_even, w_odd = fp4_tile(b, sc, k0, I, nmask, BLOCK_K, BLOCK_N, DOT_F32)
@@ -247,8 +222,33 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles,
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
             acc = tl.dot(a, w, acc, input_precision=PREC)
-    tl.store(y_ptr + pair[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=rmask[:, None] & nmask[None, :])
+    if SPLIT:
+        tl.store(part_ptr + tl.program_id(2) * stride_ps + pair[:, None] * D + rn[None, :], acc,
+                 mask=rmask[:, None] & nmask[None, :])
+    else:
+        tl.store(y_ptr + pair[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _moe_down_sum_kernel(part_ptr, order_ptr, meta_ptr, y_ptr, n_tiles, D, splits, stride_ps, stride_y,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split-K down GEMM, grid (tiles, N blocks): each pair's partials summed in split order
+    from 0, rounded to the activation dtype at the pair's row of y."""
+    tile = tl.program_id(0)
+    r0 = tl.load(meta_ptr + n_tiles + tile)
+    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
+    if r0 >= r1:
+        return
+    rows = r0 + tl.arange(0, BLOCK_M)
+    rmask = rows < r1
+    pair = tl.load(order_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = rmask[:, None] & (rn < D)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for sp in range(splits):
+        acc += tl.load(part_ptr + sp * stride_ps + pair[:, None] * D + rn[None, :], mask=m, other=0.0)
+    tl.store(y_ptr + pair[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -315,12 +315,29 @@ def fits(x, weights, I: int, out, knobs) -> bool:
         not (knobs.get("block_n_up") or BLOCK_N_UP) % 32 and all(t.stride(-1) == 1 for t in weights)
 
 
+def fp4_splits(K: int, block_k: int) -> int:
+    """Split-K count of an FP4 expert GEMM over K: about 8 K blocks a program (one token's six
+    experts are few tiles, each walking K alone). Set by the shape, not the batch, so a pair's
+    sums do not depend on the other tokens; that path serves at most DECODE_PAIRS pairs, so the
+    FP32 partials stay small."""
+    return max(1, triton.cdiv(K, block_k) // 8)
+
+
+def _k_split(K: int, block_k: int, splits: int) -> tuple[int, int]:
+    """(K range of a split, a multiple of block_k; the number of splits, none empty)."""
+    per = triton.cdiv(triton.cdiv(K, block_k), splits) * block_k
+    return per, triton.cdiv(K, per)
+
+
 def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int | None = None,
                 block_n_up: int | None = None, block_n_down: int | None = None,
-                block_k: int | None = None, num_warps: int = 4, hidden: list | None = None) -> None:
+                block_k: int | None = None, splits: int | None = None, num_warps: int = 4,
+                hidden: list | None = None) -> None:
     """Steps 0-3 on dequantized experts (`scales` None) or packed FP4 ones (`scales` = their
-    E8M0 scales as uint8: (s1, s3, s2)); `hidden`, when given, receives (h, order, y): w2's
-    input rows in expert order, the sort, the per-pair outputs, for the tests."""
+    E8M0 scales as uint8: (s1, s3, s2)); `splits`: split-K count of both GEMMs (default: 1,
+    FP4 `fp4_splits` of each GEMM's K), whose FP32 partials a second kernel sums in split order;
+    `hidden`, when given, receives (h, order, y): w2's input rows in expert order, the sort, the
+    per-pair outputs, for the tests."""
     T, D = x.shape
     E, I = w1.shape[:2]
     k = ids.shape[1]
@@ -343,14 +360,27 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
     prec = "ieee" if interp else dot_precision(x)
     s1, s3, s2 = scales if fp4 else (w1, w3, w2)        # placeholders the dense kernels never read
     ss1, ss2 = (s1.stride(), s2.stride()) if fp4 else ((0, 0, 0), (0, 0, 0))
-    _moe_up_kernel[(n_tiles, triton.cdiv(I, bnu))](
-        xq, w1, w3, s1, s3, order, wts, meta, h, n_tiles, I, D, k, limit,
+    ku, su = _k_split(D, bk, splits or (fp4_splits(D, bk) if fp4 else 1))
+    kd, sd = _k_split(I, bk, splits or (fp4_splits(I, bk) if fp4 else 1))
+    pu = torch.empty(su, 2, T * k, I, dtype=torch.float32, device=dev) if su > 1 else h
+    pd = torch.empty(sd, T * k, D, dtype=torch.float32, device=dev) if sd > 1 else y
+    _moe_up_kernel[(n_tiles, triton.cdiv(I, bnu), su)](
+        xq, w1, w3, s1, s3, order, wts, meta, h, pu, n_tiles, I, D, k, limit, ku,
         xq.stride(0), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), ss1[0], ss1[1], h.stride(0),
-        BLOCK_M=bm, BLOCK_N=bnu, BLOCK_K=bk, DOT_F32=f32, PREC=prec, FP4=fp4, num_warps=num_warps)
-    _moe_down_kernel[(n_tiles, triton.cdiv(D, bnd))](
-        h, w2, s2, order, meta, y, n_tiles, D, I, h.stride(0), w2.stride(0), w2.stride(1), ss2[0], ss2[1],
-        y.stride(0), BLOCK_M=bm, BLOCK_N=bnd, BLOCK_K=bk, DOT_F32=f32, PREC=prec, FP4=fp4,
-        num_warps=num_warps)
+        pu.stride(0), T * k * I,
+        BLOCK_M=bm, BLOCK_N=bnu, BLOCK_K=bk, DOT_F32=f32, PREC=prec, FP4=fp4, SPLIT=su > 1, num_warps=num_warps)
+    if su > 1:
+        _moe_up_sum_kernel[(n_tiles, triton.cdiv(I, bnu))](
+            pu, order, wts, meta, h, n_tiles, I, su, limit, pu.stride(0), T * k * I, h.stride(0),
+            BLOCK_M=bm, BLOCK_N=bnu, num_warps=num_warps)
+    _moe_down_kernel[(n_tiles, triton.cdiv(D, bnd), sd)](
+        h, w2, s2, order, meta, y, pd, n_tiles, D, I, kd, h.stride(0), w2.stride(0), w2.stride(1), ss2[0], ss2[1],
+        y.stride(0), pd.stride(0), BLOCK_M=bm, BLOCK_N=bnd, BLOCK_K=bk, DOT_F32=f32, PREC=prec, FP4=fp4,
+        SPLIT=sd > 1, num_warps=num_warps)
+    if sd > 1:
+        _moe_down_sum_kernel[(n_tiles, triton.cdiv(D, bnd))](
+            pd, order, meta, y, n_tiles, D, sd, pd.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=bnd,
+            num_warps=num_warps)
     reduce_pairs(y, ids, E, out)
     if hidden is not None:
         hidden.extend((h, order, y))
@@ -373,5 +403,4 @@ def reduce_pairs(y: torch.Tensor, ids: torch.Tensor, E: int, out: torch.Tensor) 
         out.copy_(dst)
 
 
-register_impl("moe_route", "triton", triton_moe_route, device_type="cuda")
 register_impl("moe_experts", "triton", triton_moe_experts, device_type="cuda")
