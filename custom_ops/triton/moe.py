@@ -142,6 +142,19 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
 
 
 @triton.jit
+def tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M: tl.constexpr):
+    """This program's tile of expert_tiles: (first row, end row, expert, sorted rows, their mask,
+    their (token, slot) pair ids); end <= first for a tile past the real count."""
+    tile = tl.program_id(0)
+    r0 = tl.load(meta_ptr + n_tiles + tile)
+    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
+    e = tl.load(meta_ptr + tile).to(tl.int64)
+    rows = r0 + tl.arange(0, BLOCK_M)
+    rmask = rows < r1
+    return r0, r1, e, rows, rmask, tl.load(order_ptr + rows, mask=rmask, other=0)
+
+
+@triton.jit
 def swiglu_store(acc_g, acc_u, wt, rows, rn, rmask, nmask, h_ptr, stride_h, limit,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The up GEMMs' epilogue: both sums rounded to the activation dtype (the reference's GEMM
@@ -163,14 +176,10 @@ def _moe_up_sum_kernel(part_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr, n_tiles, I
                        stride_ps, stride_pu, stride_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Split-K up GEMMs, grid (tiles, N blocks): the partials summed in split order from 0,
     then the epilogue."""
-    tile = tl.program_id(0)
-    r0 = tl.load(meta_ptr + n_tiles + tile)
-    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
+    r0, r1, _, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
-    rows = r0 + tl.arange(0, BLOCK_M)
-    rmask = rows < r1
-    wt = tl.load(wts_ptr + tl.load(order_ptr + rows, mask=rmask, other=0), mask=rmask, other=0.0).to(tl.float32)
+    wt = tl.load(wts_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < I
     m = rmask[:, None] & nmask[None, :]
@@ -235,14 +244,10 @@ def _moe_down_sum_kernel(part_ptr, order_ptr, meta_ptr, y_ptr, n_tiles, D, split
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Split-K down GEMM, grid (tiles, N blocks): each pair's partials summed in split order
     from 0, rounded to the activation dtype at the pair's row of y."""
-    tile = tl.program_id(0)
-    r0 = tl.load(meta_ptr + n_tiles + tile)
-    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
+    r0, r1, _, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
-    rows = r0 + tl.arange(0, BLOCK_M)
-    rmask = rows < r1
-    pair = tl.load(order_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    pair = pair.to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = rmask[:, None] & (rn < D)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)

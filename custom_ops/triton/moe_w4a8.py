@@ -27,7 +27,8 @@ from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES
 from custom_ops.triton.fp8_gemm import GROUP, GROUP_K, e8m0_to_f32, fp8_quant_groups, triton_fp8_act_quant
-from custom_ops.triton.moe import FP4_BLOCK_K, FP4_BLOCK_N_UP, _block_m, expert_tiles, fits, reduce_pairs, run_experts
+from custom_ops.triton.moe import (FP4_BLOCK_K, FP4_BLOCK_N_UP, _block_m, expert_tiles, fits, reduce_pairs,
+                                  run_experts, tile_rows)
 
 BLOCK_N_UP = 64
 BLOCK_N_DOWN = 64
@@ -46,19 +47,6 @@ def e2m1_tile(w_rows, kb, nmask, BLOCK_N: tl.constexpr):
                    ((((m >> 1) + 126) << 23) | ((m & 1) << 22)).to(tl.float32, bitcast=True))
     v = tl.where((c & 8) != 0, -mag, mag)
     return tl.trans(v).to(tl.float8e4nv)
-
-
-@triton.jit
-def tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M: tl.constexpr):
-    """This program's tile of expert_tiles: (first row, end row, expert, sorted rows, their mask,
-    their (token, slot) pair ids); end <= first for a tile past the real count."""
-    tile = tl.program_id(0)
-    r0 = tl.load(meta_ptr + n_tiles + tile)
-    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
-    e = tl.load(meta_ptr + tile).to(tl.int64)
-    rows = r0 + tl.arange(0, BLOCK_M)
-    rmask = rows < r1
-    return r0, r1, e, rows, rmask, tl.load(order_ptr + rows, mask=rmask, other=0)
 
 
 @triton.jit
