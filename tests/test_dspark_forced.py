@@ -106,12 +106,15 @@ def test_server_refuses_it_without_allow_benchmark_only(monkeypatch, capsys):
 
 
 def test_bench_smoke(tmp_path):
-    """benchmarks/dspark_bench.py on the CPU toy, tiny sizes: plain and dspark rows of issue
+    """benchmarks/dspark_bench.py on the CPU mini model, tiny sizes: plain and dspark rows of issue
     17's shape at each batch size, DSpark at the forced acceptance length (the default 3.51), and
     a profiled step per case with the step's and DSpark's phases named, and each phase's host
     time over the timed steps without the profiler."""
     out, prof = tmp_path / "bench.json", tmp_path / "profiles.txt"
-    res = dspark_bench.main(["--model", "toy", "--device", "cpu", "--dtype", "float32", "--ctx", "20",
+    mini = tmp_path / "mini"        # 8 layers, not the toy's 40: each profiled step parses 5x fewer events
+    mini.mkdir()
+    (mini / "config.json").write_text(json.dumps(H.mini_cfg().to_hf_dict()))
+    res = dspark_bench.main(["--model", str(mini), "--device", "cpu", "--dtype", "float32", "--ctx", "20",
                              "--steps", "3", "--batch-sizes", "1,2", "--rounds", "1", "--out", str(out),
                              "--profile", str(prof)])
     assert json.loads(out.read_text()) == res
