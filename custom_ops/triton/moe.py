@@ -339,8 +339,9 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
                 block_k: int | None = None, splits: int | None = None, num_warps: int = 4,
                 hidden: list | None = None) -> None:
     """Steps 0-3 on dequantized experts (`scales` None) or packed FP4 ones (`scales` = their
-    E8M0 scales as uint8: (s1, s3, s2)); `splits`: split-K count of both GEMMs (default: 1,
-    FP4 `fp4_splits` of each GEMM's K), whose FP32 partials a second kernel sums in split order;
+    E8M0 scales as uint8: (s1, s3, s2)); `splits`: split-K count of both GEMMs (default: 1 for
+    dequantized experts, `fp4_splits` of each GEMM's K for FP4 ones), whose FP32 partials a
+    second kernel sums in split order;
     `hidden`, when given, receives (h, order, y): w2's input rows in expert order, the sort, the
     per-pair outputs, for the tests."""
     T, D = x.shape
