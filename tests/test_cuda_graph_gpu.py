@@ -1,6 +1,6 @@
 """FULL and TR_HYBRID CUDA graphs and the sync-free step on a GPU (`pytest -m gpu
 tests/test_cuda_graph_gpu.py` on the H200; the module takes longer than one 10-minute device
-call: `tools/gpu_checks.sh OUT graphtests` runs it in four processes, each a group of tests that
+call: `tools/gpu_checks.sh OUT graphtests` runs it in six processes, each a group of tests that
 share one compile; what has passed is in benchmarks/results/gpu-tests-h200.txt).
 The CPU versions, with a recording stand-in: tests/test_cuda_graph_cpu.py, test_token_graphs.py.
 
