@@ -31,15 +31,3 @@ def toy_weights(toy_cfg):
 def toy_token_map(toy_cfg):
     from v41.tokenizer import load_tokenizer
     return load_tokenizer("toy", toy_cfg)[1]
-
-
-# Files that take minutes of a worker (cpu-suite-20261203.json), handed out first: with whole
-# files per worker, a long file taken last leaves the other worker idle until it ends.
-LONG_FILES = ("test_dspark_compiled.py", "test_compiled_invariance.py", "test_runtime_parity.py",
-              "test_token_graphs.py", "test_compile_segments.py", "test_tensor_parallel.py", "test_server.py",
-              "test_dspark_engine.py", "test_dspark_forced.py", "test_kernels_cpu.py", "test_native_gemm.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    first = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))    # stable: files keep their order
