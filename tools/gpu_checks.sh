@@ -58,12 +58,13 @@ graphtests)
   export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / ${#groups[@]} > 0 ? $(nproc) / ${#groups[@]} : 1 ))
   i=0
   for k in "${groups[@]}"; do
-    timeout 570 $py -m pytest -v -rA -p no:xdist -m gpu --timeout=540 --tb=short --durations=0 -p no:cacheprovider \
-      tests/test_cuda_graph_gpu.py -k "$k" > "$OUT/graphtests-$i.log" 2>&1 &
+    { timeout 570 $py -m pytest -v -rA -p no:xdist -m gpu --timeout=540 --tb=short --durations=0 -p no:cacheprovider \
+        tests/test_cuda_graph_gpu.py -k "$k" > "$OUT/graphtests-$i.log" 2>&1
+      echo "rc=$?" >> "$OUT/graphtests-$i.log"; } &
     i=$((i + 1))
   done
   wait
-  echo "rc=$?"; grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed|s call " "$OUT"/graphtests-*.log | head -80 ;;
+  grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed|s call |^rc=" "$OUT"/graphtests-*.log | head -80 ;;
 graphs)
   step "step_bench eager,compiled,full"
   timeout 560 $py benchmarks/step_bench.py --variants eager,compiled,full --no-agreement \
