@@ -83,6 +83,19 @@ def even_odd(a_rows, rmask, k0, K, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr)
 
 
 @triton.jit
+def tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M: tl.constexpr):
+    """This program's tile of expert_tiles: (first row, end row, expert, sorted rows, their mask,
+    their (token, slot) pair ids); end <= first for a tile past the real count."""
+    tile = tl.program_id(0)
+    r0 = tl.load(meta_ptr + n_tiles + tile)
+    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
+    e = tl.load(meta_ptr + tile).to(tl.int64)
+    rows = r0 + tl.arange(0, BLOCK_M)
+    rmask = rows < r1
+    return r0, r1, e, rows, rmask, tl.load(order_ptr + rows, mask=rmask, other=0)
+
+
+@triton.jit
 def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr, part_ptr,
                    n_tiles, I, D, k, limit, k_split,
                    stride_x, stride_w1e, stride_w1n, stride_w3e, stride_w3n, stride_se, stride_sn, stride_h,
@@ -91,17 +104,11 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
                    DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr, SPLIT: tl.constexpr):
     """One (tile, N block, K split): with SPLIT the two FP32 sums over the split's K range go to
     the partials [splits, 2, rows, I] (_moe_up_sum_kernel finishes them), else the epilogue."""
-    tile = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    k_lo = tl.program_id(2) * k_split
-    r0 = tl.load(meta_ptr + n_tiles + tile)
-    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
+    r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
-    e = tl.load(meta_ptr + tile).to(tl.int64)
-    rows = r0 + tl.arange(0, BLOCK_M)
-    rmask = rows < r1
-    pair = tl.load(order_ptr + rows, mask=rmask, other=0)
+    pid_n = tl.program_id(1)
+    k_lo = tl.program_id(2) * k_split
     tok = (pair // k).to(tl.int64)
     wt = tl.load(wts_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,19 +146,6 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
         tl.store(at + stride_pu, acc_u, mask=rmask[:, None] & nmask[None, :])
     else:
         swiglu_store(acc_g, acc_u, wt, rows, rn, rmask, nmask, h_ptr, stride_h, limit, BLOCK_M, BLOCK_N)
-
-
-@triton.jit
-def tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M: tl.constexpr):
-    """This program's tile of expert_tiles: (first row, end row, expert, sorted rows, their mask,
-    their (token, slot) pair ids); end <= first for a tile past the real count."""
-    tile = tl.program_id(0)
-    r0 = tl.load(meta_ptr + n_tiles + tile)
-    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
-    e = tl.load(meta_ptr + tile).to(tl.int64)
-    rows = r0 + tl.arange(0, BLOCK_M)
-    rmask = rows < r1
-    return r0, r1, e, rows, rmask, tl.load(order_ptr + rows, mask=rmask, other=0)
 
 
 @triton.jit
@@ -199,17 +193,12 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, part_ptr
                      DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr, SPLIT: tl.constexpr):
     """One (tile, N block, K split): y rows at the pairs' own rows, or with SPLIT the FP32 sum
     over the split's K range into the partials [splits, pairs, D] (_moe_down_sum_kernel)."""
-    tile = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    k_lo = tl.program_id(2) * k_split
-    r0 = tl.load(meta_ptr + n_tiles + tile)
-    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
+    r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
-    e = tl.load(meta_ptr + tile).to(tl.int64)
-    rows = r0 + tl.arange(0, BLOCK_M)
-    rmask = rows < r1
-    pair = tl.load(order_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    k_lo = tl.program_id(2) * k_split
+    pair = pair.to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < D
     rk = tl.arange(0, BLOCK_K)
