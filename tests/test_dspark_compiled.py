@@ -37,6 +37,14 @@ WIDTHS = (1, 2, 4, 6, 12, 24)
 MAX_TOKENS = 10
 
 
+@pytest.fixture(scope="module", autouse=True)
+def shared_traces():
+    """Engines of one compile key share its traced segments (runtime/compile: TraceCache): the
+    FULL test's target and test_compile_runner_compiles_the_draft's trace once between them."""
+    with C.TraceCache().active() as traces:
+        yield traces
+
+
 @pytest.fixture(scope="module")
 def mini():
     from v41.loader import dummy_weights
@@ -68,20 +76,18 @@ def until_done(eng, reqs, params) -> dict:
     return {i: s.completion_token_ids for i, s in live.items()}
 
 
-def compile_engine(eng, mode: str, patch) -> None:
-    """Install the compiled forward on `eng` (and, for FULL or TR_HYBRID, its graphs), as
-    runtime.compile.compile_runner and the engine's capture do on a GPU."""
+def compile_config(args, cache_dir, hybrid: bool = False) -> C.CompileConfig:
+    return C.CompileConfig(backend="post_grad_eager", split=args.decoder_swa_bounded_replay, cache_dir=str(cache_dir),
+                           splitting_ops=SPLITTING_OPS if hybrid else ())
+
+
+def compile_engine(eng, mode: str, patch, cache_dir) -> None:
+    """Install the compiled forward on `eng` (the engine's compile_runner, draft included) and,
+    for FULL or TR_HYBRID, its graphs as the engine's capture does on a GPU."""
     r = eng.runner
     hybrid = mode == "TR_HYBRID"
-    ccfg = C.CompileConfig(backend="post_grad_eager", split=eng.args.decoder_swa_bounded_replay,
-                           splitting_ops=SPLITTING_OPS if hybrid else ())
-    fwd = C.CompiledForward(r.model, r.cache, ccfg)
-    r.use_forward(fwd, static_shapes=True)
-    with torch.inference_mode():
-        fwd(r.padding_batch(r.max_tokens), r.cache)
-    fwd.finish_warmup()
-    if r.spec is not None:
-        C.compile_draft(r.spec, ccfg, fwd.pass_manager, (1, 2, 4), (1, r.max_tokens))
+    C.compile_runner(r, eng.args, compile_config(eng.args, cache_dir, hybrid))
+    fwd = r.forward
     if mode == "NONE":
         return
     if hybrid:
@@ -109,7 +115,7 @@ def test_full_widths_hold_verify_steps():
 
 @pytest.mark.parametrize("mode,replay", [("NONE", False), ("FULL", True), ("TR_HYBRID", True)],
                          ids=["compiled-no-decoder-replay", "full-decoder-replay", "tr_hybrid-decoder-replay"])
-def test_compiled_dspark_tokens_equal_plain(mini, mini_dir, reqs, monkeypatch, mode, replay):
+def test_compiled_dspark_tokens_equal_plain(mini, mini_dir, reqs, monkeypatch, tmp_path, mode, replay):
     weights = mini[1]
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     baseline = until_done(mini_engine(mini_dir, weights, decoder_swa_bounded_replay=replay), reqs, params)
@@ -121,7 +127,7 @@ def test_compiled_dspark_tokens_equal_plain(mini, mini_dir, reqs, monkeypatch, m
 
     def make_engine(w, **kw):
         eng = mini_engine(mini_dir, w, **kw)
-        compile_engine(eng, mode, monkeypatch)
+        compile_engine(eng, mode, monkeypatch, tmp_path)
         for block in eng.runner.spec.draft.blocks:
             block.forward = lambda *a, _f=block.forward, **k: (eager_draft_blocks.append(1), _f(*a, **k))[1]
         return eng
@@ -153,8 +159,7 @@ def test_compile_runner_compiles_the_draft(mini, mini_dir, tmp_path):
     """compile_runner (the engine's compile) compiles a DSpark engine's draft blocks as one
     Dynamo graph of one piece per stage, warm at every draft request count."""
     eng = mini_engine(mini_dir, mini[1], **DSPARK)
-    ccfg = C.CompileConfig(backend="post_grad_eager", split=True, cache_dir=str(tmp_path))
-    rep = C.compile_runner(eng.runner, eng.args, ccfg)
+    rep = C.compile_runner(eng.runner, eng.args, compile_config(eng.args, tmp_path))
     n_draft = len(eng.runner.spec.draft.blocks)
     assert rep["draft"]["counts"] == list(eng.args.decode_sizes())
     assert rep["draft"]["stats"]["graphs"] == 1 and rep["draft"]["stats"]["pieces"] == n_draft

@@ -59,16 +59,36 @@ def test_fp8_block_gemm(M, N, K):
         assert ((r.double() - exact).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("T", [1, 16, 64, 2048])
-def test_moe_experts_w4a8(T):
+def experts_case(T):
+    """(inputs, reference output, NaN-poisoned output) of a W4A8 expert case with D = 1024, I = 512."""
     g = torch.Generator().manual_seed(T)
     E, D, I, k = 32, 1024, 512, 6
     args = [t.to(DEV) for t in w4a8_case(g, T, E, D, I, k, dtype=torch.bfloat16, pad_token=T > 1)]
-    out = torch.full((T, D), float("nan"), device=DEV)
-    torch.ops.v41.moe_experts_w4a8(*args, 10.0, out)
     r = torch.empty(T, D, device=DEV)
     with registry.using("reference", "cuda", names=("moe_experts_w4a8",)):
         torch.ops.v41.moe_experts_w4a8(*args, 10.0, r)
+    return args, r, torch.full((T, D), float("nan"), device=DEV)
+
+
+@pytest.mark.parametrize("T", [1, 16, 64, 2048])
+def test_moe_experts_w4a8(T):
+    args, r, out = experts_case(T)
+    torch.ops.v41.moe_experts_w4a8(*args, 10.0, out)
+    assert_experts_close(out, r, T)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("T", [1, 16])
+def test_moe_experts_w4a8_split_k(T, splits):
+    """Both GEMMs split over K (up: 16 K blocks of 64, down: 8) or not, as the decode path runs
+    them (the default, fp4_splits, splits the up GEMM in 2 and the down one not at these K)."""
+    from custom_ops.triton.moe_w4a8 import triton_moe_experts_w4a8
+    args, r, out = experts_case(T)
+    triton_moe_experts_w4a8(*args, 10.0, out, splits=splits)
+    assert_experts_close(out, r, T)
+
+
+def assert_experts_close(out, r, T):
     assert not out.isnan().any()
     if T > 1:
         assert (out[0] == 0).all()
