@@ -267,6 +267,24 @@ def test_tokens_through_the_engine_equal_the_eager_engine(request, mini_dir, nam
     assert graphs.counts()["misses"] == 0
 
 
+@pytest.mark.parametrize("name", ["every_row", "bounded"])
+def test_cancellations_leave_the_tokens_of_the_eager_engine(request, mini_dir, monkeypatch, name):
+    """tests/test_cuda_graph_gpu.py's cancel scenario (requests cancelled waiting, mid prefill,
+    mid decode; at most 3 running, so slots and pages are reused) on the replaying engine: the
+    eager engine's greedy tokens."""
+    eng = request.getfixturevalue(name)
+    sc = H.Scenario("cancel", engine={"max_num_seqs": 3}, hook=H.cancel_randomly(0.08), seed=2)
+    kw = {"decoder_swa_bounded_replay": eng.args.decoder_swa_bounded_replay, **sc.engine}
+    monkeypatch.setattr(H, "make_engine", lambda w, dtype, **_: engine(mini_dir, **kw))
+    want = H.run(None, H.prompts(), scenario=sc)
+    monkeypatch.setattr(eng.scheduler, "max_num_seqs", 3)
+    monkeypatch.setattr(H, "make_engine", lambda w, dtype, **_: eng)
+    replays = eng.runner.forward.piece_graphs.counts()["replays"]
+    got = H.run(None, H.prompts(), scenario=sc)
+    assert None in got.values() and got == want
+    assert eng.runner.forward.piece_graphs.counts()["replays"] > replays
+
+
 def test_padding_rows_of_a_replay_write_nothing(every_row, mini_dir):
     graphed = planes_written_by_a_step(every_row)         # 3 decoding requests at bucket 4
     plain = planes_written_by_a_step(engine(mini_dir, decoder_swa_bounded_replay=False))
