@@ -119,6 +119,20 @@ def test_tr_hybrid_replays_equal_the_compiled_forward(cuda_weights, replay):
     assert eng.bm.all_free and eng.runner.forward.piece_graphs.counts()["replays"] > 0
 
 
+def test_tr_hybrid_replays_equal_the_compiled_forward_under_cancellations(cuda_weights, monkeypatch):
+    """test_schedule_invariance_graphs_vs_none's cancel scenario (same engine settings), every
+    step replayed at its token bucket and checked against the compiled forward at that width:
+    requests cancelled waiting, mid prefill and mid decode, their slots and pages reused, change
+    no replay. Prints the tokens (those of the compiled forward at the buckets' widths)."""
+    sc = next(s for s in SCENARIOS if s.name == "cancel")
+    eng = engine(cuda_weights, cudagraph_mode="TR_HYBRID", enable_prefix_caching=False, **sc.engine)
+    monkeypatch.setattr(eng, "step", lambda: step_equals_plain_forward(eng, eng.scheduler.schedule()))
+    monkeypatch.setattr(H, "make_engine", lambda *a, **k: eng)
+    got = H.run(cuda_weights, H.prompts(), max_tokens=8, scenario=sc, dtype="float32")
+    print("tokens", got)
+    assert None in got.values() and eng.runner.forward.piece_graphs.counts()["replays"] > 0
+
+
 def test_tr_hybrid_padding_rows_are_inert(cuda_weights):
     graphed = planes_written_by_a_step(engine(cuda_weights, cudagraph_mode="TR_HYBRID", cudagraph_capture_sizes="4"))
     plain = planes_written_by_a_step(engine(cuda_weights, cudagraph_mode="NONE"))

@@ -4,8 +4,8 @@
 # packages importable (pip install -e '.[serve]', or PYTHONPATH holding their wheels).
 #
 #   tools/gpu_checks.sh OUT tests       # the `-m gpu` kernel/compile modules, one log each, first failure's traceback kept
-#   tools/gpu_checks.sh OUT graphtests [K]  # tests/test_cuda_graph_gpu.py in six processes grouped by
-#                                     # compile (or those -k K selects, in one)
+#   tools/gpu_checks.sh OUT graphtests [K...]  # tests/test_cuda_graph_gpu.py in seven processes grouped
+#                                     # by compile (or a process per -k expression K)
 #   tools/gpu_checks.sh OUT graphs    # step_bench: eager / compiled / full, wall and kernel time, and
 #                                     # profiler tables with the step's phases named (OUT/profiles.txt)
 #   tools/gpu_checks.sh OUT hybrid    # step_bench: compiled / full / tr_hybrid (after graphs: warm compile cache)
@@ -44,16 +44,18 @@ graphtests)
   # processes side by side, each running its tests one after another so that they share one
   # compile (the module's TraceCache: same compile key and signature): eight workers each
   # compiling the toy cold ran the harness's tests past 380-500 s apiece (2026-12-03).
-  # With K: one process over the tests -k K selects.
+  # With K...: a process per -k expression.
   step "tests/test_cuda_graph_gpu.py"
-  # The TR_HYBRID replay and padding tests build their engines without the TraceCache: a process each.
+  # The TR_HYBRID replay and padding tests build their engines without the TraceCache: a process each
+  # (a TR_HYBRID engine's pieces hold its own graphs).
   groups=("replay_equals or inert_under_replay or (schedule_invariance and FULL and not cancel) or does_not_synchronize"
           "schedule_invariance and TR_HYBRID and not cancel"
-          "tr_hybrid_replays_equal"
+          "tr_hybrid_replays_equal and not cancellations"
+          "tr_hybrid_replays_equal_the_compiled_forward_under_cancellations"
           "tr_hybrid_padding"
           "schedule_invariance and cancel"
           "dspark")
-  [ -n "${3:-}" ] && groups=("$3")
+  [ $# -gt 2 ] && groups=("${@:3}")
   # Inductor compiles with a worker per core in each process: share the cores out instead
   export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / ${#groups[@]} > 0 ? $(nproc) / ${#groups[@]} : 1 ))
   i=0
