@@ -49,6 +49,18 @@ if not INTERPRETED:
         assert all(row["us"] > 0 and row["weight_bytes"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
         assert [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1), ("experts_w4a8", 1)]
 
+    def test_experts_profile_dry_run(tmp_path):
+        """benchmarks/experts_profile.py --dry-run profiles the expert chain on tiny CPU shapes."""
+        import json
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        dest = tmp_path / "experts-profile.json"
+        r = subprocess.run([sys.executable, "benchmarks/experts_profile.py", "--dry-run", "--widths", "1,3",
+                            "--calls", "2", "--out", str(dest)], cwd=root, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+        res = json.loads(r.stdout)
+        assert not dest.exists() and [w["tokens"] for w in res["widths"]] == [1, 3]
+        assert all(w["kernels_us"] and w["kernels_sum_us"] > 0 and w["graph_us"] > 0 for w in res["widths"])
+
 else:
     import torch
 
