@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from native_gemm_bench import EXPERTS, TINY_EXPERTS, experts_native, timer  # noqa: E402
+from native_gemm_bench import EXPERTS, TINY_EXPERTS, emit, experts_native, timer  # noqa: E402
 
 
 def parse(argv=None):
@@ -84,13 +83,7 @@ def main(argv=None) -> dict:
         res["widths"].append({"tokens": T, "kernels_us": {n: round(v, 2) for n, v in kernels.items()},
                               "kernels_sum_us": round(sum(kernels.values()), 2),
                               "graph_us": round(timed(call, 1), 2)})
-    text = json.dumps(res, indent=1)
-    if args.dry_run:
-        print(text)
-    else:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-        print(f"wrote {args.out}")
+    emit(res, args)
     return res
 
 

@@ -58,6 +58,12 @@ def main(argv=None) -> dict:
     dev = "cpu" if args.dry_run else "cuda"
     res = run(dev, TINY_DENSE if args.dry_run else DENSE, (1, 3) if args.dry_run else DECODE,
               (40,) if args.dry_run else PREFILL, TINY_EXPERTS if args.dry_run else EXPERTS)
+    emit(res, args)
+    return res
+
+
+def emit(res: dict, args) -> None:
+    """The result JSON: printed under --dry-run, else written to --out."""
     text = json.dumps(res, indent=1)
     if args.dry_run:
         print(text)
@@ -65,7 +71,6 @@ def main(argv=None) -> dict:
         with open(args.out, "w") as f:
             f.write(text + "\n")
         print(f"wrote {args.out}")
-    return res
 
 
 def timer(dev: str):
