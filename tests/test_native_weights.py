@@ -156,5 +156,5 @@ def test_native_engine_compiles(tmp_path):
     eng = mini_engine(str(tmp_path), weights, dtype="float32", weight_format="native")
     assert eng.runner.model.native
     with pytest.MonkeyPatch.context() as mp:
-        compile_engine(eng, "NONE", mp)
+        compile_engine(eng, "NONE", mp, tmp_path / "compile")
     assert until_done(eng, reqs, params) == want

@@ -267,24 +267,6 @@ def test_tokens_through_the_engine_equal_the_eager_engine(request, mini_dir, nam
     assert graphs.counts()["misses"] == 0
 
 
-@pytest.mark.parametrize("name", ["every_row", "bounded"])
-def test_cancellations_leave_the_tokens_of_the_eager_engine(request, mini_dir, monkeypatch, name):
-    """tests/test_cuda_graph_gpu.py's cancel scenario (requests cancelled waiting, mid prefill,
-    mid decode; at most 3 running, so slots and pages are reused) on the replaying engine: the
-    eager engine's greedy tokens."""
-    eng = request.getfixturevalue(name)
-    sc = H.Scenario("cancel", engine={"max_num_seqs": 3}, hook=H.cancel_randomly(0.08), seed=2)
-    kw = {"decoder_swa_bounded_replay": eng.args.decoder_swa_bounded_replay, **sc.engine}
-    monkeypatch.setattr(H, "make_engine", lambda w, dtype, **_: engine(mini_dir, **kw))
-    want = H.run(None, H.prompts(), scenario=sc)
-    monkeypatch.setattr(eng.scheduler, "max_num_seqs", 3)
-    monkeypatch.setattr(H, "make_engine", lambda w, dtype, **_: eng)
-    replays = eng.runner.forward.piece_graphs.counts()["replays"]
-    got = H.run(None, H.prompts(), scenario=sc)
-    assert None in got.values() and got == want
-    assert eng.runner.forward.piece_graphs.counts()["replays"] > replays
-
-
 def test_padding_rows_of_a_replay_write_nothing(every_row, mini_dir):
     graphed = planes_written_by_a_step(every_row)         # 3 decoding requests at bucket 4
     plain = planes_written_by_a_step(engine(mini_dir, decoder_swa_bounded_replay=False))
@@ -296,3 +278,27 @@ def test_token_buckets():
     assert token_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
     assert token_buckets(100) == (1, 2, 4, 8, 16, 32, 64, 100)
     assert token_buckets(8192) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@pytest.mark.parametrize("name", ["every_row", "bounded"])
+def test_cancellations_leave_the_tokens_of_the_eager_engine(request, mini_dir, monkeypatch, name):
+    """tests/test_cuda_graph_gpu.py's cancel scenario (requests cancelled waiting, mid prefill,
+    mid decode; at most 3 running, so slots and pages are reused) on the replaying engine: the
+    eager engine's greedy tokens. Last in the file: after it, the shared engine no longer writes the
+    cache rows a fresh engine's step writes (test_padding_rows_of_a_replay_write_nothing compares
+    those and failed when run after it); the requests earlier tests left running are cancelled
+    first."""
+    eng = request.getfixturevalue(name)
+    for rid in list(eng.seqs):
+        eng.abort(rid)
+    assert eng.bm.all_free
+    sc = H.Scenario("cancel", engine={"max_num_seqs": 3}, hook=H.cancel_randomly(0.08), seed=2)
+    kw = {"decoder_swa_bounded_replay": eng.args.decoder_swa_bounded_replay, **sc.engine}
+    monkeypatch.setattr(H, "make_engine", lambda w, dtype, **_: engine(mini_dir, **kw))
+    want = H.run(None, H.prompts(), scenario=sc)
+    monkeypatch.setattr(eng.scheduler, "max_num_seqs", 3)
+    monkeypatch.setattr(H, "make_engine", lambda w, dtype, **_: eng)
+    replays = eng.runner.forward.piece_graphs.counts()["replays"]
+    got = H.run(None, H.prompts(), scenario=sc)
+    assert None in got.values() and got == want
+    assert eng.runner.forward.piece_graphs.counts()["replays"] > replays
