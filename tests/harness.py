@@ -90,6 +90,12 @@ def cancel_randomly(p: float = 0.1):
     return hook
 
 
+# the perturbing scenarios several suites run on the prompts above (graphs, tensor parallel, sync-free)
+CHUNKS = Scenario("chunks", engine={"max_prefill_chunk": 7})
+PREEMPT = Scenario("preempt", engine={"max_prefill_chunk": 9}, hook=preempt_randomly(0.2), seed=1)
+CANCEL = Scenario("cancel", engine={"max_num_seqs": 3}, hook=cancel_randomly(0.08), seed=2)
+
+
 # ---- prefix caching ---------------------------------------------------------------------------
 
 PAGE = 32

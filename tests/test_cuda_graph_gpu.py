@@ -74,9 +74,9 @@ def test_padding_rows_are_inert_under_replay(cuda_weights, traces):
 
 
 SCENARIOS = [
-    H.Scenario("chunks", engine={"max_prefill_chunk": 7}),
-    H.Scenario("preempt", engine={"max_prefill_chunk": 9}, hook=H.preempt_randomly(0.2), seed=1),
-    H.Scenario("cancel", engine={"max_num_seqs": 3}, hook=H.cancel_randomly(0.08), seed=2),
+    H.CHUNKS,
+    H.PREEMPT,
+    H.CANCEL,
     H.Scenario("arrivals", arrival_steps=[0, 3, 3, 5, 9, 9, 12, 20]),
 ]
 
@@ -124,7 +124,7 @@ def test_tr_hybrid_replays_equal_the_compiled_forward_under_cancellations(cuda_w
     step replayed at its token bucket and checked against the compiled forward at that width:
     requests cancelled waiting, mid prefill and mid decode, their slots and pages reused, change
     no replay. Prints the tokens (those of the compiled forward at the buckets' widths)."""
-    sc = next(s for s in SCENARIOS if s.name == "cancel")
+    sc = H.CANCEL
     eng = engine(cuda_weights, cudagraph_mode="TR_HYBRID", enable_prefix_caching=False, **sc.engine)
     monkeypatch.setattr(eng, "step", lambda: step_equals_plain_forward(eng, eng.scheduler.schedule()))
     monkeypatch.setattr(H, "make_engine", lambda *a, **k: eng)

@@ -32,17 +32,21 @@ if not INTERPRETED:
     def test_native_gemm_under_triton_interpreter(order):
         run_under_interpreter(__file__, order, timeout=900)
 
+    def dry_run(tmp_path, script: str, *args) -> dict:
+        """benchmarks/<script> --dry-run in a fresh interpreter: the JSON it prints (it writes no file)."""
+        import json
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        dest = tmp_path / "out.json"
+        r = subprocess.run([sys.executable, f"benchmarks/{script}", "--dry-run", "--out", str(dest), *args],
+                           cwd=root, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+        assert not dest.exists()
+        return json.loads(r.stdout)
+
     def test_bench_dry_run(tmp_path):
         """benchmarks/native_gemm_bench.py --dry-run runs every timed path (both GEMMs, cuBLAS
         bf16, _scaled_mm, the copy) on tiny CPU shapes, prints its JSON and writes no file."""
-        import json
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        dest = tmp_path / "native-gemm.json"
-        r = subprocess.run([sys.executable, "benchmarks/native_gemm_bench.py", "--dry-run", "--out",
-                            str(dest)], cwd=root, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-4000:]
-        res = json.loads(r.stdout)
-        assert not dest.exists()
+        res = dry_run(tmp_path, "native_gemm_bench.py")
         assert [row["M"] for row in res["dense"]] == [1, 3, 40]
         assert [row["M"] for row in res["experts"]] == [1, 3, 40]
         assert "scaled_mm_us" in res["dense"][-1] and res["fp8_peak_TFLOPs"] > 0
@@ -51,14 +55,8 @@ if not INTERPRETED:
 
     def test_experts_profile_dry_run(tmp_path):
         """benchmarks/experts_profile.py --dry-run profiles the expert chain on tiny CPU shapes."""
-        import json
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        dest = tmp_path / "experts-profile.json"
-        r = subprocess.run([sys.executable, "benchmarks/experts_profile.py", "--dry-run", "--widths", "1,3",
-                            "--calls", "2", "--out", str(dest)], cwd=root, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-4000:]
-        res = json.loads(r.stdout)
-        assert not dest.exists() and [w["tokens"] for w in res["widths"]] == [1, 3]
+        res = dry_run(tmp_path, "experts_profile.py", "--widths", "1,3", "--calls", "2")
+        assert [w["tokens"] for w in res["widths"]] == [1, 3]
         assert all(w["kernels_us"] and w["kernels_sum_us"] > 0 and w["graph_us"] > 0 for w in res["widths"])
 
 else:

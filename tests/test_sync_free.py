@@ -153,9 +153,9 @@ def test_a_step_reads_only_the_sampled_ids(toy_weights, mode):
 
 
 SCENARIOS = [
-    H.Scenario("chunks", engine={"max_prefill_chunk": 7}),
-    H.Scenario("preempt", engine={"max_prefill_chunk": 9}, hook=H.preempt_randomly(0.2), seed=1),
-    H.Scenario("cancel", engine={"max_num_seqs": 3}, hook=H.cancel_randomly(0.08), seed=2),
+    H.CHUNKS,
+    H.PREEMPT,
+    H.CANCEL,
     H.Scenario("replay-hits", engine={"enable_prefix_caching": True, "max_prefill_chunk": 20},
                arrival_steps=H.fork_arrivals(11)),
     H.Scenario("image-hits", engine={"enable_prefix_caching": True, "encoder_swa_bounded_replay": False,

@@ -23,9 +23,9 @@ from v41.parallel import TensorParallel, set_tensor_parallel, shard_checkpoint
 
 SCENARIOS = [
     H.Scenario("uninterrupted"),
-    H.Scenario("chunks", engine={"max_prefill_chunk": 7}),
-    H.Scenario("preempt", engine={"max_prefill_chunk": 9}, hook=H.preempt_randomly(0.2), seed=1),
-    H.Scenario("cancel", engine={"max_num_seqs": 3}, hook=H.cancel_randomly(0.08), seed=2),
+    H.CHUNKS,
+    H.PREEMPT,
+    H.CANCEL,
 ]
 REQS = H.prompts((5, 17, 33, 64), seed=4)
 TF_REQS = H.prompts((40, 70), seed=5)

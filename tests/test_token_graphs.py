@@ -292,7 +292,7 @@ def test_cancellations_leave_the_tokens_of_the_eager_engine(request, mini_dir, m
     for rid in list(eng.seqs):
         eng.abort(rid)
     assert eng.bm.all_free
-    sc = H.Scenario("cancel", engine={"max_num_seqs": 3}, hook=H.cancel_randomly(0.08), seed=2)
+    sc = H.CANCEL
     kw = {"decoder_swa_bounded_replay": eng.args.decoder_swa_bounded_replay, **sc.engine}
     monkeypatch.setattr(H, "make_engine", lambda w, dtype, **_: engine(mini_dir, **kw))
     want = H.run(None, H.prompts(), scenario=sc)
