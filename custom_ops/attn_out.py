@@ -7,6 +7,7 @@ import torch
 
 from custom_ops.registry import define
 from custom_ops.rope import apply_rope
+from v41 import quant
 
 
 @define("inv_rope_wo_a(Tensor o, Tensor cos, Tensor sin, Tensor positions, Tensor wo_a, "
@@ -16,5 +17,5 @@ def inv_rope_wo_a(o, cos, sin, positions, wo_a, out) -> None:
     W_g · (inverse-RoPE'd o of g's heads, flattened)."""
     T, G = o.shape[0], wo_a.shape[0]
     o = apply_rope(o, cos, sin, positions, True).view(T, G, -1)
-    z = torch.einsum("tgi,goi->tgo", o, wo_a).flatten(1)
+    z = quant.einsum("tgi,goi->tgo", o, wo_a).flatten(1)
     out.copy_(z.view(out.shape))

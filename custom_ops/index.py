@@ -38,6 +38,15 @@ def round_query(q, fmt: str):
     return quant.fp8_row_qat(q) if fmt == "fp8" else quant.fp4_qat(q, 32)
 
 
+def exact_dots(q, k, spec: str):
+    """The query-key dots in q's dtype, summed in float64 and rounded once. Queries and keys
+    are FP8 or FP4 values with power-of-two scales, so each product has at most 8 significant
+    bits and a head's sum is exact in float64 (unless its groups' scales span more than ~2^40):
+    the score then does not depend on the order a GEMM of this shape sums in (FP32 GEMMs of
+    the same rows differ by shape on an AVX2 host), and equals the oracle's, summed the same way."""
+    return torch.einsum(spec, q.double(), k.double()).to(q.dtype)
+
+
 def _stable_topk(score, k: int):
     """Indices of the k best scores, smaller index first among equals."""
     return torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :k]
@@ -78,7 +87,7 @@ def index_topk(q, w, plane, plane_scale, block_table, batch_ids, positions, rati
         ok = (c >= 0) & (c < vis[sl, None])
         rows = owner_rows(c.clamp(min=0), block_table, batch_ids[sl], ratio, rows_per_page)
         keys = dequant_plane(plane, plane_scale, rows, fmt, acc)           # [t, width, d]
-        dots = torch.einsum("thd,tjd->thj", qr[sl], keys).relu()
+        dots = exact_dots(qr[sl], keys, "thd,tjd->thj").relu()
         score = (dots * w[sl, :, None]).sum(1)
         score = torch.where(ok, score, torch.full_like(score, float("-inf")))
         best = _stable_topk(score, min(K, width))

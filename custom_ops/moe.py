@@ -23,10 +23,10 @@ def moe_experts(x, ids, weights, w1, w3, w2, limit, out) -> None:
     for e in torch.unique(ids[ids >= 0]).tolist():
         t, slot = (ids == e).nonzero(as_tuple=True)
         xq = quant.fp8_qat(x[t])
-        g = (xq @ w1[e].T).to(acc)
-        u = (xq @ w3[e].T).to(acc).clamp(-limit, limit)
+        g = quant.matmul(xq, w1[e].T).to(acc)
+        u = quant.matmul(xq, w3[e].T).to(acc).clamp(-limit, limit)
         h = F.silu(g.clamp(max=limit)) * u * weights[t, slot, None].to(acc)
-        y = quant.fp8_qat(h.to(x.dtype)) @ w2[e].T
+        y = quant.matmul(quant.fp8_qat(h.to(x.dtype)), w2[e].T)
         out.index_add_(0, t, y.to(acc))
 
 

@@ -98,7 +98,7 @@ class Attention(nn.Module):
         if self.wo_a is None:
             z = torch.cat([wo_a(o[:, g]) for g, wo_a in enumerate(self.wo_a_groups)], -1)
         else:
-            z = torch.einsum("tgi,goi->tgo", o, self.wo_a).flatten(1)
+            z = quant.einsum("tgi,goi->tgo", o, self.wo_a).flatten(1)
         return self.wo_b(z) if self.tp is None else self.tp.all_reduce(self.wo_b(z))
 
     def window_kv(self, x, batch):

@@ -56,7 +56,7 @@ class Linear(nn.Module):
             return x.to(self.weight.dtype) @ self.weight.T
         if self.kind == "fp8":
             x = quant.fp8_qat(x)
-        return x @ self.weight.T
+        return quant.matmul(x, self.weight.T)
 
 
 def fp8_linear(x, w, scale):

@@ -327,3 +327,22 @@ class BlockScaled:
     @staticmethod
     def stack(ws: list["BlockScaled"]) -> "BlockScaled":
         return BlockScaled(torch.stack([w.q for w in ws]), torch.stack([w.scale for w in ws]))
+
+
+# ---- GEMMs -----------------------------------------------------------------------------------
+
+def _in_fp32(a: torch.Tensor) -> bool:
+    return a.device.type == "cpu" and a.dtype in (torch.bfloat16, torch.float16)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in a's dtype, as the spec computes a GEMM: products summed in FP32 (FP64 for
+    float64) and rounded once. CUDA's half-precision GEMMs do so; a CPU half-precision matmul
+    sums in an order of its ISA's kernel (an AVX2 host's bf16 GEMM differs from the FP32 GEMM
+    where an AVX-512 host's does not), so on the CPU the operands are multiplied in FP32."""
+    return (a.float() @ b.float()).to(a.dtype) if _in_fp32(a) else a @ b
+
+
+def einsum(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.einsum of two operands in a's dtype, summed as `matmul` sums."""
+    return torch.einsum(eq, a.float(), b.float()).to(a.dtype) if _in_fp32(a) else torch.einsum(eq, a, b)

@@ -478,7 +478,9 @@ class Oracle:
         else:
             qI = Q.fp4_qat_ue8m0(qI, 32)  # the published model: FP4 on both sides
         wI = self.blinear(x, ix + ".weights_proj").to(acc) * (dI ** -0.5 * nI ** -0.5)
-        logits = torch.einsum("shd,rd->shr", qI.to(acc), kI.to(acc)).relu()
+        # exact dots rounded once to acc: FP8/FP4 values with power-of-two scales sum exactly
+        # in float64, so the score is the same whatever order a GEMM would add them in
+        logits = torch.einsum("shd,rd->shr", qI.to(torch.float64), kI.to(torch.float64)).to(acc).relu()
         score = (logits * wI[:, :, None]).sum(1)
         vis = (st.positions - st.start + 1) // spec.ratio
         score = score.masked_fill(torch.arange(kI.shape[0])[None, :] >= vis[:, None], NEG_INF)
