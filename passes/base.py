@@ -16,6 +16,7 @@ output straight into that buffer.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import operator
 from types import SimpleNamespace
@@ -74,6 +75,7 @@ class PatternPass(V41Pass):
     def __init__(self, cfg, dtype, lowering="auto"):
         super().__init__(cfg, dtype, lowering)
         self._pm: PatternMatcherPass | None = None
+        self.search_traces = SearchTraces()
         self.missing = [o for o in self.ops if not op_defined(o)]
         if self.missing:
             log.warning("pass %s disabled: fused op(s) %s not defined", self.name, self.missing)
@@ -82,7 +84,9 @@ class PatternPass(V41Pass):
         raise NotImplementedError
 
     def add(self, pm, search, replace, example_inputs, **kw) -> None:
-        register_replacement(search, replace, example_inputs, trace, pm, **kw)
+        def trace_fn(fn, args, **tkw):
+            return trace(fn, args, **tkw) if fn is replace else self.search_traces.get(search, fn, args, **tkw)
+        register_replacement(search, replace, example_inputs, trace_fn, pm, **kw)
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         if self.missing:
@@ -123,6 +127,36 @@ def trace(fn, args, **kw) -> torch.fx.GraphModule:
             for a in args]
     with V.set_fake_mode(mode), mode:
         return fwd_only(fn, args, **kw)
+
+
+class SearchTraces:
+    """The search function's traces by argument structure. `register_replacement` matches loosely
+    first, then re-traces the search function on each match's (symbolic) argument shapes to
+    check its constants: one trace per match (~0.1 s), of the same few shapes at every layer. A
+    trace is kept by (search function, traced function's name, the arguments' shapes and strides
+    as expressions, dtypes, scalar values), and each use gets its own copy of the graph (Inductor
+    renames its placeholders). Replacement graphs are always traced afresh: they enter the
+    model's graph with their fake values, which must be the compile's own."""
+
+    def __init__(self):
+        self.graphs: dict = {}
+
+    def get(self, search, fn, args, **kw) -> torch.fx.GraphModule:
+        key = (search, fn.__name__, _structure(args))
+        gm = self.graphs.get(key)
+        if gm is None:
+            gm = self.graphs[key] = trace(fn, args, **kw)
+        return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+
+
+def _structure(a):
+    if isinstance(a, torch.Tensor):
+        return ("tensor", tuple(map(str, a.shape)), tuple(map(str, a.stride())), a.dtype, a.device.type,
+                a.requires_grad)
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__,) + tuple(_structure(x) for x in a)
+    return (type(a).__name__, str(a) if isinstance(a, torch.SymInt) else repr(a))
+
 
 
 def rand(*shape, dtype=torch.float32):
