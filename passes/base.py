@@ -140,12 +140,15 @@ class SearchTraces:
 
     def __init__(self):
         self.graphs: dict = {}
+        self.hits = 0
 
     def get(self, search, fn, args, **kw) -> torch.fx.GraphModule:
         key = (search, fn.__name__, _structure(args))
         gm = self.graphs.get(key)
         if gm is None:
             gm = self.graphs[key] = trace(fn, args, **kw)
+        else:
+            self.hits += 1
         return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
 
 

@@ -143,6 +143,11 @@ def test_pass_matches_and_keeps_outputs(toy3, toy3_compiled, unpassed, name):
     got = [run_piece(p, pm) for p in toy3_compiled.pieces]
     assert pm.totals()[name] == EXPECTED[name]
     assert_pieces_equal(got, unpassed, exact=name not in NOT_BITWISE)
+    # the layers repeat their shapes: the exact re-checks reuse the search traces (passes/base.py
+    # SearchTraces) while the outputs above still equal the unpassed graph's
+    (p,) = [q for q in pm.passes if q.name == name]
+    if EXPECTED[name] > 1:
+        assert p.search_traces.hits > 0, (name, len(p.search_traces.graphs))
 
 
 def test_all_passes_then_backend_selection(toy3, toy3_compiled, unpassed):
