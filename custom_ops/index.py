@@ -38,13 +38,13 @@ def round_query(q, fmt: str):
     return quant.fp8_row_qat(q) if fmt == "fp8" else quant.fp4_qat(q, 32)
 
 
-def exact_dots(q, k, spec: str):
+def exact_dots(q, k, eq: str):
     """The query-key dots in q's dtype, summed in float64 and rounded once. Queries and keys
     are FP8 or FP4 values with power-of-two scales, so each product has at most 8 significant
     bits and a head's sum is exact in float64 (unless its groups' scales span more than ~2^40):
     the score then does not depend on the order a GEMM of this shape sums in (FP32 GEMMs of
     the same rows differ by shape on an AVX2 host), and equals the oracle's, summed the same way."""
-    return torch.einsum(spec, q.double(), k.double()).to(q.dtype)
+    return torch.einsum(eq, q.double(), k.double()).to(q.dtype)
 
 
 def _stable_topk(score, k: int):

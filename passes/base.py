@@ -161,7 +161,6 @@ def _structure(a):
     return (type(a).__name__, str(a) if isinstance(a, torch.SymInt) else repr(a))
 
 
-
 def rand(*shape, dtype=torch.float32):
     return torch.randn(*shape, dtype=dtype)
 

@@ -284,10 +284,9 @@ def test_token_buckets():
 def test_cancellations_leave_the_tokens_of_the_eager_engine(request, mini_dir, monkeypatch, name):
     """tests/test_cuda_graph_gpu.py's cancel scenario (requests cancelled waiting, mid prefill,
     mid decode; at most 3 running, so slots and pages are reused) on the replaying engine: the
-    eager engine's greedy tokens. Last in the file: after it, the shared engine no longer writes the
-    cache rows a fresh engine's step writes (test_padding_rows_of_a_replay_write_nothing compares
-    those and failed when run after it); the requests earlier tests left running are cancelled
-    first."""
+    eager engine's greedy tokens. Last in the file: it leaves the shared engine's cache rows other
+    than a fresh engine's, which test_padding_rows_of_a_replay_write_nothing compares; the
+    requests earlier tests left running are cancelled first."""
     eng = request.getfixturevalue(name)
     for rid in list(eng.seqs):
         eng.abort(rid)
