@@ -10,9 +10,11 @@ Figures per case: device time (CUDA graph of `copies` calls, each on its own wei
 the weights come from HBM and not from the 50 MB L2; CUDA events around 20 replays, median of
 9), weight bytes read (codes + scales; for the experts, those of the experts the routing hits),
 their rate and its share of the copy rate (a device-to-device copy measured in the same run,
-bytes read + written per second), and at prefill widths TFLOP/s against the measured FP8 peak.
+bytes read + written per second) and of the read rate (a sum over 2 GiB: bytes read per
+second), and at prefill widths TFLOP/s against the measured FP8 peak.
 Targets (issue 16): >= 70% of the copy rate at decode widths, >= 60% of the FP8 peak at prefill.
-"sweep" rows: the same cases at widths 1 and 64 with other knobs (the defaults' candidates).
+"sweep" rows: the same cases at widths 1 and 64 with other knobs (the defaults' candidates), the
+dense ones at the first prefill width with larger tiles, the experts' FP8-MMA kernels at 1 and 64.
 """
 from __future__ import annotations
 
@@ -35,8 +37,13 @@ TINY_EXPERTS = (6, 2, 64, 64)
 # tile variants timed beside the defaults at the edge decode widths (the "sweep" rows)
 DENSE_SWEEP = ({"block_n": 128}, {"block_n": 256}, {"split_k": 4}, {"split_k": 8}, {"num_stages": 4},
                {"num_warps": 8})
+# larger output tiles at the first prefill width (the defaults stop at 64 x 64)
+PREFILL_SWEEP = ({"block_m": 128, "block_n": 128, "num_warps": 8}, {"block_m": 128, "block_n": 128, "num_warps": 4},
+                 {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 4},
+                 {"block_m": 128, "block_n": 256, "num_warps": 8}, {"block_m": 64, "block_n": 128, "num_warps": 4})
 EXPERT_SWEEP = ({"block_k": 128}, {"block_n_up": 64}, {"num_warps": 8}, {"block_n_down": 64},
-                {"num_warps": 8, "block_n_up": 64}, {"splits": 1}, {"splits": 4}, {"splits": 20})
+                {"num_warps": 8, "block_n_up": 64}, {"splits": 1}, {"splits": 4}, {"splits": 20},
+                {"path": "fp8_mma"})
 SWEEP_M = (1, 64)
 
 
@@ -101,15 +108,17 @@ def run(dev, dense, decode, prefill, experts) -> dict:
 
     timed = timer(dev)
     g = torch.Generator().manual_seed(0)
-    copy_rate = measure_copy(dev, timed)
+    copy_rate, read_rate = measure_copy(dev, timed), measure_read(dev, timed)
     fp8_peak, bf16_peak = measure_peaks(dev, timed, 256 if dev == "cpu" else 8192)
     out = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)",
            "torch": torch.__version__, "triton": __import__("triton").__version__,
            "date": datetime.date.today().isoformat(), "copy_rate_TBps": copy_rate / 1e12,
+           "read_rate_TBps": read_rate / 1e12,
            "fp8_peak_TFLOPs": fp8_peak / 1e12, "bf16_peak_TFLOPs": bf16_peak / 1e12, "dense": [],
            "experts": [], "sweep": []}
     sweep_m = (1,) if dev == "cpu" else SWEEP_M
-    dense_sweep, expert_sweep = (DENSE_SWEEP[:1], EXPERT_SWEEP[:1]) if dev == "cpu" else (DENSE_SWEEP, EXPERT_SWEEP)
+    dense_sweep, expert_sweep = (DENSE_SWEEP[:1], EXPERT_SWEEP[-1:]) if dev == "cpu" else (DENSE_SWEEP, EXPERT_SWEEP)
+    prefill_sweep = PREFILL_SWEEP[-1:] if dev == "cpu" else PREFILL_SWEEP
     budget = 256 * 2**20 if dev == "cuda" else 1
     for name, (N, K) in dense.items():
         for M in decode + prefill:
@@ -123,7 +132,7 @@ def run(dev, dense, decode, prefill, experts) -> dict:
             wb = [a.float().bfloat16() for a, _ in ws_]
             us_bf16 = timed(lambda: [torch.mm(xb, b.T, out=o) for b in wb], copies)
             row = case_row(name, M, N, K, us, wbytes, copy_rate, fp8_peak)
-            for kw in dense_sweep if M in sweep_m else ():
+            for kw in dense_sweep if M in sweep_m else prefill_sweep if M == prefill[0] else ():
                 t = variant(timed, lambda: [triton_fp8_block_gemm(xq, xs, a, b, o, **kw) for a, b in ws_], copies)
                 out["sweep"].append({**case_row(name, M, N, K, t, wbytes, copy_rate, fp8_peak), "knobs": kw})
             row.update(cublas_bf16_us=us_bf16, cublas_bf16_pct_copy=100 * 2 * N * K / (us_bf16 * 1e-6) / copy_rate)
@@ -147,9 +156,13 @@ def run(dev, dense, decode, prefill, experts) -> dict:
         row["experts_hit"] = hit
         out["experts"].append(row)
         for kw in expert_sweep if T in sweep_m else ():
-            t = variant(timed, lambda: triton_moe_experts_w4a8(x, ids, wts, w1, s1, w3, s3, w2, s2, 10.0, o, **kw), 1)
+            t = variant(timed, lambda: experts_call(x, ids, wts, w1, s1, w3, s3, w2, s2, o, **kw), 1)
             out["sweep"].append({**case_row("experts_w4a8", T, 3 * I, D, t, hit * per_expert, copy_rate, fp8_peak,
                                             flops=2 * 3 * T * k * D * I), "knobs": kw})
+    for row in out["dense"] + out["experts"] + out["sweep"]:      # shares of the read-only ceiling too
+        row["pct_read"] = 100 * row["weight_TBps"] * 1e12 / read_rate
+        if "cublas_bf16_us" in row:
+            row["cublas_bf16_pct_read"] = 100 * 2 * row["N"] * row["K"] / (row["cublas_bf16_us"] * 1e-6) / read_rate
     return out
 
 
@@ -161,6 +174,17 @@ def variant(timed, fn, calls) -> float:
         return timed(fn, calls)
     except OutOfResources:
         return float("nan")
+
+
+def experts_call(x, ids, wts, w1, s1, w3, s3, w2, s2, out, *, path: str | None = None, **knobs) -> None:
+    """The op with knobs, or with path "fp8_mma" its FP8-MMA kernels whatever the width."""
+    from custom_ops.triton import triton_moe_experts_w4a8
+    from custom_ops.triton.moe import reduce_pairs
+    from custom_ops.triton.moe_w4a8 import w4a8_expert_gemms
+    if path == "fp8_mma":
+        y = w4a8_expert_gemms(x, ids, wts, w1, s1, w3, s3, w2, s2, 10.0, **knobs)[2]
+        return reduce_pairs(y, ids, w1.shape[0], out)
+    triton_moe_experts_w4a8(x, ids, wts, w1, s1, w3, s3, w2, s2, 10.0, out, **knobs)
 
 
 def experts_native(E: int, n: int, k: int, dev):
@@ -187,6 +211,15 @@ def measure_copy(dev, timed) -> float:
     n = (2**31 if dev == "cuda" else 2**20) // 8
     a, b = torch.empty(n, dtype=torch.int64, device=dev), torch.empty(n, dtype=torch.int64, device=dev)
     return 2 * 8 * n / (timed(lambda: b.copy_(a), 1) * 1e-6)
+
+
+def measure_read(dev, timed) -> float:
+    """Bytes read per second by a sum over 2 GiB of FP32 (1 MiB dry run): the read-only ceiling
+    a weight-streaming GEMM can approach."""
+    import torch
+    a = torch.ones((2**31 if dev == "cuda" else 2**20) // 4, device=dev)
+    r = torch.empty((), device=dev)
+    return a.nbytes / (timed(lambda: torch.sum(a, 0, out=r), 1) * 1e-6)
 
 
 def measure_peaks(dev, timed, n: int):

@@ -45,13 +45,16 @@ if not INTERPRETED:
 
     def test_bench_dry_run(tmp_path):
         """benchmarks/native_gemm_bench.py --dry-run runs every timed path (both GEMMs, cuBLAS
-        bf16, _scaled_mm, the copy) on tiny CPU shapes, prints its JSON and writes no file."""
+        bf16, _scaled_mm, the copy and read rates, the experts' FP8-MMA path, a prefill tile) on
+        tiny CPU shapes, prints its JSON and writes no file."""
         res = dry_run(tmp_path, "native_gemm_bench.py")
         assert [row["M"] for row in res["dense"]] == [1, 3, 40]
         assert [row["M"] for row in res["experts"]] == [1, 3, 40]
         assert "scaled_mm_us" in res["dense"][-1] and res["fp8_peak_TFLOPs"] > 0
         assert all(row["us"] > 0 and row["weight_bytes"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
-        assert [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1), ("experts_w4a8", 1)]
+        assert [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1), ("tiny", 40), ("experts_w4a8", 1)]
+        assert res["sweep"][-1]["knobs"] == {"path": "fp8_mma"} and res["read_rate_TBps"] > 0
+        assert all(row["pct_read"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
 
     def test_experts_profile_dry_run(tmp_path):
         """benchmarks/experts_profile.py --dry-run profiles the expert chain on tiny CPU shapes."""
@@ -72,8 +75,8 @@ else:
     import triton
     import triton.language as tl
 
-    from custom_ops.triton.fp8_gemm import e8m0_to_op
-    from custom_ops.triton.moe import e2m1_op, run_experts
+    from custom_ops.triton.fp8_gemm import e8m0_to_f32
+    from custom_ops.triton.moe import e2m1_e4m3, run_experts
     from tests.kernel_cases import fp8_gemm_case, rne_bf16_casts, w4a8_case
     from v41 import quant
 
@@ -187,20 +190,19 @@ else:
     @triton.jit
     def _decode_kernel(c_ptr, scale_ptr, e2m1_ptr):
         c = tl.load(c_ptr + tl.arange(0, 256))
-        tl.store(scale_ptr + tl.arange(0, 256), e8m0_to_op(c, tl.bfloat16))
-        tl.store(e2m1_ptr + tl.arange(0, 256), e2m1_op(c & 15, tl.bfloat16))
+        tl.store(scale_ptr + tl.arange(0, 256), e8m0_to_f32(c))
+        tl.store(e2m1_ptr + tl.arange(0, 256), e2m1_e4m3(c & 15).to(tl.float8e4nv, bitcast=True).to(tl.float32))
 
-    def test_bf16_decoders():
-        """The GPU kernels build dequantized operands as bf16 bits (the interpreter runs them in
-        FP32): every E8M0 code (0 the subnormal 2^-127, 255 NaN) and every E2M1 code decode to
-        the values of v41.quant."""
+    def test_decoders():
+        """The kernels' decoders: every E8M0 code (0 the subnormal 2^-127, 255 NaN) to its FP32
+        value, every E2M1 code to the E4M3 code of 2^-6 times its value (v41.quant's)."""
         c = torch.arange(256, dtype=torch.int32)
-        scale, e2m1 = torch.empty(256, dtype=torch.bfloat16), torch.empty(256, dtype=torch.bfloat16)
+        scale, e2m1 = torch.empty(256), torch.empty(256)
         _decode_kernel[(1,)](c, scale, e2m1)
         want = c.to(torch.uint8).view(torch.float8_e8m0fnu).float()
-        assert torch.equal(scale[:255].float(), torch.where(c[:255] == 0, 2.0**-127, want[:255]))
+        assert torch.equal(scale[:255], torch.where(c[:255] == 0, 2.0**-127, want[:255]))
         assert scale[255].isnan()
-        assert torch.equal(e2m1.float(), quant.e2m1_decode((c & 15).to(torch.uint8), torch.float32))
+        assert torch.equal(e2m1 * 64, quant.e2m1_decode((c & 15).to(torch.uint8), torch.float32))
 
     # ---- moe_experts_w4a8 ------------------------------------------------------------------
     def pair_experts(ids, order):

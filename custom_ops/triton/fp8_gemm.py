@@ -30,6 +30,7 @@ GROUP = 32
 GROUP_K = tl.constexpr(GROUP)   # the same width inside kernels (compiled Triton reads only constexpr globals)
 BLOCK_M_MAX = 64
 BLOCK_N = 64
+PREFILL_M, PREFILL_BLOCK_N = 1024, 128   # H200, 2048 rows: 64x128 tiles 1.26-1.46x faster than 64x64
 
 
 @triton.jit
@@ -38,14 +39,6 @@ def e8m0_to_f32(c):
     255 NaN."""
     v = tl.where(c == 0, 0x400000, c << 23).to(tl.float32, bitcast=True)
     return tl.where(c == 255, float("nan"), v)
-
-
-@triton.jit
-def e8m0_to_op(c, OP: tl.constexpr):
-    """2^(c-127) as OP for int32 E8M0 codes, built as bf16 bits (c << 7; 0x40 the subnormal
-    2^-127, 0x7FC0 NaN): exact in bf16 and in FP32."""
-    bits = tl.where(c == 255, 0x7FC0, tl.where(c == 0, 0x40, c << 7))
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True).to(OP)
 
 
 @triton.jit
@@ -159,7 +152,8 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None, blo
         return _ref.fp8_block_gemm(xq, xs, w, ws, out)
     if M == 0 or N == 0:
         return
-    bm, bn, KB = block_m or _block_m(M), block_n or BLOCK_N, K // GROUP
+    bm, KB = block_m or _block_m(M), K // GROUP
+    bn = block_n or (PREFILL_BLOCK_N if M >= PREFILL_M else BLOCK_N)
     grid_m, grid_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
     splits = min(KB, split_k or _splits(grid_m * grid_n, KB, M, K, out.device))
     per = triton.cdiv(KB, splits)

@@ -30,7 +30,7 @@ import triton.language as tl
 from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, fp8_qat_groups
-from custom_ops.triton.fp8_gemm import e8m0_to_op
+from custom_ops.triton.fp8_gemm import e8m0_to_f32
 
 BLOCK_N_UP = 64
 BLOCK_N_DOWN = 128
@@ -43,12 +43,12 @@ REDUCE_BLOCK_D = 512
 # ---- experts ---------------------------------------------------------------------------------
 
 @triton.jit
-def e2m1_op(c, OP: tl.constexpr):
-    """Values of int32 E2M1 codes 0..15 (bit 3 the sign; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6)
-    as OP, built as bf16 bits: exponent (m >> 1) + 126 and the mantissa's top bit m & 1."""
-    m = c & 7
-    bits = tl.where(m < 2, m * 0x3F00, (((m >> 1) + 126) << 7) | ((m & 1) << 6)) | ((c & 8) << 12)
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True).to(OP)
+def e2m1_e4m3(c):
+    """E4M3 codes (int8) of 2^-6 times the E2M1 values of int32 codes c (bit 3 the sign, then a
+    2-bit exponent and 1-bit mantissa): the bits move into E4M3's sign, the low exponent bits and
+    the top mantissa bit, and 2^-6 is the bias difference (E2M1's 0.5, its one subnormal,
+    lands on E4M3's subnormal 2^-7). Exact, and 5 integer ops a value."""
+    return (((c & 8) << 4) | ((c & 7) << 2)).to(tl.int8)
 
 
 @triton.jit
@@ -58,17 +58,19 @@ def fp4_tile(w_rows, s_rows, k0, K, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.co
     row's bytes and its E8M0 scales, one per 32 along K), dequantized (exactly) to bf16 (FP32
     with DOT_F32) as (even elements, odd elements), each [BLOCK_K / 2, BLOCK_N]: byte j holds
     element 2j in its low nibble and 2j + 1 in its high one, both in one scale group. The bytes
-    load as [groups, 16, BLOCK_N], so one scale per (group, row) broadcasts over its 16 bytes."""
+    load as [BLOCK_N, groups, 16], contiguous along K (16-byte loads a row and group); the
+    E4M3 decode's 2^-6 is folded into the scale (exact for scale codes up to 248, 2^121)."""
     op: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
     g = tl.arange(0, BLOCK_K // 32)
     kg = k0 + g * 32
-    m = (kg < K)[:, None, None] & nmask[None, None, :]
+    mg = nmask[:, None] & (kg < K)[None, :]
     byte = (kg // 2)[:, None] + tl.arange(0, 16)[None, :]
-    b = tl.load(w_rows[None, None, :] + byte[:, :, None], mask=m, other=0).to(tl.int32)
-    s = e8m0_to_op(tl.load(s_rows[None, None, :] + (kg // 32)[:, None, None], mask=m, other=127).to(tl.int32), op)
-    even = tl.reshape(e2m1_op(b & 15, op) * s, [BLOCK_K // 2, BLOCK_N])
-    odd = tl.reshape(e2m1_op((b >> 4) & 15, op) * s, [BLOCK_K // 2, BLOCK_N])
-    return even, odd
+    b = tl.load(w_rows[:, None, None] + byte[None, :, :], mask=mg[:, :, None], other=0).to(tl.int32)
+    s = (e8m0_to_f32(tl.load(s_rows[:, None] + (kg // 32)[None, :], mask=mg, other=127).to(tl.int32))
+         * 64.0).to(op)[:, :, None]
+    even = e2m1_e4m3(b & 15).to(tl.float8e4nv, bitcast=True).to(op) * s
+    odd = e2m1_e4m3((b >> 4) & 15).to(tl.float8e4nv, bitcast=True).to(op) * s
+    return tl.trans(tl.reshape(even, [BLOCK_N, BLOCK_K // 2])), tl.trans(tl.reshape(odd, [BLOCK_N, BLOCK_K // 2]))
 
 
 @triton.jit

@@ -6,10 +6,10 @@ The tile scheme is moe.py's (tokens sorted by expert, BLOCK_M-row tiles of one e
 tile bound, a deterministic reduction in ascending expert id), with W4A8 GEMMs inside:
   0. x -> FP8 codes + per-32 FP32 scales once (fp8_gemm's activation quant).
   1. Up kernel, grid (tiles, I / BLOCK_N): per 32-wide K block, the tile's 16 bytes per output
-     row are split into low / high nibbles, interleaved back into element order (element 2k is
-     the low nibble), decoded to E2M1 values and converted to FP8 in registers (every E2M1 value
-     is an E4M3 value; Hopper has no FP4 MMA), then one FP8 dot per weight and the promotion
-     acc += tile · s_x[token] · s_w[row] (powers of two: exact). In registers as moe.py: both
+     row are split into low / high nibbles, each moved bit by bit to the E4M3 code of 2^-6 times
+     its E2M1 value (moe.e2m1_e4m3; Hopper has no FP4 MMA), interleaved back into element order
+     (element 2k is the low nibble), then one FP8 dot per weight and the promotion
+     acc += tile · s_x[token] · s_w[row] · 2^6 (powers of two: exact). In registers as moe.py: both
      rounded to the activation dtype, clamp, silu, x routing weight, rounded, then the FP8 act
      quant of w2's input per 32 along I -> h codes [pairs, I] + scales [pairs, I/32].
   2. Down kernel, grid (tiles, D / BLOCK_N): h · w2[e]ᵀ the same way, rounded to the activation
@@ -27,8 +27,8 @@ from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES
 from custom_ops.triton.fp8_gemm import GROUP, GROUP_K, e8m0_to_f32, fp8_quant_groups, triton_fp8_act_quant
-from custom_ops.triton.moe import (FP4_BLOCK_K, FP4_BLOCK_N_UP, _block_m, expert_tiles, fits, reduce_pairs,
-                                  run_experts, tile_rows)
+from custom_ops.triton.moe import (FP4_BLOCK_K, FP4_BLOCK_N_UP, _block_m, e2m1_e4m3, expert_tiles, fits,
+                                  reduce_pairs, run_experts, tile_rows)
 
 BLOCK_N_UP = 64
 BLOCK_N_DOWN = 64
@@ -38,15 +38,12 @@ DECODE_PAIRS = 384         # 64 tokens x top-6: up to here the bf16-dequant tile
 @triton.jit
 def e2m1_tile(w_rows, kb, nmask, BLOCK_N: tl.constexpr):
     """The [32, BLOCK_N] FP8 tile of K block kb of packed E2M1 rows (w_rows: [BLOCK_N] row
-    pointers to int8 bytes), element 2j from byte j's low nibble, 2j+1 from its high nibble."""
+    pointers to int8 bytes), element 2j from byte j's low nibble, 2j+1 from its high nibble, as
+    moe.e2m1_e4m3's codes: 2^-6 times the values (the callers fold 2^6 into the scale)."""
     j = tl.arange(0, GROUP_K // 2)
-    b = tl.load(w_rows[:, None] + kb * (GROUP_K // 2) + j[None, :], mask=nmask[:, None], other=0)
-    c = tl.reshape(tl.join(b & 0xF, (b >> 4) & 0xF), [BLOCK_N, GROUP_K]).to(tl.int32)
-    m = c & 7
-    mag = tl.where(m < 2, m.to(tl.float32) * 0.5,
-                   ((((m >> 1) + 126) << 23) | ((m & 1) << 22)).to(tl.float32, bitcast=True))
-    v = tl.where((c & 8) != 0, -mag, mag)
-    return tl.trans(v).to(tl.float8e4nv)
+    b = tl.load(w_rows[:, None] + kb * (GROUP_K // 2) + j[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+    c = tl.reshape(tl.join(e2m1_e4m3(b & 15), e2m1_e4m3((b >> 4) & 15)), [BLOCK_N, GROUP_K])
+    return tl.trans(c.to(tl.float8e4nv, bitcast=True))
 
 
 @triton.jit
@@ -74,8 +71,8 @@ def _w4a8_up_kernel(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, w
         sa = tl.load(xs_ptr + tok * stride_xs + kb, mask=rmask, other=0.0)
         pg = tl.dot(a, e2m1_tile(w1_ptr + w_off, kb, nmask, BLOCK_N), out_dtype=tl.float32)
         pu = tl.dot(a, e2m1_tile(w3_ptr + w_off, kb, nmask, BLOCK_N), out_dtype=tl.float32)
-        sg = e8m0_to_f32(tl.load(s1_ptr + s_off + kb, mask=nmask, other=127).to(tl.int32))
-        su = e8m0_to_f32(tl.load(s3_ptr + s_off + kb, mask=nmask, other=127).to(tl.int32))
+        sg = e8m0_to_f32(tl.load(s1_ptr + s_off + kb, mask=nmask, other=127).to(tl.int32)) * 64.0
+        su = e8m0_to_f32(tl.load(s3_ptr + s_off + kb, mask=nmask, other=127).to(tl.int32)) * 64.0
         acc_g += pg * sa[:, None] * sg[None, :]
         acc_u += pu * sa[:, None] * su[None, :]
     g = acc_g.to(ACT).to(tl.float32)
@@ -114,7 +111,7 @@ def _w4a8_down_kernel(hq_ptr, hs_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr
                     other=0.0)
         sa = tl.load(hs_ptr + r64 * stride_hs + kb, mask=rmask, other=0.0)
         part = tl.dot(a, e2m1_tile(w_rows, kb, nmask, BLOCK_N), out_dtype=tl.float32)
-        sb = e8m0_to_f32(tl.load(s_rows + kb, mask=nmask, other=127).to(tl.int32))
+        sb = e8m0_to_f32(tl.load(s_rows + kb, mask=nmask, other=127).to(tl.int32)) * 64.0
         acc += part * sa[:, None] * sb[None, :]
     tl.store(y_ptr + pair[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=rmask[:, None] & nmask[None, :])
