@@ -179,7 +179,7 @@ def variant(timed, fn, calls) -> float:
 def experts_call(x, ids, wts, w1, s1, w3, s3, w2, s2, out, *, path: str | None = None, **knobs) -> None:
     """The op with knobs, or with path "fp8_mma" its FP8-MMA kernels whatever the width."""
     from custom_ops.triton import triton_moe_experts_w4a8
-    from custom_ops.triton.moe import reduce_pairs
+    from custom_ops.triton.moe_tiles import reduce_pairs
     from custom_ops.triton.moe_w4a8 import w4a8_expert_gemms
     if path == "fp8_mma":
         y = w4a8_expert_gemms(x, ids, wts, w1, s1, w3, s3, w2, s2, 10.0, **knobs)[2]

@@ -2,11 +2,11 @@
 moe_route.py).
 
 moe_experts: tokens sorted by expert, grouped GEMM tiles, a deterministic reduction.
-  0. x is FP8-QAT'd once ([T, D], common.fp8_qat); the (token, slot) pairs are sorted by expert
-     with torch ops on the device (stable argsort, searchsorted bounds): each expert's pairs
-     are a contiguous run, cut into BLOCK_M-row tiles; a static upper bound of tiles
-     (cdiv(T·k, BLOCK_M) + min(E, T·k)) is launched and the tiles past the real count return
-     at once, so nothing on the host depends on the routing (CUDA-graph safe).
+  0. x is FP8-QAT'd once ([T, D], common.fp8_qat); the (token, slot) pairs are grouped by
+     expert on the device (moe_tiles.expert_tiles): each expert's pairs a contiguous run, cut
+     into BLOCK_M-row tiles; a static upper bound of tiles (cdiv(T·k, BLOCK_M) + min(E, T·k))
+     is launched and the tiles past the real count return at once, so nothing on the host
+     depends on the routing (CUDA-graph safe).
   1. Up kernel, grid (tiles, I / BLOCK_N, K splits): gathers the tile's token rows of x_q, two
      accumulators (w1 and w3 tiles of the tile's expert), then in registers: both rounded to
      the activation dtype (the reference's GEMM outputs), clamp, silu, x routing weight, rounded,
@@ -16,7 +16,7 @@ moe_experts: tokens sorted by expert, grouped GEMM tiles, a deterministic reduct
   2. Down kernel, grid (tiles, D / BLOCK_N, K splits): h tile · w2[e]ᵀ, rounded to the
      activation dtype, stored at the pair's own row of y [T·k, D] (split-K: partials, summed
      in split order by a second kernel).
-  3. Reduce, grid (token tiles, D tiles): out[t] = Σ of the token's valid slots in ascending
+  3. Reduce (moe_tiles.reduce_pairs): out[t] = Σ of the token's valid slots in ascending
      expert id, in FP32 from 0 — the reference's accumulation order, so the result does not
      depend on the batch or on atomics.
 FP64 (the oracle) and widths not a multiple of 32 fall back to the reference.
@@ -31,13 +31,13 @@ from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, fp8_qat_groups
 from custom_ops.triton.fp8_gemm import e8m0_to_f32
+from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, tile_rows
 
 BLOCK_N_UP = 64
 BLOCK_N_DOWN = 128
 BLOCK_K = 64
 FP4_BLOCK_K = 64
 FP4_BLOCK_N_UP = 32
-REDUCE_BLOCK_D = 512
 
 
 # ---- experts ---------------------------------------------------------------------------------
@@ -82,19 +82,6 @@ def even_odd(a_rows, rmask, k0, K, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr)
     op: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
     return (tl.load(a_rows + kk[None, :], mask=m, other=0.0).to(op),
             tl.load(a_rows + kk[None, :] + 1, mask=m, other=0.0).to(op))
-
-
-@triton.jit
-def tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M: tl.constexpr):
-    """This program's tile of expert_tiles: (first row, end row, expert, sorted rows, their mask,
-    their (token, slot) pair ids); end <= first for a tile past the real count."""
-    tile = tl.program_id(0)
-    r0 = tl.load(meta_ptr + n_tiles + tile)
-    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
-    e = tl.load(meta_ptr + tile).to(tl.int64)
-    rows = r0 + tl.arange(0, BLOCK_M)
-    rmask = rows < r1
-    return r0, r1, e, rows, rmask, tl.load(order_ptr + rows, mask=rmask, other=0)
 
 
 @triton.jit
@@ -247,53 +234,9 @@ def _moe_down_sum_kernel(part_ptr, order_ptr, meta_ptr, y_ptr, n_tiles, D, split
     tl.store(y_ptr + pair[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def _moe_reduce_kernel(y_ptr, ids_ptr, slot_ptr, out_ptr, T, D, stride_y, stride_it, stride_st,
-                       stride_o, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    tmask = t < T
-    t64 = t.to(tl.int64)
-    cmask = c < D
-    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    for r in tl.static_range(K):                   # the token's slots in ascending expert id
-        slot = tl.load(slot_ptr + t64 * stride_st + r, mask=tmask, other=0).to(tl.int64)
-        eid = tl.load(ids_ptr + t64 * stride_it + slot, mask=tmask, other=-1)
-        ok = tmask & (eid >= 0)
-        y = tl.load(y_ptr + (t64 * K + slot)[:, None] * stride_y + c[None, :],
-                    mask=ok[:, None] & cmask[None, :], other=0.0)
-        acc += y.to(tl.float32)
-    tl.store(out_ptr + t64[:, None] * stride_o + c[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=tmask[:, None] & cmask[None, :])
-
-
 def _block_m(pairs: int, E: int) -> int:
     per = pairs / max(E, 1)
     return 16 if per <= 16 else 32 if per <= 32 else 64
-
-
-def expert_tiles(ids: torch.Tensor, E: int, block_m: int):
-    """Device-side grouping of the (token, slot) pairs by expert, static shapes only.
-    Returns (order [P] pair ids sorted by expert (padding last), meta [3, n_tiles] int32 rows
-    (expert, first sorted row, end row) of each BLOCK_M tile, n_tiles = the static bound)."""
-    P = ids.numel()
-    key = ids.reshape(-1).to(torch.int64)
-    key = torch.where(key < 0, E, key)
-    order = torch.sort(key, stable=True).indices
-    skey = key[order]
-    bounds = torch.searchsorted(skey, torch.arange(E + 1, device=ids.device, dtype=torch.int64))
-    counts = bounds[1:] - bounds[:-1]
-    tiles = (counts + block_m - 1) // block_m
-    tile_end = torch.cumsum(tiles, 0)
-    n_tiles = triton.cdiv(P, block_m) + min(E, P)
-    tix = torch.arange(n_tiles, device=ids.device, dtype=torch.int64)
-    te = torch.searchsorted(tile_end, tix, right=True)
-    ec = te.clamp(max=E - 1)
-    row0 = bounds[ec] + (tix - (tile_end[ec] - tiles[ec])) * block_m
-    row1 = bounds[ec + 1]
-    live = te < E
-    meta = torch.stack([ec, torch.where(live, row0, 0), torch.where(live, row1, 0)]).to(torch.int32)
-    return order.to(torch.int32), meta.contiguous(), n_tiles
 
 
 def triton_moe_experts(x, ids, weights, w1, w3, w2, limit, out, **knobs) -> None:
@@ -381,23 +324,6 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
     reduce_pairs(y, ids, E, out)
     if hidden is not None:
         hidden.extend((h, order, y))
-
-
-def reduce_pairs(y: torch.Tensor, ids: torch.Tensor, E: int, out: torch.Tensor) -> None:
-    """Step 3: out [T, D] <- Σ over each token's valid slots of y [T·k, D] (row t·k + slot), in
-    ascending expert id, FP32 from 0."""
-    T, D = out.shape
-    key = torch.where(ids < 0, E, ids.to(torch.int64))
-    slots = torch.sort(key, dim=1, stable=True).indices.to(torch.int32).contiguous()
-    ids_c = ids if ids.stride(1) == 1 else ids.contiguous()
-    dst = out if out.stride(1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
-    bd = min(REDUCE_BLOCK_D, triton.next_power_of_2(D))
-    bt = max(1, min(triton.next_power_of_2(T), 2048 // bd))
-    _moe_reduce_kernel[(triton.cdiv(T, bt), triton.cdiv(D, bd))](
-        y, ids_c, slots, dst, T, D, y.stride(0), ids_c.stride(0), slots.stride(0), dst.stride(0),
-        K=ids.shape[1], BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
-    if dst is not out:
-        out.copy_(dst)
 
 
 register_impl("moe_experts", "triton", triton_moe_experts, device_type="cuda")

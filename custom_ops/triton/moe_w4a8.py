@@ -27,8 +27,8 @@ from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES
 from custom_ops.triton.fp8_gemm import GROUP, GROUP_K, e8m0_to_f32, fp8_quant_groups, triton_fp8_act_quant
-from custom_ops.triton.moe import (FP4_BLOCK_K, FP4_BLOCK_N_UP, _block_m, e2m1_e4m3, expert_tiles, fits,
-                                  reduce_pairs, run_experts, tile_rows)
+from custom_ops.triton.moe import FP4_BLOCK_K, FP4_BLOCK_N_UP, _block_m, e2m1_e4m3, fits, run_experts
+from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, tile_rows
 
 BLOCK_N_UP = 64
 BLOCK_N_DOWN = 64

@@ -1,0 +1,171 @@
+"""The sorted-by-expert tile scheme the expert GEMMs share (moe.py, moe_w4a8.py): the grouping
+of (token, slot) pairs into BLOCK_M-row tiles of one expert, and the final per-token sum.
+
+- `expert_tiles`: pairs sorted by expert (stable; padding slots, id -1, last), cut into tiles;
+  a static bound of tiles, so nothing on the host depends on the routing (CUDA-graph safe).
+  Up to FUSED_PAIRS pairs (decode) one program builds it all (`_expert_tiles_kernel`: ranks
+  by counting, no sort), where the torch ops it replaces are ~20 kernels of a few µs each;
+  above, those torch ops (stable sort, searchsorted), whose cost prefill amortizes.
+- `tile_rows`: a GEMM program's view of its tile.
+- `reduce_pairs`: out[t] = Σ of the token's valid slots in ascending expert id, in FP32 from 0
+  (the reference's order, so the result depends on neither the batch nor atomics); each
+  program ranks its tokens' slots itself.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FUSED_PAIRS = 1024        # one program ranks P pairs by P² comparisons: cheap to here
+REDUCE_BLOCK_D = 512
+_BLOCK = 128              # the grouping kernel's comparison chunk
+
+
+@triton.jit
+def tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M: tl.constexpr):
+    """This program's tile of expert_tiles: (first row, end row, expert, sorted rows, their mask,
+    their (token, slot) pair ids); end <= first for a tile past the real count."""
+    tile = tl.program_id(0)
+    r0 = tl.load(meta_ptr + n_tiles + tile)
+    r1 = tl.load(meta_ptr + 2 * n_tiles + tile)
+    e = tl.load(meta_ptr + tile).to(tl.int64)
+    rows = r0 + tl.arange(0, BLOCK_M)
+    rmask = rows < r1
+    return r0, r1, e, rows, rmask, tl.load(order_ptr + rows, mask=rmask, other=0)
+
+
+@triton.jit
+def _keys(ids_ptr, i, P, E):
+    """Sort keys of pairs i: the expert id, E for padding slots and past P."""
+    e = tl.load(ids_ptr + i, mask=i < P, other=-1).to(tl.int32)
+    return tl.where(e < 0, E, e)
+
+
+@triton.jit
+def _expert_tiles_kernel(ids_ptr, order_ptr, meta_ptr, bounds_ptr, tile_end_ptr, P, E, n_tiles,
+                         BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """One program. bounds[e] = #pairs with key < e (e = 0..E); tile_end[e] = Σ_{e' <= e}
+    ⌈count(e') / BLOCK_M⌉; order[rank(i)] = i with rank(i) = #pairs j with (key_j, j) <
+    (key_i, i) (a stable sort); tile t belongs to expert #{e : tile_end[e] <= t}."""
+    lane = tl.arange(0, BLOCK)
+    for e0 in range(0, E + 1, BLOCK):                       # bounds
+        e = e0 + lane
+        below = tl.zeros([BLOCK], tl.int32)
+        for j0 in range(0, P, BLOCK):
+            below += tl.sum((_keys(ids_ptr, j0 + lane, P, E)[None, :] < e[:, None]).to(tl.int32), axis=1)
+        tl.store(bounds_ptr + e, below, mask=e <= E)
+    tl.debug_barrier()
+    carry = 0                                                # tile_end: a running cumsum
+    for e0 in range(0, E, BLOCK):
+        e = e0 + lane
+        m = e < E
+        cnt = tl.load(bounds_ptr + e + 1, mask=m, other=0) - tl.load(bounds_ptr + e, mask=m, other=0)
+        end = carry + tl.cumsum((cnt + BLOCK_M - 1) // BLOCK_M, axis=0)
+        tl.store(tile_end_ptr + e, end, mask=m)
+        carry = tl.max(tl.where(m, end, 0), axis=0)
+    for i0 in range(0, P, BLOCK):                           # order
+        i = i0 + lane
+        ki = _keys(ids_ptr, i, P, E)
+        rank = tl.zeros([BLOCK], tl.int32)
+        for j0 in range(0, P, BLOCK):
+            j = j0 + lane
+            kj = _keys(ids_ptr, j, P, E)
+            before = (kj[None, :] < ki[:, None]) | ((kj[None, :] == ki[:, None]) & (j[None, :] < i[:, None]))
+            rank += tl.sum((before & (j < P)[None, :]).to(tl.int32), axis=1)
+        tl.store(order_ptr + rank, i, mask=i < P)
+    tl.debug_barrier()
+    for t0 in range(0, n_tiles, BLOCK):                     # meta
+        t = t0 + lane
+        te = tl.zeros([BLOCK], tl.int32)
+        for e0 in range(0, E, BLOCK):
+            e = e0 + lane
+            end = tl.load(tile_end_ptr + e, mask=e < E, other=2147483647)
+            te += tl.sum((end[None, :] <= t[:, None]).to(tl.int32), axis=1)
+        ec = tl.minimum(te, E - 1)
+        b0 = tl.load(bounds_ptr + ec)
+        b1 = tl.load(bounds_ptr + ec + 1)
+        first = tl.load(tile_end_ptr + ec) - (b1 - b0 + BLOCK_M - 1) // BLOCK_M
+        live = te < E
+        tm = t < n_tiles
+        tl.store(meta_ptr + t, ec, mask=tm)
+        tl.store(meta_ptr + n_tiles + t, tl.where(live, b0 + (t - first) * BLOCK_M, 0), mask=tm)
+        tl.store(meta_ptr + 2 * n_tiles + t, tl.where(live, b1, 0), mask=tm)
+
+
+def expert_tiles(ids: torch.Tensor, E: int, block_m: int):
+    """Device-side grouping of the (token, slot) pairs by expert, static shapes only.
+    Returns (order [P] pair ids sorted by expert (padding last), meta [3, n_tiles] int32 rows
+    (expert, first sorted row, end row) of each BLOCK_M tile, n_tiles = the static bound)."""
+    P = ids.numel()
+    n_tiles = triton.cdiv(P, block_m) + min(E, P)
+    if P <= FUSED_PAIRS:
+        flat = ids.reshape(-1).contiguous()
+        order = torch.empty(P, dtype=torch.int32, device=ids.device)
+        meta = torch.empty(3, n_tiles, dtype=torch.int32, device=ids.device)
+        scratch = torch.empty(2 * E + 1, dtype=torch.int32, device=ids.device)
+        _expert_tiles_kernel[(1,)](flat, order, meta, scratch, scratch[E + 1:], P, E, n_tiles,
+                                   BLOCK_M=block_m, BLOCK=_BLOCK, num_warps=8)
+        return order, meta, n_tiles
+    key = ids.reshape(-1).to(torch.int64)
+    key = torch.where(key < 0, E, key)
+    order = torch.sort(key, stable=True).indices
+    skey = key[order]
+    bounds = torch.searchsorted(skey, torch.arange(E + 1, device=ids.device, dtype=torch.int64))
+    counts = bounds[1:] - bounds[:-1]
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    tix = torch.arange(n_tiles, device=ids.device, dtype=torch.int64)
+    te = torch.searchsorted(tile_end, tix, right=True)
+    ec = te.clamp(max=E - 1)
+    row0 = bounds[ec] + (tix - (tile_end[ec] - tiles[ec])) * block_m
+    row1 = bounds[ec + 1]
+    live = te < E
+    meta = torch.stack([ec, torch.where(live, row0, 0), torch.where(live, row1, 0)]).to(torch.int32)
+    return order.to(torch.int32), meta.contiguous(), n_tiles
+
+
+@triton.jit
+def _moe_reduce_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, stride_y, stride_it, stride_o,
+                       K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = Σ_r y[t·K + slot_r] over the token's valid slots, slot_r the one of rank r in
+    (expert id, slot) order: ranks counted from the token's K ids (KP = K padded to a power of 2)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    cmask = c < D
+    s = tl.arange(0, KP)
+    eid = tl.load(ids_ptr + t64[:, None] * stride_it + s[None, :], mask=tmask[:, None] & (s < K)[None, :],
+                  other=-1).to(tl.int32)
+    key = tl.where(eid < 0, E, eid)
+    key = tl.where((s < K)[None, :], key, E + 1)                       # the padding lanes last
+    before = (key[:, None, :] < key[:, :, None]) | \
+        ((key[:, None, :] == key[:, :, None]) & (s[None, None, :] < s[None, :, None]))
+    rank = tl.sum(before.to(tl.int32), axis=2)                          # [BLOCK_T, KP]
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    for r in tl.static_range(K):                   # the token's slots in ascending expert id
+        at_r = rank == r
+        slot = tl.sum(tl.where(at_r, s[None, :], 0), axis=1).to(tl.int64)
+        ok = tmask & (tl.sum(tl.where(at_r, eid, 0), axis=1) >= 0)
+        y = tl.load(y_ptr + (t64 * K + slot)[:, None] * stride_y + c[None, :],
+                    mask=ok[:, None] & cmask[None, :], other=0.0)
+        acc += y.to(tl.float32)
+    tl.store(out_ptr + t64[:, None] * stride_o + c[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=tmask[:, None] & cmask[None, :])
+
+
+def reduce_pairs(y: torch.Tensor, ids: torch.Tensor, E: int, out: torch.Tensor) -> None:
+    """out [T, D] <- Σ over each token's valid slots of y [T·k, D] (row t·k + slot), in
+    ascending expert id, FP32 from 0."""
+    T, D = out.shape
+    K = ids.shape[1]
+    ids_c = ids if ids.stride(1) == 1 else ids.contiguous()
+    dst = out if out.stride(1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
+    bd = min(REDUCE_BLOCK_D, triton.next_power_of_2(D))
+    bt = max(1, min(triton.next_power_of_2(T), 2048 // bd))
+    _moe_reduce_kernel[(triton.cdiv(T, bt), triton.cdiv(D, bd))](
+        y, ids_c, dst, T, D, E, y.stride(0), ids_c.stride(0), dst.stride(0),
+        K=K, KP=triton.next_power_of_2(K), BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
+    if dst is not out:
+        out.copy_(dst)
