@@ -1,5 +1,5 @@
 """`v41::moe_experts_w4a8` at prefill widths (moe.py's triton_moe_experts_w4a8 dispatches; at
-decode widths its bf16-dequant tiles read faster): the routed experts read as stored, FP4 E2M1
+decode widths moe.py's FP4 GEMVs read faster): the routed experts read as stored, FP4 E2M1
 packed two per byte with an E8M0 scale per 32 along K, multiplied on FP8 tensor cores.
 
 The tile scheme is moe.py's (tokens sorted by expert, BLOCK_M-row tiles of one expert, a static
@@ -27,12 +27,12 @@ from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES
 from custom_ops.triton.fp8_gemm import GROUP, GROUP_K, e8m0_to_f32, fp8_quant_groups, triton_fp8_act_quant
-from custom_ops.triton.moe import FP4_BLOCK_K, FP4_BLOCK_N_UP, _block_m, e2m1_e4m3, fits, run_experts
+from custom_ops.triton.moe import _block_m, e2m1_e4m3, fits, run_experts
 from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, tile_rows
 
 BLOCK_N_UP = 64
 BLOCK_N_DOWN = 64
-DECODE_PAIRS = 384         # 64 tokens x top-6: up to here the bf16-dequant tiles read faster (H200)
+DECODE_PAIRS = 384         # 64 tokens x top-6: up to here moe.py's FP4 GEMVs (H200: faster than these at 1-64 tokens)
 
 
 @triton.jit
@@ -150,12 +150,10 @@ def w4a8_expert_gemms(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, *, block_m
 
 def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out, **knobs) -> None:
     """`v41::moe_experts_w4a8` (same signature). Over DECODE_PAIRS (token, slot) pairs (prefill)
-    and without knobs: the FP8-MMA kernels above. Otherwise the FP4 experts read as stored in the same tiles
-    and kernels as moe_experts, each K block of packed E2M1 codes and E8M0 scales dequantized
-    in registers to bf16 (exact: a 2-bit-mantissa value times a power of two), split into its
-    even and odd elements (the low and high nibbles), each half one bf16 dot with the matching
-    activation columns. The products are exact in FP32, so only the order of the FP32 sums
-    differs from the reference. Knobs as moe_experts (defaults: block_k 64, block_n_up 32)."""
+    and without knobs: the FP8-MMA kernels above; otherwise moe.py's tile grouping with FP4
+    GEMVs (`run_experts` with scales). Every product is exact in FP32, so only the order of the
+    FP32 sums differs from the reference. Knobs: run_experts' (block_m, block_n_up,
+    block_n_down, block_k, splits, num_warps)."""
     if x.dtype not in TL_DTYPES or w1.dtype != torch.int8 or w1.stride() != w3.stride() or \
             s1.stride() != s3.stride() or not fits(x, (w1, w3, w2, s1, s3, s2), w1.shape[1], out, knobs):
         return _ref.moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
@@ -165,8 +163,7 @@ def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out,
                                            w1, s1, w3, s3, w2, s2, limit)
             reduce_pairs(y, ids, w1.shape[0], out)
         return
-    run_experts(x, ids, weights, w1, w3, w2, tuple(t.view(torch.uint8) for t in (s1, s3, s2)), limit, out,
-                **{"block_k": FP4_BLOCK_K, "block_n_up": FP4_BLOCK_N_UP, **knobs})
+    run_experts(x, ids, weights, w1, w3, w2, tuple(t.view(torch.uint8) for t in (s1, s3, s2)), limit, out, **knobs)
 
 
 register_impl("moe_experts_w4a8", "triton", triton_moe_experts_w4a8, device_type="cuda")
