@@ -19,7 +19,8 @@ import triton.language as tl
 
 FUSED_PAIRS = 1024        # one program ranks P pairs by P² comparisons: cheap to here
 REDUCE_BLOCK_D = 512
-_BLOCK = 128              # the grouping kernel's comparison chunk
+_BLOCK = 128              # the grouping kernel's chunks: at most 128 pairs or tiles,
+_CHUNK = 16384            # and 16K comparisons
 
 
 @triton.jit
@@ -44,42 +45,46 @@ def _keys(ids_ptr, i, P, E):
 
 @triton.jit
 def _expert_tiles_kernel(ids_ptr, order_ptr, meta_ptr, bounds_ptr, tile_end_ptr, P, E, n_tiles,
-                         BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_T: tl.constexpr):
     """One program. bounds[e] = #pairs with key < e (e = 0..E); tile_end[e] = Σ_{e' <= e}
     ⌈count(e') / BLOCK_M⌉; order[rank(i)] = i with rank(i) = #pairs j with (key_j, j) <
-    (key_i, i) (a stable sort); tile t belongs to expert #{e : tile_end[e] <= t}."""
-    lane = tl.arange(0, BLOCK)
-    for e0 in range(0, E + 1, BLOCK):                       # bounds
-        e = e0 + lane
-        below = tl.zeros([BLOCK], tl.int32)
-        for j0 in range(0, P, BLOCK):
-            below += tl.sum((_keys(ids_ptr, j0 + lane, P, E)[None, :] < e[:, None]).to(tl.int32), axis=1)
+    (key_i, i) (a stable sort); tile t belongs to expert #{e : tile_end[e] <= t}. Chunks of
+    BLOCK_P pairs, BLOCK_E experts and BLOCK_T tiles: one chunk each at one token."""
+    lp = tl.arange(0, BLOCK_P)
+    le = tl.arange(0, BLOCK_E)
+    for e0 in range(0, E + 1, BLOCK_E):                     # bounds
+        e = e0 + le
+        below = tl.zeros([BLOCK_E], tl.int32)
+        for j0 in range(0, P, BLOCK_P):
+            below += tl.sum((_keys(ids_ptr, j0 + lp, P, E)[None, :] < e[:, None]).to(tl.int32), axis=1)
         tl.store(bounds_ptr + e, below, mask=e <= E)
     tl.debug_barrier()
     carry = 0                                                # tile_end: a running cumsum
-    for e0 in range(0, E, BLOCK):
-        e = e0 + lane
+    for e0 in range(0, E, BLOCK_E):
+        e = e0 + le
         m = e < E
         cnt = tl.load(bounds_ptr + e + 1, mask=m, other=0) - tl.load(bounds_ptr + e, mask=m, other=0)
         end = carry + tl.cumsum((cnt + BLOCK_M - 1) // BLOCK_M, axis=0)
         tl.store(tile_end_ptr + e, end, mask=m)
         carry = tl.max(tl.where(m, end, 0), axis=0)
-    for i0 in range(0, P, BLOCK):                           # order
-        i = i0 + lane
+    for i0 in range(0, P, BLOCK_P):                         # order
+        i = i0 + lp
         ki = _keys(ids_ptr, i, P, E)
-        rank = tl.zeros([BLOCK], tl.int32)
-        for j0 in range(0, P, BLOCK):
-            j = j0 + lane
+        rank = tl.zeros([BLOCK_P], tl.int32)
+        for j0 in range(0, P, BLOCK_P):
+            j = j0 + lp
             kj = _keys(ids_ptr, j, P, E)
             before = (kj[None, :] < ki[:, None]) | ((kj[None, :] == ki[:, None]) & (j[None, :] < i[:, None]))
             rank += tl.sum((before & (j < P)[None, :]).to(tl.int32), axis=1)
         tl.store(order_ptr + rank, i, mask=i < P)
     tl.debug_barrier()
-    for t0 in range(0, n_tiles, BLOCK):                     # meta
-        t = t0 + lane
-        te = tl.zeros([BLOCK], tl.int32)
-        for e0 in range(0, E, BLOCK):
-            e = e0 + lane
+    lt = tl.arange(0, BLOCK_T)
+    for t0 in range(0, n_tiles, BLOCK_T):                   # meta
+        t = t0 + lt
+        te = tl.zeros([BLOCK_T], tl.int32)
+        for e0 in range(0, E, BLOCK_E):
+            e = e0 + le
             end = tl.load(tile_end_ptr + e, mask=e < E, other=2147483647)
             te += tl.sum((end[None, :] <= t[:, None]).to(tl.int32), axis=1)
         ec = tl.minimum(te, E - 1)
@@ -104,8 +109,11 @@ def expert_tiles(ids: torch.Tensor, E: int, block_m: int):
         order = torch.empty(P, dtype=torch.int32, device=ids.device)
         meta = torch.empty(3, n_tiles, dtype=torch.int32, device=ids.device)
         scratch = torch.empty(2 * E + 1, dtype=torch.int32, device=ids.device)
+        bp = min(_BLOCK, triton.next_power_of_2(P))
+        bt = min(_BLOCK, triton.next_power_of_2(n_tiles))
+        be = min(512, triton.next_power_of_2(E + 1), _CHUNK // max(bp, bt))
         _expert_tiles_kernel[(1,)](flat, order, meta, scratch, scratch[E + 1:], P, E, n_tiles,
-                                   BLOCK_M=block_m, BLOCK=_BLOCK, num_warps=8)
+                                   BLOCK_M=block_m, BLOCK_P=bp, BLOCK_E=be, BLOCK_T=bt, num_warps=8)
         return order, meta, n_tiles
     key = ids.reshape(-1).to(torch.int64)
     key = torch.where(key < 0, E, key)
