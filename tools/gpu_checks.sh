@@ -11,7 +11,7 @@
 #   tools/gpu_checks.sh OUT hybrid    # step_bench: compiled / full / tr_hybrid (after graphs: warm compile cache)
 #   tools/gpu_checks.sh OUT dspark [V]  # dspark_bench at acceptance length 3.51, compiled + FULL, variants V
 #                                     # (default plain,dspark), a profiled step per case (dspark-eager: eager)
-#   tools/gpu_checks.sh OUT native    # step_bench with --weight-format native, then native_gemm_bench
+#   tools/gpu_checks.sh OUT native    # step_bench with --weight-format native, native_gemm_bench, experts_profile
 #   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
 #   tools/gpu_checks.sh OUT serve     # flash-slice server + serve_bench on chat text prompts
 #
@@ -98,8 +98,12 @@ native)
     --out "$OUT/native-weights-flash-slice-h200.json" > "$OUT/native.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | tail -12
   step "native_gemm_bench"
-  timeout 150 $py benchmarks/native_gemm_bench.py --out "$OUT/native-gemm-h200.json" > "$OUT/native-gemm.log" 2>&1
-  echo "rc=$?"; tail -3 "$OUT/native-gemm.log" ;;
+  timeout 240 $py benchmarks/native_gemm_bench.py --out "$OUT/native-gemm-h200.json" > "$OUT/native-gemm.log" 2>&1
+  echo "rc=$?"; tail -3 "$OUT/native-gemm.log"
+  step "experts_profile"
+  timeout 90 $py benchmarks/experts_profile.py --widths 1,8,64 --out "$OUT/experts-profile-h200.json" \
+    > "$OUT/experts-profile.log" 2>&1
+  echo "rc=$?"; tail -1 "$OUT/experts-profile.log" ;;
 replay)
   step "bounded_replay_bench"
   timeout 560 $py benchmarks/bounded_replay_bench.py --reps 3 \
