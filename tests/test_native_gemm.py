@@ -218,8 +218,8 @@ else:
         return h, y, order
 
     @pytest.mark.parametrize("T,kw", [(1, {}), (6, {"block_m": 16, "block_n_up": 32, "block_n_down": 32}),
-                                      (6, {"block_k": 32}), (64, {"block_k": 128}), (40, {"block_m": 64}),
-                                      (6, {"block_k": 32, "splits": 2}), (40, {"block_k": 32, "splits": 2})])
+                                      (6, {"block_k": 32}), (24, {"block_k": 128}), (40, {"block_m": 64}),
+                                      (6, {"block_k": 32, "splits": 2}), (16, {"block_k": 32, "splits": 2})])
     def test_w4a8_down_gemm_bound(g, T, kw):
         """The down GEMM alone: each pair's y against its own h codes · w2[e] in float64 (split-K:
         the splits' FP32 sums added in order, within the same bound)."""
@@ -244,7 +244,7 @@ else:
         (fp8_qat of silu(g)·u·w with g, u exact), except where the pre-quant value sits within a
         few FP32 ulps of an FP8 rounding point (silu's exp may differ by an ulp): at most one
         element in a thousand, and then by one E4M3 step. Split-K sums exact partials: the same."""
-        T, E, D, I, k, limit = 40, 6, 64, 96, 2, 1.0e4
+        T, E, D, I, k, limit = 24, 6, 64, 96, 2, 1.0e4
         args = w4a8_case(g, T, E, D, I, k, exact=True)
         x, ids, wts, w1, s1, w3, s3, w2, s2 = args
         h, _, order = w4a8_expert_gemms(*args, limit, **kw)
@@ -263,7 +263,7 @@ else:
         assert ((h[live] - want).abs()[diff] <= want.abs()[diff] * 2.0**-3 + 1e-30).all()
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    @pytest.mark.parametrize("T", [1, 5, 64, 256])
+    @pytest.mark.parametrize("T", [1, 5, 24, 256])
     def test_moe_experts_w4a8(g, monkeypatch, dtype, T):
         """The whole op against the reference: token 0 all padding (its row exactly 0; not at
         T = 1), expert E-1 empty, ragged groups. An FP32 reordering can move w2's pre-quant input across an FP8
