@@ -122,11 +122,13 @@ def measure(model: Path = MODEL, tokens: int = 4096, seq: int = 512, compiled: b
     token_map = load_tokenizer(str(model), cfg)[1]
     reqs = windows(heldout_tokens(), tokens, seq)
     ref = {p: oracle_logits(cfg, weights, token_map, reqs, p) for p in ("fp4", "fp8")}
-    rows = []
+    rows, eager_bf16 = [], {}
     for plane in ("fp8", "fp4"):
         for eager in ((True, False) if compiled else (True,)):
             t0 = time.time()
             got = runtime_logits(model, weights, reqs, plane, eager, device=device)
+            if eager:
+                eager_bf16[plane] = got
             row = {"variant": "bf16-eager" if eager else "bf16-compiled", "index_cache_dtype": plane,
                    **compare(got, ref[plane], reqs), "oracle": f"float64, {plane} index plane",
                    "seconds": round(time.time() - t0, 1)}
@@ -137,12 +139,17 @@ def measure(model: Path = MODEL, tokens: int = 4096, seq: int = 512, compiled: b
             log(json.dumps(row))
             if partial:
                 partial.write_text(json.dumps({"partial": True, "device": device, "results": rows}, indent=1) + "\n")
-    # where the differences come from: the oracle's own bf16 run, the runtime in float32, and
-    # the oracle's bf16 run with the float64 run's discrete choices imposed
+    # where the differences come from: the oracle's own bf16 run (and the runtime against it),
+    # the runtime in float32, and the oracle's bf16 run with the float64 run's discrete choices
+    # imposed
     diag = []
     for plane in (("fp8", "fp4") if diagnosis else ()):
         o16 = oracle_logits(cfg, weights, token_map, reqs, plane, torch.bfloat16)
         diag.append({"variant": "oracle-bf16", "index_cache_dtype": plane, **compare(o16, ref[plane], reqs)})
+        log(json.dumps(diag[-1]))
+        # the runtime against the reference in the production dtype ("oracle_nll": the bf16 oracle's)
+        diag.append({"variant": "bf16-eager vs oracle-bf16", "index_cache_dtype": plane,
+                     **compare(eager_bf16[plane], o16, reqs)})
         log(json.dumps(diag[-1]))
     if diagnosis:
         f32 = runtime_logits(model, weights, reqs, "fp8", True, "float32", device)

@@ -39,9 +39,10 @@ else:
     @pytest.mark.parametrize("T,k,E,block_m", [(1, 6, 384, 16), (5, 3, 7, 16), (64, 6, 384, 16),
                                                (40, 2, 6, 32), (3, 2, 300, 64), (170, 6, 16, 16)])
     def test_fused_grouping_equals_the_torch_ops(monkeypatch, T, k, E, block_m):
-        """Decode widths (P = T·k up to FUSED_PAIRS): the kernel's (order, meta) are the stable
-        sort's and the searchsorted tile table's, bit for bit, dead tiles included."""
+        """The kernel's (order, meta) are the stable sort's and the searchsorted tile table's,
+        bit for bit, dead tiles included (also past FUSED_PAIRS, where the op uses the torch ops)."""
         ids = routing(T * E + k, T, k, E)
+        monkeypatch.setattr(moe_tiles, "FUSED_PAIRS", 10**6)
         fused = moe_tiles.expert_tiles(ids, E, block_m)
         monkeypatch.setattr(moe_tiles, "FUSED_PAIRS", 0)
         ops = moe_tiles.expert_tiles(ids, E, block_m)
