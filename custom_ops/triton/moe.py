@@ -58,21 +58,34 @@ def e2m1_e4m3(c):
 
 
 @triton.jit
-def fp4_dot(a_ptr, w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def e2m1_scale(c):
+    """The FP32 multiplier of `e2m1_e4m3` codes under the int32 E8M0 scale codes c: 2^6 (the
+    codes' 2^-6 undone) times 2^(c-127); exact for scale codes up to 248 (2^121)."""
+    return e8m0_to_f32(c) * 64.0
+
+
+@triton.jit
+def act_halves(a_ptr, k0, BLOCK_K: tl.constexpr):
+    """An activation row's elements k0 + 2j and k0 + 2j + 1 (j < BLOCK_K / 2) in FP32: the ones
+    the low and high nibbles of `fp4_dot`'s bytes multiply."""
+    j = 2 * tl.arange(0, BLOCK_K // 2)
+    return tl.load(a_ptr + k0 + j).to(tl.float32), tl.load(a_ptr + k0 + j + 1).to(tl.float32)
+
+
+@triton.jit
+def fp4_dot(a_even, a_odd, w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """Σ over K block [k0, k0 + BLOCK_K) of a[k] · w[n, k] for the [BLOCK_N] rows of packed E2M1
     weights (w_rows, s_rows: pointers to each row's bytes and its E8M0 scales, one per 32 along
-    K), in FP32; BLOCK_K divides K (no K mask: a mask varying along K split the 16-byte loads).
-    Byte j holds element 2j in its low nibble and 2j + 1 in its high one; the bytes load as
-    [BLOCK_N, BLOCK_K / 2], contiguous along K. Each product of an FP8-QAT activation
-    and an E4M3 code is exact; a group's 32 products are summed, then scaled by 2^6 times its
-    E8M0 scale (exact for scale codes up to 248, 2^121), then the groups summed."""
+    K; a_even, a_odd: `act_halves`), in FP32; BLOCK_K divides K (no K mask: a mask varying along
+    K split the 16-byte loads). Byte j holds element 2j in its low nibble and 2j + 1 in its high
+    one; the bytes load as [BLOCK_N, BLOCK_K / 2], contiguous along K. Each product of an
+    FP8-QAT activation and an E4M3 code is exact; a group's 32 products are summed, then scaled
+    (`e2m1_scale`), then the groups summed."""
     G: tl.constexpr = BLOCK_K // 32
     j = tl.arange(0, BLOCK_K // 2)
-    a_even = tl.load(a_ptr + k0 + 2 * j).to(tl.float32)
-    a_odd = tl.load(a_ptr + k0 + 2 * j + 1).to(tl.float32)
     b = tl.load(w_rows[:, None] + (k0 // 2 + j)[None, :], mask=nmask[:, None], other=0).to(tl.int32)
     g = k0 // 32 + tl.arange(0, G)
-    s = e8m0_to_f32(tl.load(s_rows[:, None] + g[None, :], mask=nmask[:, None], other=127).to(tl.int32)) * 64.0
+    s = e2m1_scale(tl.load(s_rows[:, None] + g[None, :], mask=nmask[:, None], other=127).to(tl.int32))
     p = e2m1_e4m3(b & 15).to(tl.float8e4nv, bitcast=True).to(tl.float32) * a_even[None, :] + \
         e2m1_e4m3((b >> 4) & 15).to(tl.float8e4nv, bitcast=True).to(tl.float32) * a_odd[None, :]
     return tl.sum(tl.sum(tl.reshape(p, [BLOCK_N, G, 16]), axis=2) * s, axis=1)
@@ -105,8 +118,9 @@ def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, par
     acc_g = tl.zeros([BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(k_lo, tl.minimum(D, k_lo + k_split), BLOCK_K):
-        acc_g += fp4_dot(a, w1_ptr + w_off, s1_ptr + s_off, k0, nmask, BLOCK_K, BLOCK_N)
-        acc_u += fp4_dot(a, w3_ptr + w_off, s3_ptr + s_off, k0, nmask, BLOCK_K, BLOCK_N)
+        a_even, a_odd = act_halves(a, k0, BLOCK_K)          # one load for both weights
+        acc_g += fp4_dot(a_even, a_odd, w1_ptr + w_off, s1_ptr + s_off, k0, nmask, BLOCK_K, BLOCK_N)
+        acc_u += fp4_dot(a_even, a_odd, w3_ptr + w_off, s3_ptr + s_off, k0, nmask, BLOCK_K, BLOCK_N)
     at = part_ptr + tl.program_id(2) * stride_ps + r * I + rn
     tl.store(at, acc_g, mask=nmask)
     tl.store(at + stride_pu, acc_u, mask=nmask)
@@ -127,7 +141,8 @@ def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, D, I, k_
     sc = s2_ptr + e * stride_se + rn.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(k_lo, tl.minimum(I, k_lo + k_split), BLOCK_K):
-        acc += fp4_dot(h_ptr + r * stride_h, w, sc, k0, nmask, BLOCK_K, BLOCK_N)
+        a_even, a_odd = act_halves(h_ptr + r * stride_h, k0, BLOCK_K)
+        acc += fp4_dot(a_even, a_odd, w, sc, k0, nmask, BLOCK_K, BLOCK_N)
     tl.store(part_ptr + tl.program_id(2) * stride_ps + pair * D + rn, acc, mask=nmask)
 
 

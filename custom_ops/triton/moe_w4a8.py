@@ -26,8 +26,8 @@ import triton.language as tl
 from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES
-from custom_ops.triton.fp8_gemm import GROUP, GROUP_K, e8m0_to_f32, fp8_quant_groups, triton_fp8_act_quant
-from custom_ops.triton.moe import _block_m, e2m1_e4m3, fits, run_experts
+from custom_ops.triton.fp8_gemm import GROUP, GROUP_K, fp8_quant_groups, triton_fp8_act_quant
+from custom_ops.triton.moe import _block_m, e2m1_e4m3, e2m1_scale, fits, run_experts
 from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, tile_rows
 
 BLOCK_N_UP = 64
@@ -39,7 +39,7 @@ DECODE_PAIRS = 384         # 64 tokens x top-6: up to here moe.py's FP4 GEMVs (H
 def e2m1_tile(w_rows, kb, nmask, BLOCK_N: tl.constexpr):
     """The [32, BLOCK_N] FP8 tile of K block kb of packed E2M1 rows (w_rows: [BLOCK_N] row
     pointers to int8 bytes), element 2j from byte j's low nibble, 2j+1 from its high nibble, as
-    moe.e2m1_e4m3's codes: 2^-6 times the values (the callers fold 2^6 into the scale)."""
+    moe.e2m1_e4m3's codes: 2^-6 times the values (their scales: moe.e2m1_scale)."""
     j = tl.arange(0, GROUP_K // 2)
     b = tl.load(w_rows[:, None] + kb * (GROUP_K // 2) + j[None, :], mask=nmask[:, None], other=0).to(tl.int32)
     c = tl.reshape(tl.join(e2m1_e4m3(b & 15), e2m1_e4m3((b >> 4) & 15)), [BLOCK_N, GROUP_K])
@@ -71,8 +71,8 @@ def _w4a8_up_kernel(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, w
         sa = tl.load(xs_ptr + tok * stride_xs + kb, mask=rmask, other=0.0)
         pg = tl.dot(a, e2m1_tile(w1_ptr + w_off, kb, nmask, BLOCK_N), out_dtype=tl.float32)
         pu = tl.dot(a, e2m1_tile(w3_ptr + w_off, kb, nmask, BLOCK_N), out_dtype=tl.float32)
-        sg = e8m0_to_f32(tl.load(s1_ptr + s_off + kb, mask=nmask, other=127).to(tl.int32)) * 64.0
-        su = e8m0_to_f32(tl.load(s3_ptr + s_off + kb, mask=nmask, other=127).to(tl.int32)) * 64.0
+        sg = e2m1_scale(tl.load(s1_ptr + s_off + kb, mask=nmask, other=127).to(tl.int32))
+        su = e2m1_scale(tl.load(s3_ptr + s_off + kb, mask=nmask, other=127).to(tl.int32))
         acc_g += pg * sa[:, None] * sg[None, :]
         acc_u += pu * sa[:, None] * su[None, :]
     g = acc_g.to(ACT).to(tl.float32)
@@ -111,7 +111,7 @@ def _w4a8_down_kernel(hq_ptr, hs_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr
                     other=0.0)
         sa = tl.load(hs_ptr + r64 * stride_hs + kb, mask=rmask, other=0.0)
         part = tl.dot(a, e2m1_tile(w_rows, kb, nmask, BLOCK_N), out_dtype=tl.float32)
-        sb = e8m0_to_f32(tl.load(s_rows + kb, mask=nmask, other=127).to(tl.int32)) * 64.0
+        sb = e2m1_scale(tl.load(s_rows + kb, mask=nmask, other=127).to(tl.int32))
         acc += part * sa[:, None] * sb[None, :]
     tl.store(y_ptr + pair[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=rmask[:, None] & nmask[None, :])
