@@ -13,8 +13,9 @@ their rate and its share of the copy rate (a device-to-device copy measured in t
 bytes read + written per second) and of the read rate (a sum over 2 GiB: bytes read per
 second), and at prefill widths TFLOP/s against the measured FP8 peak.
 Targets (issue 16): >= 70% of the copy rate at decode widths, >= 60% of the FP8 peak at prefill.
-"sweep" rows: the same cases at widths 1 and 64 with other knobs (the defaults' candidates), the
-dense ones at the first prefill width with larger tiles, the experts' FP8-MMA kernels at 1 and 64.
+"sweep" rows: the same cases with other knobs (the defaults' candidates): the dense kernel's at
+widths 1, 8 and 64 and at the first prefill width; the experts' knobs and FP8-MMA kernels at
+widths 1, 8 and 64.
 """
 from __future__ import annotations
 
@@ -34,17 +35,15 @@ PREFILL = (2048, 4096)
 EXPERTS = (384, 6, 5120, 2304)     # E, top-k, D, I (Flash)
 TINY_DENSE = {"tiny": (96, 64)}
 TINY_EXPERTS = (6, 2, 64, 64)
-# tile variants timed beside the defaults at the edge decode widths (the "sweep" rows)
-DENSE_SWEEP = ({"block_n": 128}, {"block_n": 256}, {"split_k": 4}, {"split_k": 8}, {"num_stages": 4},
-               {"num_warps": 8})
-# larger output tiles at the first prefill width (the defaults stop at 64 x 64)
-PREFILL_SWEEP = ({"block_m": 128, "block_n": 128, "num_warps": 8}, {"block_m": 128, "block_n": 128, "num_warps": 4},
-                 {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 4},
-                 {"block_m": 128, "block_n": 256, "num_warps": 8}, {"block_m": 64, "block_n": 128, "num_warps": 4})
+# tile variants timed beside the defaults (the "sweep" rows) at SWEEP_M and the first prefill width
+DECODE_SWEEP = ({"block_n": 64, "unroll": 1, "num_stages": 3}, {"block_n": 64, "unroll": 4, "num_stages": 3},
+                {"block_n": 128, "unroll": 1, "num_stages": 6}, {"block_n": 128, "unroll": 4, "num_stages": 3},
+                {"block_n": 128, "num_stages": 2}, {"split_k": 8}, {"block_n": 256})
+PREFILL_SWEEP = ({"unroll": 4}, {"num_stages": 4}, {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3})
 EXPERT_SWEEP = ({"block_k": 128}, {"block_n_up": 64}, {"num_warps": 8}, {"block_n_down": 64},
                 {"num_warps": 8, "block_n_up": 64}, {"splits": 1}, {"splits": 4}, {"splits": 20},
                 {"path": "fp8_mma"})
-SWEEP_M = (1, 64)
+SWEEP_M = (1, 8, 64)
 
 
 def parse(argv=None):
@@ -52,6 +51,7 @@ def parse(argv=None):
     p.add_argument("--dry-run", action="store_true",
                    help="CPU under the Triton interpreter on tiny shapes; prints, writes nothing")
     p.add_argument("--out", default="benchmarks/results/native-gemm-h200.json")
+    p.add_argument("--no-sweep", action="store_true", help="the defaults only, no sweep rows")
     return p.parse_args(argv)
 
 
@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
         sys.exit("error: needs a CUDA device (or --dry-run)")
     dev = "cpu" if args.dry_run else "cuda"
     res = run(dev, TINY_DENSE if args.dry_run else DENSE, (1, 3) if args.dry_run else DECODE,
-              (40,) if args.dry_run else PREFILL, TINY_EXPERTS if args.dry_run else EXPERTS)
+              (40,) if args.dry_run else PREFILL, TINY_EXPERTS if args.dry_run else EXPERTS, sweep=not args.no_sweep)
     emit(res, args)
     return res
 
@@ -98,7 +98,7 @@ def timer(dev: str):
     return cuda
 
 
-def run(dev, dense, decode, prefill, experts) -> dict:
+def run(dev, dense, decode, prefill, experts, sweep: bool = True) -> dict:
     import torch
 
     import custom_ops  # noqa: F401
@@ -116,9 +116,9 @@ def run(dev, dense, decode, prefill, experts) -> dict:
            "read_rate_TBps": read_rate / 1e12,
            "fp8_peak_TFLOPs": fp8_peak / 1e12, "bf16_peak_TFLOPs": bf16_peak / 1e12, "dense": [],
            "experts": [], "sweep": []}
-    sweep_m = (1,) if dev == "cpu" else SWEEP_M
-    dense_sweep, expert_sweep = (DENSE_SWEEP[:1], EXPERT_SWEEP[-1:]) if dev == "cpu" else (DENSE_SWEEP, EXPERT_SWEEP)
-    prefill_sweep = PREFILL_SWEEP[-1:] if dev == "cpu" else PREFILL_SWEEP
+    sweep_m = () if not sweep else (1,) if dev == "cpu" else SWEEP_M
+    dense_sweep, expert_sweep = (DECODE_SWEEP[:1], EXPERT_SWEEP[-1:]) if dev == "cpu" else (DECODE_SWEEP, EXPERT_SWEEP)
+    prefill_sweep = () if not sweep else PREFILL_SWEEP[-1:] if dev == "cpu" else PREFILL_SWEEP
     budget = 256 * 2**20 if dev == "cuda" else 1
     for name, (N, K) in dense.items():
         for M in decode + prefill:

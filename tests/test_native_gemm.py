@@ -126,14 +126,16 @@ else:
             r = torch.empty(M, N)
             ref.fp8_block_gemm(xq, xs, w, ws, r)
             assert torch.equal(r.double(), exact)
-            for split_k in (1, 3):          # K = 256: 8 blocks as 3 + 3 + 2; K = 64: 2 splits of 1
+            # K = 256: 8 blocks, 4 per iteration, as 4 + 4; K = 64: 2 blocks, 1 per iteration, 2 splits of 1
+            for split_k in (1, 3):
                 out = torch.full((M, N), float("nan"))
                 triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k)
                 assert torch.equal(out, r), split_k
 
     @pytest.mark.parametrize("M,kw", [(1, {}), (5, {"block_n": 32}), (16, {"block_m": 16}),
                                       (64, {"block_n": 128}), (64, {"block_m": 32, "block_n": 32}),
-                                      (1, {"split_k": 4}), (7, {"split_k": 10}), (33, {"split_k": 3})])
+                                      (1, {"split_k": 4}), (7, {"split_k": 10}), (33, {"split_k": 3}),
+                                      (33, {"unroll": 2, "split_k": 3}), (2, {"unroll": 5})])
     def test_fp8_block_gemm_bound(g, M, kw):
         N, K = 96, 320
         xq, xs, w, ws = fp8_gemm_case(g, M, N, K)

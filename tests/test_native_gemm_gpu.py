@@ -38,7 +38,7 @@ def test_registry_picks_triton():
     assert ref.native_weights(DEV, torch.bfloat16)
 
 
-@pytest.mark.parametrize("M", [1, 8, 33, 64, 2048])
+@pytest.mark.parametrize("M", [1, 3, 4, 8, 33, 64, 2048])
 @pytest.mark.parametrize("N,K", [(1280, 5120), (5120, 8192), (2304, 5120)])
 def test_fp8_block_gemm(M, N, K):
     g = torch.Generator().manual_seed(M * 7 + N)

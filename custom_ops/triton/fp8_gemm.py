@@ -6,7 +6,9 @@ codes of common.py's FP8 QAT (bit-exact with v41.quant), stored as float8_e4m3fn
 FP32 scales instead of their product.
 
 W8A8 GEMM, grid (M / BLOCK_M, N / BLOCK_N): the K loop walks 32-wide blocks, the width of both
-the activation groups and the weight's 32x32 scale blocks. Each block is one FP8 x FP8 dot into
+the activation groups and the weight's 32x32 scale blocks, UNROLL of them per iteration (at
+decode widths four where K allows: a weight row's whole 128-byte line requested at once instead
+of a 32-byte sector per iteration). Each block is one FP8 x FP8 dot into
 a fresh FP32 tile, then promoted: acc += tile · s_x[m] · s_w[n] (DeepGEMM's per-block scale
 promotion; both scales are powers of two, so the promotion is exact and only the order of the
 FP32 sums differs from the reference). The E8M0 weight scales are decoded from their bits.
@@ -31,6 +33,18 @@ GROUP_K = tl.constexpr(GROUP)   # the same width inside kernels (compiled Triton
 BLOCK_M_MAX = 64
 BLOCK_N = 64
 PREFILL_M, PREFILL_BLOCK_N = 1024, 128   # H200, 2048 rows: 64x128 tiles 1.26-1.46x faster than 64x64
+UNROLL = 4
+
+
+def _tiles(M: int) -> tuple[int, int, int]:
+    """(BLOCK_N, K blocks per iteration, pipeline stages) by width, H200 (native-gemm-h200.json,
+    sweep rows): up to 16 rows, 64-wide tiles and four K blocks per iteration (Flash's four
+    projections at M = 1: 78.8 -> 65.9 µs); to 1,023, 128-wide tiles and six stages (M = 64:
+    105.3 -> 88.7 µs); from 1,024, 128-wide tiles, one block per iteration (four took 1.3-1.5x
+    the time at 2,048 rows)."""
+    if M <= 16:
+        return BLOCK_N, UNROLL, 3
+    return (PREFILL_BLOCK_N, 1, 6) if M < PREFILL_M else (PREFILL_BLOCK_N, 1, 3)
 
 
 @triton.jit
@@ -85,9 +99,10 @@ def triton_fp8_act_quant(x, q, s) -> None:
 @triton.jit
 def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, KB, KB_SPLIT,
                      stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_os,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
     """Program (m, n, s): K blocks [s·KB_SPLIT, (s+1)·KB_SPLIT) of one output tile, stored at
-    o + s·stride_os (split-K partials in FP32; with one split, the output itself)."""
+    o + s·stride_os (split-K partials in FP32; with one split, the output itself). KB and
+    KB_SPLIT are multiples of UNROLL."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -99,13 +114,15 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, KB, KB_SPLIT,
     sa_ptrs = xs_ptr + rm.to(tl.int64) * stride_sm
     sb_ptrs = ws_ptr + (rn // GROUP_K).to(tl.int64) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(split * KB_SPLIT, tl.minimum(split * KB_SPLIT + KB_SPLIT, KB)):
-        a = tl.load(a_ptrs + kb * GROUP_K, mask=mmask[:, None], other=0.0)
-        b = tl.load(b_ptrs + kb * GROUP_K, mask=nmask[None, :], other=0.0)
-        part = tl.dot(a, b, out_dtype=tl.float32)
-        sa = tl.load(sa_ptrs + kb, mask=mmask, other=0.0)
-        sb = e8m0_to_f32(tl.load(sb_ptrs + kb, mask=nmask, other=127).to(tl.int32))
-        acc += part * sa[:, None] * sb[None, :]
+    for kb0 in range(split * KB_SPLIT, tl.minimum(split * KB_SPLIT + KB_SPLIT, KB), UNROLL):
+        for u in tl.static_range(UNROLL):
+            kb = kb0 + u
+            a = tl.load(a_ptrs + kb * GROUP_K, mask=mmask[:, None], other=0.0)
+            b = tl.load(b_ptrs + kb * GROUP_K, mask=nmask[None, :], other=0.0)
+            part = tl.dot(a, b, out_dtype=tl.float32)
+            sa = tl.load(sa_ptrs + kb, mask=mmask, other=0.0)
+            sb = e8m0_to_f32(tl.load(sb_ptrs + kb, mask=nmask, other=127).to(tl.int32))
+            acc += part * sa[:, None] * sb[None, :]
     o_ptrs = o_ptr + split.to(tl.int64) * stride_os + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
@@ -141,9 +158,10 @@ def _splits(tiles: int, KB: int, M: int, K: int, device) -> int:
 
 
 def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None, block_n: int | None = None,
-                          split_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> None:
+                          split_k: int | None = None, unroll: int | None = None, num_warps: int = 4,
+                          num_stages: int | None = None) -> None:
     """`v41::fp8_block_gemm` (same signature); keyword knobs: tile sizes, split-K count (None:
-    `_splits`), warps, stages. Split-K sums FP32 partials in a fixed order: deterministic, and
+    `_splits`), K blocks per iteration (None: 4 where they divide K), warps, stages. Split-K sums FP32 partials in a fixed order: deterministic, and
     only the order of the FP32 sums differs from one split."""
     M, K = xq.shape
     N = w.shape[0]
@@ -153,17 +171,21 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None, blo
     if M == 0 or N == 0:
         return
     bm, KB = block_m or _block_m(M), K // GROUP
-    bn = block_n or (PREFILL_BLOCK_N if M >= PREFILL_M else BLOCK_N)
+    tile_n, tile_unroll, stages = _tiles(M)
+    bn = block_n or tile_n
+    unroll = unroll or (tile_unroll if KB % tile_unroll == 0 else 1)
+    if KB % unroll:
+        raise ValueError(f"unroll={unroll} does not divide the {KB} K blocks of 32")
     grid_m, grid_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
-    splits = min(KB, split_k or _splits(grid_m * grid_n, KB, M, K, out.device))
-    per = triton.cdiv(KB, splits)
+    splits = min(KB // unroll, split_k or _splits(grid_m * grid_n, KB, M, K, out.device))
+    per = triton.cdiv(KB // unroll, splits) * unroll
     splits = triton.cdiv(KB, per)                   # no empty split
     wsc = ws.view(torch.uint8)
     dest = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=out.device)
     _fp8_gemm_kernel[(grid_m, grid_n, splits)](
         xq, xs, w, wsc, dest, M, N, KB, per, xq.stride(0), xs.stride(0), w.stride(0),
         wsc.stride(0), dest.stride(-2), dest.stride(0) if splits > 1 else 0, BLOCK_M=bm, BLOCK_N=bn,
-        num_warps=num_warps, num_stages=num_stages)
+        UNROLL=unroll, num_warps=num_warps, num_stages=num_stages or stages)
     if splits > 1:
         _sum_splits_kernel[(M, triton.cdiv(N, 256))](dest, out, M, N, splits, dest.stride(0), dest.stride(1),
                                                      out.stride(0), BLOCK_N=256, num_warps=4)
