@@ -39,8 +39,8 @@ UNROLL = 4
 def _tiles(M: int) -> tuple[int, int, int]:
     """(BLOCK_N, K blocks per iteration, pipeline stages) by width, H200 (native-gemm-h200.json,
     sweep rows): up to 16 rows, 64-wide tiles and four K blocks per iteration (Flash's four
-    projections at M = 1: 78.8 -> 65.9 µs); to 1,023, 128-wide tiles and six stages (M = 64:
-    105.3 -> 88.7 µs); from 1,024, 128-wide tiles, one block per iteration (four took 1.3-1.5x
+    projections at M = 1: 78.8 -> 66.1 µs); to 1,023, 128-wide tiles and six stages (M = 64:
+    104.3 -> 89.1 µs); from 1,024, 128-wide tiles, one block per iteration (four took 1.3-1.5x
     the time at 2,048 rows)."""
     if M <= 16:
         return BLOCK_N, UNROLL, 3
