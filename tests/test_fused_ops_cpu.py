@@ -149,8 +149,8 @@ if not INTERPRETED:
         pos = torch.randint(0, 512, (T,), generator=g)
         out = torch.empty(T, G * R, dtype=dtype)
         ops.inv_rope_wo_a(o, rope.cos, rope.sin, pos, wo_a, out)
-        # the end of Attention.forward
-        z = torch.einsum("tgi,goi->tgo", rope(o, pos, inverse=True).view(T, G, -1), wo_a).flatten(1)
+        # the end of Attention.forward (quant.einsum: bf16 operands summed as the FP32 GEMM)
+        z = quant.einsum("tgi,goi->tgo", rope(o, pos, inverse=True).view(T, G, -1), wo_a).flatten(1)
         assert torch.equal(out, z)
 
     @pytest.mark.parametrize("dtype", DTYPES)
