@@ -31,20 +31,18 @@ from custom_ops.triton.common import TL_DTYPES, ceil_log2, pow2, round_e4m3, row
 GROUP = 32
 GROUP_K = tl.constexpr(GROUP)   # the same width inside kernels (compiled Triton reads only constexpr globals)
 BLOCK_M_MAX = 64
-BLOCK_N = 64
-PREFILL_M, PREFILL_BLOCK_N = 1024, 128   # H200, 2048 rows: 64x128 tiles 1.26-1.46x faster than 64x64
-UNROLL = 4
+PREFILL_M = 1024
 
 
 def _tiles(M: int) -> tuple[int, int, int]:
     """(BLOCK_N, K blocks per iteration, pipeline stages) by width, H200 (native-gemm-h200.json,
     sweep rows): up to 16 rows, 64-wide tiles and four K blocks per iteration (Flash's four
     projections at M = 1: 78.8 -> 66.1 µs); to 1,023, 128-wide tiles and six stages (M = 64:
-    104.3 -> 89.1 µs); from 1,024, 128-wide tiles, one block per iteration (four took 1.3-1.5x
-    the time at 2,048 rows)."""
+    104.3 -> 89.1 µs); from PREFILL_M, 128-wide tiles (at 2,048 rows 1.26-1.46x faster than 64)
+    and one block per iteration (four took 1.3-1.5x the time)."""
     if M <= 16:
-        return BLOCK_N, UNROLL, 3
-    return (PREFILL_BLOCK_N, 1, 6) if M < PREFILL_M else (PREFILL_BLOCK_N, 1, 3)
+        return 64, 4, 3
+    return 128, 1, 6 if M < PREFILL_M else 3
 
 
 @triton.jit
@@ -161,8 +159,9 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None, blo
                           split_k: int | None = None, unroll: int | None = None, num_warps: int = 4,
                           num_stages: int | None = None) -> None:
     """`v41::fp8_block_gemm` (same signature); keyword knobs: tile sizes, split-K count (None:
-    `_splits`), K blocks per iteration (None: 4 where they divide K), warps, stages. Split-K sums FP32 partials in a fixed order: deterministic, and
-    only the order of the FP32 sums differs from one split."""
+    `_splits`), K blocks per iteration and stages (None: `_tiles`, one block per iteration where
+    its count does not divide K), warps. Split-K sums FP32 partials in a fixed order:
+    deterministic, and only the order of the FP32 sums differs from one split."""
     M, K = xq.shape
     N = w.shape[0]
     if K % GROUP or out.dtype not in TL_DTYPES or xs.dtype != torch.float32 or \
