@@ -3,7 +3,8 @@
 CUDA events after warm-up, median of several steps, each case beside the summed kernel time of
 one more step of it under torch.profiler (`device_ms`: wall / device says how host-bound it is);
 decode cases also carry each engine phase's median host time over the timed steps
-(`host_ms_by_phase`, benchmarks/profiling.phases_timed: no profiler).
+(`host_ms_by_phase`, benchmarks/profiling.phases_timed: no profiler), and every case its floor
+(`floor_ms`: the bytes it must read or its GEMM FLOPs at the measured peaks, benchmarks/floor.py).
 The variants share one engine and its weights (flash-slice's 62 GB of bf16 weights fit once on
 an H200, not twice): eager, compiled (the compiled segments), full (compiled + the FULL CUDA
 graphs captured at decode sizes 1-64; prefill runs compiled), tr_hybrid (a second compile cut at
@@ -28,6 +29,7 @@ import time
 
 import torch
 
+from benchmarks.floor import held_state_bytes, step_floor, weight_bytes
 from benchmarks.profiling import median_by_phase, phases_timed, profile_step
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.piece_check import METRICS, by_piece, compare_pieces
@@ -157,6 +159,7 @@ def main():
     print(f"engine ready in {res['engine_ready_seconds']}s", flush=True)
     variants = a.variants.split(",")
     res["weights_gib"] = round((torch.cuda.memory_allocated() - runner.cache.nbytes) / 2**30, 2)
+    res["weights_gb"] = {a.weight_format: round(weight_bytes(runner.model) / 1e9, 2)}
     forwards = {"eager": runner.model}
     graphs = {}
 
@@ -232,8 +235,9 @@ def run_cases(eng, cases, variants, use, steps: int, res: dict, save) -> None:
                 ms, dev, host = decode_ms(eng, n, length, steps)
             else:
                 (ms, dev), host = prefill_ms(eng, n, length, 3), None
+            floor = step_floor(eng.runner.model, kind, n, length, held_state_bytes(eng.runner.cache.geo, n, length))
             res["results"].append({"variant": v, "step": kind, "requests": n, "tokens_each": length,
-                                   "ms": round(ms, 3), "device_ms": round(dev, 3),
+                                   "ms": round(ms, 3), "device_ms": round(dev, 3), **floor,
                                    **({"host_ms_by_phase": host} if host is not None else {})})
             print(json.dumps(res["results"][-1]), flush=True)
             save()
@@ -245,6 +249,7 @@ def dry_run(a) -> None:
         eng = LLMEngine(EngineArgs(model="toy", device="cpu", dtype="float32", max_num_seqs=4,
                                    max_num_batched_tokens=256, max_model_len=320, weight_format=fmt))
         res = {"results": []}
+        print(fmt, f"{weight_bytes(eng.runner.model) / 1e6:.2f} MB of weights")
         run_cases(eng, [("decode", 1, 64), ("decode", 4, 64), ("prefill", 2, 100)], ["eager"],
                   lambda v: None, 4, res, lambda: None)
         print(fmt, "ok")

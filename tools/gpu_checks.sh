@@ -95,7 +95,7 @@ dspark-eager)
 native)
   step "step_bench --weight-format native"
   timeout 420 $py benchmarks/step_bench.py --weight-format native --variants compiled,full --no-agreement \
-    --out "$OUT/native-weights-flash-slice-h200.json" > "$OUT/native.log" 2>&1
+    --profile "$OUT/native-profiles.txt" --out "$OUT/native-weights-flash-slice-h200.json" > "$OUT/native.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | tail -12
   step "native_gemm_bench"
   timeout 240 $py benchmarks/native_gemm_bench.py --out "$OUT/native-gemm-h200.json" > "$OUT/native-gemm.log" 2>&1
