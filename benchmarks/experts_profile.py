@@ -26,6 +26,8 @@ def parse(argv=None):
     p.add_argument("--dry-run", action="store_true", help="CPU under the Triton interpreter, tiny shapes; prints only")
     p.add_argument("--widths", default="1,64", help="token counts, comma-separated")
     p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--experts", type=int, default=None, help="routed experts E (default: Flash's 384)")
+    p.add_argument("--paths", default="auto", help="comma-separated: auto (the op's choice), gemv, mma")
     p.add_argument("--out", default="benchmarks/results/experts-profile-h200.json")
     return p.parse_args(argv)
 
@@ -60,10 +62,12 @@ def main(argv=None) -> dict:
     import custom_ops  # noqa: F401
     import custom_ops.triton  # noqa: F401  (registers the CUDA impls)
     from custom_ops.triton import triton_moe_experts_w4a8
+    from custom_ops.triton.moe_w4a8 import expert_path
     dev = "cpu" if args.dry_run else "cuda"
     if dev == "cuda" and not torch.cuda.is_available():
         sys.exit("error: needs a CUDA device (or --dry-run)")
     E, k, D, I = TINY_EXPERTS if args.dry_run else EXPERTS
+    E = args.experts or E
     timed = timer(dev)
     g = torch.Generator(device=dev).manual_seed(0)
     w1, w3, w2 = experts_native(E, I, D, dev), experts_native(E, I, D, dev), experts_native(E, D, I, dev)
@@ -76,13 +80,17 @@ def main(argv=None) -> dict:
         wts = torch.rand(T, k, device=dev, generator=g)
         o = torch.empty(T, D, dtype=torch.float32, device=dev)
 
-        def call():
-            triton_moe_experts_w4a8(x, ids, wts, w1[0], w1[1], w3[0], w3[1], w2[0], w2[1], 10.0, o)
-        call()                                          # compile and autotune outside the profile
-        kernels = kernel_times(call, args.calls, dev)
-        res["widths"].append({"tokens": T, "kernels_us": {n: round(v, 2) for n, v in kernels.items()},
-                              "kernels_sum_us": round(sum(kernels.values()), 2),
-                              "graph_us": round(timed(call, 1), 2)})
+        for path in args.paths.split(","):
+            def call():
+                triton_moe_experts_w4a8(x, ids, wts, w1[0], w1[1], w3[0], w3[1], w2[0], w2[1], 10.0, o,
+                                        path=None if path == "auto" else path)
+            call()                                          # compile and autotune outside the profile
+            kernels = kernel_times(call, args.calls, dev)
+            res["widths"].append({"tokens": T, "path": path if path != "auto" else expert_path(T * k, E),
+                                  "kernels_us": {n: round(v, 2) for n, v in kernels.items()},
+                                  "kernels_sum_us": round(sum(kernels.values()), 2),
+                                  "graph_us": round(timed(call, 1), 2)})
+            print(T, res["widths"][-1]["path"], res["widths"][-1]["graph_us"], flush=True)
     emit(res, args)
     return res
 

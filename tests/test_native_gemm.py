@@ -265,8 +265,9 @@ else:
         assert ((h[live] - want).abs()[diff] <= want.abs()[diff] * 2.0**-3 + 1e-30).all()
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    @pytest.mark.parametrize("T", [1, 5, 24, 256])
-    def test_moe_experts_w4a8(g, monkeypatch, dtype, T):
+    @pytest.mark.parametrize("T, path", [(1, None), (5, None), (5, "gemv"), (24, None), (24, "gemv"),
+                                         (256, None), (1, "mma")])
+    def test_moe_experts_w4a8(g, monkeypatch, dtype, T, path):
         """The whole op against the reference: token 0 all padding (its row exactly 0; not at
         T = 1), expert E-1 empty, ragged groups. An FP32 reordering can move w2's pre-quant input across an FP8
         rounding point, which moves that token's row by one E4M3 step of one element; most rows
@@ -278,7 +279,7 @@ else:
         r = torch.empty(T, D)
         out = torch.full((T, D), float("nan"))
         ref.moe_experts_w4a8(*args, 1.5, r)
-        triton_moe_experts_w4a8(*args, 1.5, out)
+        triton_moe_experts_w4a8(*args, 1.5, out, path=path)
         assert not out.isnan().any() and (out[0] == 0).all() == pad
         row_err = (out - r).double().norm(dim=1) / r.double().norm(dim=1).clamp(min=1e-30)
         tight = 1e-5 if dtype == torch.float32 else 1e-2
@@ -300,6 +301,13 @@ else:
         triton_moe_experts_w4a8(*args, 1.5, out)
         assert not out.isnan().any()
         assert float((out - r).double().norm() / r.double().norm()) < 2e-2
+
+    def test_expert_path_by_pairs_per_expert():
+        """GEMVs while pairs are few per expert (flash-slice's 16 experts: up to 5 tokens of top-6;
+        Flash's 384: up to 64 tokens), the MMA tiles beyond."""
+        from custom_ops.triton.moe_w4a8 import expert_path
+        assert [expert_path(6 * t, 16) for t in (1, 5, 6, 64)] == ["gemv", "gemv", "mma", "mma"]
+        assert [expert_path(6 * t, 384) for t in (1, 64, 65)] == ["gemv", "gemv", "mma"]
 
     def test_moe_experts_w4a8_no_tokens(g):
         args = w4a8_case(g, 4, 3, 32, 32, 2)

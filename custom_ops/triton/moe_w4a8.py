@@ -33,6 +33,7 @@ from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, tile_rows
 BLOCK_N_UP = 64
 BLOCK_N_DOWN = 64
 DECODE_PAIRS = 384         # 64 tokens x top-6: up to here moe.py's FP4 GEMVs (H200: faster than these at 1-64 tokens)
+GEMV_PAIRS_PER_EXPERT = 2  # a GEMV reads its expert's weights once per pair, an MMA tile once per tile
 
 
 @triton.jit
@@ -148,16 +149,25 @@ def w4a8_expert_gemms(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, *, block_m
     return hq, hs, y, order
 
 
-def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out, **knobs) -> None:
-    """`v41::moe_experts_w4a8` (same signature). Over DECODE_PAIRS (token, slot) pairs (prefill)
-    and without knobs: the FP8-MMA kernels above; otherwise moe.py's tile grouping with FP4
-    GEMVs (`run_experts` with scales). Every product is exact in FP32, so only the order of the
-    FP32 sums differs from the reference. Knobs: run_experts' (block_m, block_n_up,
-    block_n_down, block_k, splits, num_warps)."""
+def expert_path(pairs: int, experts: int) -> str:
+    """'gemv' (moe.py's FP4 GEMVs, a pass over an expert's weights per pair) while the (token,
+    slot) pairs are few, at most DECODE_PAIRS and GEMV_PAIRS_PER_EXPERT per expert on average;
+    'mma' (the FP8-MMA tiles above, one pass per 16-row tile) beyond."""
+    return "gemv" if pairs <= min(DECODE_PAIRS, GEMV_PAIRS_PER_EXPERT * experts) else "mma"
+
+
+def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out, *, path: str | None = None,
+                            **knobs) -> None:
+    """`v41::moe_experts_w4a8` (same signature). `path` (default `expert_path`; knobs imply
+    'gemv'): 'mma', the FP8-MMA kernels above; 'gemv', moe.py's tile grouping with FP4 GEMVs
+    (`run_experts` with scales). Every product is exact in FP32, so only the order of the FP32
+    sums differs from the reference. Knobs: run_experts' (block_m, block_n_up, block_n_down,
+    block_k, splits, num_warps)."""
     if x.dtype not in TL_DTYPES or w1.dtype != torch.int8 or w1.stride() != w3.stride() or \
             s1.stride() != s3.stride() or not fits(x, (w1, w3, w2, s1, s3, s2), w1.shape[1], out, knobs):
         return _ref.moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
-    if ids.numel() > DECODE_PAIRS and not knobs:
+    path = path or ("gemv" if knobs else expert_path(ids.numel(), w1.shape[0]))
+    if path == "mma":
         if x.shape[0]:
             _, _, y, _ = w4a8_expert_gemms(x if x.stride(1) == 1 else x.contiguous(), ids, weights,
                                            w1, s1, w3, s3, w2, s2, limit)
