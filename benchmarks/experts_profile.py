@@ -90,7 +90,7 @@ def main(argv=None) -> dict:
                                   "kernels_us": {n: round(v, 2) for n, v in kernels.items()},
                                   "kernels_sum_us": round(sum(kernels.values()), 2),
                                   "graph_us": round(timed(call, 1), 2)})
-            print(T, res["widths"][-1]["path"], res["widths"][-1]["graph_us"], flush=True)
+            print(T, res["widths"][-1]["path"], res["widths"][-1]["graph_us"], file=sys.stderr, flush=True)
     emit(res, args)
     return res
 

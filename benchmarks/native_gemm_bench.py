@@ -42,7 +42,7 @@ DECODE_SWEEP = ({"block_n": 64, "unroll": 1, "num_stages": 3}, {"block_n": 64, "
 PREFILL_SWEEP = ({"unroll": 4}, {"num_stages": 4}, {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3})
 EXPERT_SWEEP = ({"block_k": 128}, {"block_n_up": 64}, {"num_warps": 8}, {"block_n_down": 64},
                 {"num_warps": 8, "block_n_up": 64}, {"splits": 1}, {"splits": 4}, {"splits": 20},
-                {"path": "fp8_mma"})
+                {"path": "mma"})
 SWEEP_M = (1, 8, 64)
 
 
@@ -177,14 +177,9 @@ def variant(timed, fn, calls) -> float:
 
 
 def experts_call(x, ids, wts, w1, s1, w3, s3, w2, s2, out, *, path: str | None = None, **knobs) -> None:
-    """The op with knobs, or with path "fp8_mma" its FP8-MMA kernels whatever the width."""
+    """The op with knobs (its GEMVs), or with path "mma" its FP8-MMA kernels whatever the width."""
     from custom_ops.triton import triton_moe_experts_w4a8
-    from custom_ops.triton.moe_tiles import reduce_pairs
-    from custom_ops.triton.moe_w4a8 import w4a8_expert_gemms
-    if path == "fp8_mma":
-        y = w4a8_expert_gemms(x, ids, wts, w1, s1, w3, s3, w2, s2, 10.0, **knobs)[2]
-        return reduce_pairs(y, ids, w1.shape[0], out)
-    triton_moe_experts_w4a8(x, ids, wts, w1, s1, w3, s3, w2, s2, 10.0, out, **knobs)
+    triton_moe_experts_w4a8(x, ids, wts, w1, s1, w3, s3, w2, s2, 10.0, out, path=path, **knobs)
 
 
 def experts_native(E: int, n: int, k: int, dev):

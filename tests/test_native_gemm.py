@@ -53,7 +53,7 @@ if not INTERPRETED:
         assert "scaled_mm_us" in res["dense"][-1] and res["fp8_peak_TFLOPs"] > 0
         assert all(row["us"] > 0 and row["weight_bytes"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
         assert [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1), ("tiny", 40), ("experts_w4a8", 1)]
-        assert res["sweep"][-1]["knobs"] == {"path": "fp8_mma"} and res["read_rate_TBps"] > 0
+        assert res["sweep"][-1]["knobs"] == {"path": "mma"} and res["read_rate_TBps"] > 0
         assert all(row["pct_read"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
 
     def test_experts_profile_dry_run(tmp_path):
