@@ -1,5 +1,6 @@
 """Per-kernel timings on a GPU against the floor of the bytes each call must move (Flash shapes,
-bf16): v41::sparse_attn (decode 1/16/64 tokens, prefill 4096) and v41::index_topk. Each call is
+bf16): v41::sparse_attn (decode 1/16/64 tokens, prefill 4096) and v41::index_topk (`--mhc`:
+v41::mhc_mix alone). Each call is
 captured in a CUDA graph and replayed; CUDA events around 50 replays, median of 15 repeats.
 
     python benchmarks/kernel_bench.py --out benchmarks/results/kernels-h200.json
@@ -180,14 +181,36 @@ def breakdown_attn(gen, rows: list, T: int = 64) -> None:
          "us": round(dus, 2), "TFLOPs": attn_tflops(T * per_token, dus)})
 
 
+def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
+    """v41::mhc_mix at Flash's widths: the coefficient program summing its K splits one per load
+    (block_s 1) against the default, alternating; the floor is fn's FP32 bytes plus X once."""
+    from custom_ops.triton.mhc import triton_mhc_mix
+    fn = torch.randn(hc * (hc + 2), hc * dim, device="cuda") * 0.01
+    base, scale = torch.randn(hc * (hc + 2), device="cuda"), torch.rand(3, device="cuda")
+    for T in (1, 5, 64, 4096):
+        X = torch.randn(T, hc, dim, device="cuda").to(torch.bfloat16)
+        outs = [torch.empty(T, hc, device="cuda"), torch.empty(T, hc, device="cuda"),
+                torch.empty(T, hc, hc, device="cuda")]
+        nbytes = fn.nbytes + X.nbytes
+        for block_s in (1, None, 1, None):
+            us = time_graph(lambda: triton_mhc_mix(X, fn, base, scale, 20, 1e-6, 1e-20, *outs, block_s=block_s))
+            rows.append({"kernel": "mhc_mix", "tokens": T, "block_s": block_s or "default", "us": round(us, 2),
+                         "bytes": nbytes, "floor_us": round(floor_us(nbytes), 2)})
+            print(json.dumps(rows[-1]), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/kernels-h200.json")
     ap.add_argument("--sweep", action="store_true", help="also sweep sparse_attn decode launch options")
     ap.add_argument("--breakdown", action="store_true", help="only the decode sparse_attn breakdown")
+    ap.add_argument("--mhc", action="store_true", help="only mhc_mix, splits summed one per load vs the default")
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
+    if a.mhc:
+        bench_mhc(rows)
+        return save(a.out, rows)
     if a.breakdown:
         for T in (16, 64):
             breakdown_attn(gen, rows, T)

@@ -340,9 +340,10 @@ else:
         triton_inv_rope_wo_a(o, rope.cos, rope.sin, pos, wo_a, out, **kw)
         assert rel(out, ref) < 1e-5
 
-    @pytest.mark.parametrize("split,block_t", [(None, None), (3, 4)])
-    def test_mhc_mix(g, split, block_t):
-        T, hc, D = 7, 4, 48
+    @pytest.mark.parametrize("split,block_t,D", [(None, None, 48), (3, 4, 48), (20, 16, 320)])
+    def test_mhc_mix(g, split, block_t, D):
+        """(20, 16, 320): 20 splits summed 8 a load (the last load part masked)."""
+        T, hc = 7, 4
         X = rnd(g, T, hc, D)
         fn, base, scale = rnd(g, 24, hc * D, scale=0.05), rnd(g, 24), rnd(g, 3).abs()
         refs = [torch.empty(T, hc), torch.empty(T, hc), torch.empty(T, hc, hc)]

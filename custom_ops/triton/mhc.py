@@ -7,7 +7,8 @@ mhc_mix, two launches.
      N = 24 padded to a 32-wide tile; token tiles of 16..64; K split so that even one decode
      token spreads the 1.9 MB of fn over ~2x the SMs; each split writes FP32 partials).
   2. Coefficients, BLOCK_T tokens per program (one program per token tile; every token's
-     math is independent): the splits summed in a fixed order, m = m_raw·rsqrt(Σx²/(hc·D) +
+     math is independent): the splits summed in a fixed order, BLOCK_S of them per load, summed as
+     a tree (Flash at one decode token: its 80 splits in one load), m = m_raw·rsqrt(Σx²/(hc·D) +
      norm_eps); pre = sigmoid(m·scale0 + base) + hc_eps; post = 2·sigmoid(m·scale1 + base);
      comb = softmax_row(m·scale2 + base) + hc_eps on a [BLOCK_T, hc, hc] tile, then the column
      normalization and iters-1 (row, column) Sinkhorn rounds in registers.
@@ -28,6 +29,7 @@ from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, skinny_gemm
 
 COEF_BLOCK_T = 16
+COEF_TILE = 2048              # elements of the [splits, tokens, hc, hc] tile one program sums at once
 STREAM_TILE = 4096            # elements of X per program in collapse / expand
 
 
@@ -35,7 +37,7 @@ STREAM_TILE = 4096            # elements of X per program in collapse / expand
 def _mhc_coef_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
                      T, S, K, iters, hc_eps, norm_eps, stride_ps, stride_pt, stride_ss,
                      stride_pre, stride_post, stride_ct, stride_ci,
-                     HC: tl.constexpr, BLOCK_T: tl.constexpr):
+                     HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -48,12 +50,20 @@ def _mhc_coef_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, c
     a_post = tl.zeros([BLOCK_T, HC], tl.float32)
     a_comb = tl.zeros([BLOCK_T, HC, HC], tl.float32)
     ss = tl.zeros([BLOCK_T], tl.float32)
-    for s in range(S):
-        p = part_ptr + s * stride_ps
-        a_pre += tl.load(p + off2, mask=m2, other=0.0)
-        a_post += tl.load(p + HC + off2, mask=m2, other=0.0)
-        a_comb += tl.load(p + off3, mask=m3, other=0.0)
-        ss += tl.load(sq_ptr + s * stride_ss + t64, mask=tmask, other=0.0)
+    for s0 in range(0, S, BLOCK_S):      # BLOCK_S splits a load, summed as a tree
+        rs = s0 + tl.arange(0, BLOCK_S)
+        smask = rs < S
+        ps = rs.to(tl.int64) * stride_ps
+        s2 = ps[:, None, None]
+        s3 = ps[:, None, None, None]
+        k2 = smask[:, None, None] & m2[None, :, :]
+        k3 = smask[:, None, None, None] & m3[None, :, :, :]
+        a_pre += tl.sum(tl.load(part_ptr + s2 + off2[None, :, :], mask=k2, other=0.0), axis=0)
+        a_post += tl.sum(tl.load(part_ptr + s2 + HC + off2[None, :, :], mask=k2, other=0.0), axis=0)
+        a_comb += tl.sum(tl.load(part_ptr + s3 + off3[None, :, :, :], mask=k3, other=0.0), axis=0)
+        sq = tl.load(sq_ptr + rs.to(tl.int64)[:, None] * stride_ss + t64[None, :],
+                     mask=smask[:, None] & tmask[None, :], other=0.0)
+        ss += tl.sum(sq, axis=0)
     r = tl.rsqrt(ss / K + norm_eps)
     sc0 = tl.load(scale_ptr)
     sc1 = tl.load(scale_ptr + 1)
@@ -125,9 +135,9 @@ def _unit_last(*ts) -> bool:
 
 
 def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb, *,
-                   split: int | None = None, block_t: int | None = None) -> None:
+                   split: int | None = None, block_t: int | None = None, block_s: int | None = None) -> None:
     """`v41::mhc_mix` (same signature); keyword knobs: K splits of the projection, tokens per
-    coefficient program."""
+    coefficient program, splits per load of the coefficient program (a power of two)."""
     T, hc, D = X.shape
     if X.dtype not in TL_DTYPES or fn.dtype != torch.float32 or not _pow2(hc) or iters < 1 or \
             fn.shape != (hc * (hc + 2), hc * D) or \
@@ -142,11 +152,14 @@ def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb,
     base, scale = base.contiguous(), scale.contiguous()
     outs = [t if _unit_last(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device)
             for t in (pre, post, comb)]
-    bt = block_t or COEF_BLOCK_T
+    bt = block_t or min(COEF_BLOCK_T, triton.next_power_of_2(T))
+    S = part.shape[0]
+    bs = block_s or min(triton.next_power_of_2(S), max(1, COEF_TILE // (bt * hc * hc)))
     _mhc_coef_kernel[(triton.cdiv(T, bt),)](
         part, sq, base, scale, outs[0], outs[1], outs[2], T, part.shape[0], hc * D, iters,
         hc_eps, norm_eps, part.stride(0), part.stride(1), sq.stride(0), outs[0].stride(0),
-        outs[1].stride(0), outs[2].stride(0), outs[2].stride(1), HC=hc, BLOCK_T=bt, num_warps=4)
+        outs[1].stride(0), outs[2].stride(0), outs[2].stride(1), HC=hc, BLOCK_T=bt, BLOCK_S=bs,
+        num_warps=4)
     for o, t in zip(outs, (pre, post, comb)):
         if o is not t:
             t.copy_(o)
