@@ -340,16 +340,19 @@ else:
         triton_inv_rope_wo_a(o, rope.cos, rope.sin, pos, wo_a, out, **kw)
         assert rel(out, ref) < 1e-5
 
-    @pytest.mark.parametrize("split,block_t,D", [(None, None, 48), (3, 4, 48), (20, 16, 320)])
-    def test_mhc_mix(g, split, block_t, D):
-        """(20, 16, 320): 20 splits summed 8 a load (the last load part masked)."""
+    @pytest.mark.parametrize("split,block_t,block_s,D", [(None, None, None, 48), (3, 4, None, 48),
+                                                         (20, 16, 8, 320), (20, 1, None, 320)])
+    def test_mhc_mix(g, split, block_t, block_s, D):
+        """20 splits summed 8 a load (the last load part masked), and a one-token program's
+        default: all 20 in one load."""
         T, hc = 7, 4
         X = rnd(g, T, hc, D)
         fn, base, scale = rnd(g, 24, hc * D, scale=0.05), rnd(g, 24), rnd(g, 3).abs()
         refs = [torch.empty(T, hc), torch.empty(T, hc), torch.empty(T, hc, hc)]
         outs = [nan_like(r) for r in refs]
         ref_mhc.mhc_mix(X, fn, base, scale, 20, 1e-6, 1e-20, *refs)
-        triton_mhc_mix(X, fn, base, scale, 20, 1e-6, 1e-20, *outs, split=split, block_t=block_t)
+        triton_mhc_mix(X, fn, base, scale, 20, 1e-6, 1e-20, *outs, split=split, block_t=block_t,
+                       block_s=block_s)
         for o, r in zip(outs, refs):
             assert rel(o, r) < 1e-5
 

@@ -8,7 +8,7 @@ mhc_mix, two launches.
      token spreads the 1.9 MB of fn over ~2x the SMs; each split writes FP32 partials).
   2. Coefficients, BLOCK_T tokens per program (one program per token tile; every token's
      math is independent): the splits summed in a fixed order, BLOCK_S of them per load, summed as
-     a tree (Flash at one decode token: its 80 splits in one load), m = m_raw·rsqrt(Σx²/(hc·D) +
+     a tree (a program of one token, Flash: its 80 splits in one load), m = m_raw·rsqrt(Σx²/(hc·D) +
      norm_eps); pre = sigmoid(m·scale0 + base) + hc_eps; post = 2·sigmoid(m·scale1 + base);
      comb = softmax_row(m·scale2 + base) + hc_eps on a [BLOCK_T, hc, hc] tile, then the column
      normalization and iters-1 (row, column) Sinkhorn rounds in registers.
@@ -29,7 +29,7 @@ from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, skinny_gemm
 
 COEF_BLOCK_T = 16
-COEF_TILE = 2048              # elements of the [splits, tokens, hc, hc] tile one program sums at once
+COEF_TILE = 2048              # elements of the [splits, hc, hc] tile a one-token program sums at once
 STREAM_TILE = 4096            # elements of X per program in collapse / expand
 
 
@@ -154,7 +154,9 @@ def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb,
             for t in (pre, post, comb)]
     bt = block_t or min(COEF_BLOCK_T, triton.next_power_of_2(T))
     S = part.shape[0]
-    bs = block_s or min(triton.next_power_of_2(S), max(1, COEF_TILE // (bt * hc * hc)))
+    # a lone token's splits in one load; several tokens a program: one split a load, which the
+    # H200 ran as fast or faster at 5, 64 and 4,096 tokens (benchmarks/results/mhc-h200.json)
+    bs = block_s or (min(triton.next_power_of_2(S), COEF_TILE // (hc * hc)) if bt == 1 else 1)
     _mhc_coef_kernel[(triton.cdiv(T, bt),)](
         part, sq, base, scale, outs[0], outs[1], outs[2], T, part.shape[0], hc * D, iters,
         hc_eps, norm_eps, part.stride(0), part.stride(1), sq.stride(0), outs[0].stride(0),
