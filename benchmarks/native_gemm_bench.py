@@ -33,6 +33,7 @@ DENSE = {   # name: (N, K) of Flash's FP8 projections (spec §6), plus the issue
 DECODE = (1, 2, 4, 8, 16, 32, 64)
 PREFILL = (2048, 4096)
 EXPERTS = (384, 6, 5120, 2304)     # E, top-k, D, I (Flash)
+WO_A = (8, 1024, 4096)             # wo_a: groups, rows a group, K a group (Flash)
 TINY_DENSE = {"tiny": (96, 64)}
 TINY_EXPERTS = (6, 2, 64, 64)
 # tile variants timed beside the defaults (the "sweep" rows) at SWEEP_M and the first prefill width
@@ -141,6 +142,7 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True) -> dict:
                 row["scaled_mm_us"] = timed(lambda: torch._scaled_mm(xq, w.T, scale_a=one, scale_b=one,
                                                                      out_dtype=torch.bfloat16), 1)
             out["dense"].append(row)
+    wo_a_rows(out, dev, g, timed, decode, copy_rate, fp8_peak, budget, small=dev == "cpu")
     E, k, D, I = experts
     for T in decode + prefill:
         x, ids, wts = (t.to(dev) for t in w4a8_case(g, T, E, 32, 32, k, pad_token=False)[:3])
@@ -164,6 +166,34 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True) -> dict:
         if "cublas_bf16_us" in row:
             row["cublas_bf16_pct_read"] = 100 * 2 * row["N"] * row["K"] / (row["cublas_bf16_us"] * 1e-6) / read_rate
     return out
+
+
+def wo_a_rows(out, dev, g, timed, widths, copy_rate, fp8_peak, budget, small: bool) -> None:
+    """wo_a's 8 output groups (R = 1024 rows of K = 4096 each; --dry-run: 2 of 32 x 64) at
+    decode widths: one grouped `fp8_block_gemm` call against a call per group on its slices,
+    in the same run."""
+    import torch
+    from custom_ops.triton import triton_fp8_block_gemm
+    from tests.kernel_cases import fp8_gemm_case
+    G, R, K = (2, 32, 64) if small else WO_A
+    for M in widths:
+        xq, xs, w, ws = fp8_gemm_case(g, M, G * R, G * K, device=dev)
+        w, ws = w[:, :K].contiguous(), ws[:, : K // 32].contiguous()
+        wbytes = w.nbytes + ws.nbytes
+        copies = max(1, min(8, math.ceil(budget / wbytes)))
+        ws_ = [(w.clone(), ws.clone()) for _ in range(copies)]
+        o = torch.empty(M, G * R, dtype=torch.bfloat16, device=dev)
+        xg = [(xq[:, i * K:(i + 1) * K].contiguous(), xs[:, i * K // 32:(i + 1) * K // 32].contiguous())
+              for i in range(G)]
+
+        def per_group(a, b):
+            for i, (q, s) in enumerate(xg):
+                triton_fp8_block_gemm(q, s, a[i * R:(i + 1) * R], b[i * R // 32:(i + 1) * R // 32],
+                                      o[:, i * R:(i + 1) * R])
+        for name, fn in (("wo_a_grouped", lambda a, b: triton_fp8_block_gemm(xq, xs, a, b, o, G)),
+                         ("wo_a_per_group", per_group)):
+            us = timed(lambda: [fn(a, b) for a, b in ws_], copies)
+            out["dense"].append({**case_row(name, M, G * R, K, us, wbytes, copy_rate, fp8_peak), "groups": G})
 
 
 def variant(timed, fn, calls) -> float:

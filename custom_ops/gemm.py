@@ -6,7 +6,8 @@ from it only in the order of the FP32 sums.
 
 - `fp8_act_quant`: the A8 activation quant of spec §2.4 (per 32 along K, UE8M0 scale) as
   E4M3 codes plus FP32 scales, the form the W8A8 GEMM takes.
-- `fp8_block_gemm`: out = (q_x·s_x) · (q_w·s_w)ᵀ, W8A8 with 32x32 E8M0 weight blocks.
+- `fp8_block_gemm`: out = (q_x·s_x) · (q_w·s_w)ᵀ, W8A8 with 32x32 E8M0 weight blocks; with
+  `groups` G, G such GEMMs side by side (wo_a's batched GEMM).
 - `moe_experts_w4a8`: `v41::moe_experts` with FP4 E2M1 expert weights and E8M0 per-32 scales.
 
 `native_weights` is the one place that decides, at load, whether weights stay native.
@@ -36,14 +37,31 @@ def fp8_act_quant(x, q, s) -> None:
     s.copy_(sv)
 
 
-@define("fp8_block_gemm(Tensor xq, Tensor xs, Tensor w, Tensor ws, Tensor(a!) out) -> ()")
-def fp8_block_gemm(xq, xs, w, ws, out) -> None:
-    """xq [M, K] float8_e4m3fn, xs [M, K/32] float32; w [N, K] float8_e4m3fn, ws [⌈N/32⌉, ⌈K/32⌉]
-    float8_e8m0fnu; out [M, N] <- (xq·xs) @ (w·ws)ᵀ accumulated in FP32 (FP64 for a float64
-    out), rounded once to out's dtype."""
+@define("fp8_block_gemm(Tensor xq, Tensor xs, Tensor w, Tensor ws, Tensor(a!) out, int groups=1) -> ()")
+def fp8_block_gemm(xq, xs, w, ws, out, groups=1) -> None:
+    """xq [M, G·K] float8_e4m3fn, xs [M, G·K/32] float32; w [G·R, K] float8_e4m3fn, ws
+    [⌈G·R/32⌉, ⌈K/32⌉] float8_e8m0fnu; out [M, G·R] <- for each of the G = `groups` groups,
+    (xq·xs)[:, gK:(g+1)K] @ (w·ws)[gR:(g+1)R]ᵀ, accumulated in FP32 (FP64 for a float64 out) and
+    rounded once to out's dtype. G = 1 is the plain GEMM; wo_a's output groups are the batched
+    case (spec §3.3: group g's rows multiply only its own slice of the attention output)."""
+    M, G = xq.shape[0], groups
+    K, R = gemm_group_shape(xq, w, G)
     acc = _acc(out.dtype)
     x = xq.to(acc) * xs.to(acc).repeat_interleave(FP8_GROUP, -1)
-    out.copy_(x @ quant.dequant_fp8_block(w, ws, acc).T)
+    wd = quant.dequant_fp8_block(w, ws, acc)
+    if G == 1:
+        out.copy_(x @ wd.T)
+    else:
+        out.copy_(torch.einsum("mgk,grk->mgr", x.view(M, G, K), wd.view(G, R, K)).reshape(M, G * R))
+
+
+def gemm_group_shape(xq, w, groups: int) -> tuple[int, int]:
+    """(K, R) of a grouped `fp8_block_gemm`: each group's depth and output rows."""
+    K, GR = w.shape[1], w.shape[0]
+    if groups < 1 or GR % groups or xq.shape[1] != groups * K:
+        raise ValueError(f"fp8_block_gemm: x [{xq.shape[0]}, {xq.shape[1]}] and w [{GR}, {K}] are not "
+                         f"{groups} groups (x {groups}·K wide, w's rows a multiple of {groups})")
+    return K, GR // groups
 
 
 @define("moe_experts_w4a8(Tensor x, Tensor ids, Tensor weights, Tensor w1, Tensor s1, Tensor w3, "

@@ -44,13 +44,16 @@ if not INTERPRETED:
         return json.loads(r.stdout)
 
     def test_bench_dry_run(tmp_path):
-        """benchmarks/native_gemm_bench.py --dry-run runs every timed path (both GEMMs, cuBLAS
-        bf16, _scaled_mm, the copy and read rates, the experts' FP8-MMA path, a prefill tile) on
+        """benchmarks/native_gemm_bench.py --dry-run runs every timed path (both GEMMs, wo_a grouped
+        and per group, cuBLAS bf16, _scaled_mm, the copy and read rates, the experts' FP8-MMA path, a prefill tile) on
         tiny CPU shapes, prints its JSON and writes no file."""
         res = dry_run(tmp_path, "native_gemm_bench.py")
-        assert [row["M"] for row in res["dense"]] == [1, 3, 40]
+        plain = [row for row in res["dense"] if row["gemm"] == "tiny"]
+        assert [row["M"] for row in plain] == [1, 3, 40]
+        assert [(row["gemm"], row["M"]) for row in res["dense"] if "groups" in row] == [
+            ("wo_a_grouped", 1), ("wo_a_per_group", 1), ("wo_a_grouped", 3), ("wo_a_per_group", 3)]
         assert [row["M"] for row in res["experts"]] == [1, 3, 40]
-        assert "scaled_mm_us" in res["dense"][-1] and res["fp8_peak_TFLOPs"] > 0
+        assert "scaled_mm_us" in plain[-1] and res["fp8_peak_TFLOPs"] > 0
         assert all(row["us"] > 0 and row["weight_bytes"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
         assert [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1), ("tiny", 40), ("experts_w4a8", 1)]
         assert res["sweep"][-1]["knobs"] == {"path": "mma"} and res["read_rate_TBps"] > 0
@@ -131,6 +134,26 @@ else:
                 out = torch.full((M, N), float("nan"))
                 triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k)
                 assert torch.equal(out, r), split_k
+
+    @pytest.mark.parametrize("M", [1, 7, 33])
+    def test_fp8_block_gemm_grouped(g, M):
+        """groups = 3 (wo_a's form): x [M, 3·K], w [3·R, K]; group g's output columns are x's g-th
+        slice times w's g-th rows. Exactly summable inputs: kernel == reference == float64 per
+        group, bitwise, with 64-wide tiles narrowed to the group's 32 rows, split or not."""
+        G, R, K = 3, 32, 256
+        xq, xs, w, ws = fp8_gemm_case(g, M, G * R, G * K, exact=True)
+        w, ws = w[:, :K].contiguous(), ws[:, : K // 32].contiguous()   # w [G·R, K]
+        x, wd = dequant_act(xq, xs), quant.dequant_fp8_block(w, ws, torch.float64)
+        exact = torch.cat([x[:, i * K:(i + 1) * K] @ wd[i * R:(i + 1) * R].T for i in range(G)], -1)
+        r = torch.empty(M, G * R)
+        ref.fp8_block_gemm(xq, xs, w, ws, r, G)
+        assert torch.equal(r.double(), exact)
+        for split_k in (1, 3):
+            out = torch.full((M, G * R), float("nan"))
+            triton_fp8_block_gemm(xq, xs, w, ws, out, G, split_k=split_k)
+            assert torch.equal(out, r), split_k
+        with pytest.raises(ValueError, match="not 2 groups"):
+            ref.fp8_block_gemm(xq, xs, w, ws, r, 2)
 
     @pytest.mark.parametrize("M,kw", [(1, {}), (5, {"block_n": 32}), (16, {"block_m": 16}),
                                       (64, {"block_n": 128}), (64, {"block_m": 32, "block_n": 32}),

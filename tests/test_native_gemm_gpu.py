@@ -38,6 +38,29 @@ def test_registry_picks_triton():
     assert ref.native_weights(DEV, torch.bfloat16)
 
 
+@pytest.mark.parametrize("M", [1, 5, 64, 2048])
+def test_fp8_block_gemm_grouped(M):
+    """wo_a's grouped form at Flash's shape (8 groups of 1024 rows, K = 4096 each): group g's
+    columns within the FP32-order bound of x's g-th slice times its rows, as the reference."""
+    G, R, K = 8, 1024, 4096
+    g = torch.Generator().manual_seed(M)
+    xq, xs, w, ws = fp8_gemm_case(g, M, G * R, G * K, device=DEV)
+    w, ws = w[:, :K].contiguous(), ws[:, : K // 32].contiguous()
+    x = (xq.double() * xs.double().repeat_interleave(32, -1)).view(M, G, K)
+    wd = quant.dequant_fp8_block(w, ws, torch.float64).view(G, R, K)
+    exact = torch.einsum("mgk,grk->mgr", x, wd).flatten(1)
+    S = torch.einsum("mgk,grk->mgr", x.abs(), wd.abs()).flatten(1)
+    out = torch.full((M, G * R), float("nan"), device=DEV)
+    torch.ops.v41.fp8_block_gemm(xq, xs, w, ws, out, G)
+    r = torch.empty_like(out)
+    with registry.using("reference", "cuda", names=("fp8_block_gemm",)):
+        torch.ops.v41.fp8_block_gemm(xq, xs, w, ws, r, G)
+    bound = (K * U + MMA_REL) * S
+    assert not out.isnan().any()
+    assert ((out.double() - exact).abs() <= bound).all()
+    assert ((r.double() - exact).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("M", [1, 3, 4, 8, 33, 64, 2048])
 @pytest.mark.parametrize("N,K", [(1280, 5120), (5120, 8192), (2304, 5120)])
 def test_fp8_block_gemm(M, N, K):

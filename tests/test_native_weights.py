@@ -109,17 +109,20 @@ def test_loader_keeps_wo_a_fp8_when_asked(toy_cfg, toy_weights, toy_weights_fp8_
 
 def test_native_wo_a_is_an_a8_gemm_per_group(toy_cfg, toy_weights, toy_weights_fp8_wo_a):
     """Native wo_a: per group, the inverse-RoPE'd output quantized per 32 (A8) times the FP8
-    weight (W8A8), where the dequantized path multiplies BF16 without an act quant (§5.4). The
-    dequantized model with an FP8 wo_a equals the §5.4 one; the native one computes the A8 form."""
+    weight (W8A8), where the dequantized path multiplies BF16 without an act quant (§5.4), all
+    groups in one grouped `fp8_block_gemm`. The dequantized model with an FP8 wo_a equals the
+    §5.4 one; the native one computes the A8 form."""
+    from v41.layers import fp8_linear
     from v41.model import Transformer
     nat = Transformer(toy_cfg, toy_weights_fp8_wo_a, torch.float32, "cpu", native=True).layers[3].attn
     deq = Transformer(toy_cfg, toy_weights_fp8_wo_a, torch.float32, "cpu", native=False).layers[3].attn
     ref = Transformer(toy_cfg, toy_weights, torch.float32, "cpu", native=False).layers[3].attn
-    assert nat.wo_a is None and len(nat.wo_a_groups) == toy_cfg.o_groups
+    assert nat.wo_a is None and nat.wo_a_q.dtype == torch.float8_e4m3fn
     assert torch.equal(deq.wo_a, ref.wo_a)
     G, R, I = toy_cfg.o_groups, toy_cfg.o_lora_rank, toy_cfg.o_group_in
+    assert nat.wo_a_q.shape == (G * R, I)
     o = torch.randn(7, G, I, generator=torch.Generator().manual_seed(4))
-    got = torch.cat([lin(o[:, g]) for g, lin in enumerate(nat.wo_a_groups)], -1)
+    got = fp8_linear(o.flatten(1), nat.wo_a_q, nat.wo_a_scale, groups=G)
     want = torch.einsum("tgi,goi->tgo", quant.fp8_qat(o.reshape(7, -1)).view(7, G, I), ref.wo_a).flatten(1)
     assert got.shape == (7, G * R)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -132,7 +135,7 @@ def test_native_engine_loads_wo_a_fp8(toy_weights):
     eng = LLMEngine(EngineArgs(model="toy", dtype="float32", max_num_seqs=2, max_model_len=128,
                                weight_format="native"))
     attn = eng.runner.model.layers[3].attn
-    assert attn.wo_a is None and attn.wo_a_groups[0].scale is not None
+    assert attn.wo_a is None and attn.wo_a_scale is not None
     seq = eng.add_request(H.prompts((20,), seed=5)[0], SamplingParams(max_tokens=4, ignore_eos=True))
     while eng.has_unfinished():
         eng.step()

@@ -16,7 +16,7 @@ import custom_ops  # noqa: F401  (registers torch.ops.v41)
 from v41 import quant
 from v41.config import V41Config
 from v41.topology import LayerSpec, Role
-from v41.layers import Linear, RMSNorm, Rope, acc_dtype
+from v41.layers import Linear, RMSNorm, Rope, acc_dtype, fp8_linear
 from v41.parallel import tensor_parallel
 
 ops = torch.ops.v41
@@ -45,11 +45,8 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.wq_a, self.wq_b = Linear(w["wq_a"], "fp8"), Linear(w["wq_b"], "fp8")
         self.wkv, self.wo_b = Linear(w["wkv"], "fp8"), Linear(w["wo_b"], "fp8")
-        if isinstance(w["wo_a"], quant.BlockScaled):     # native: an A8 x FP8 GEMM per group
-            R = cfg.o_lora_rank
-            self.wo_a = None
-            self.wo_a_groups = nn.ModuleList(Linear(w["wo_a"].rows(g * R, (g + 1) * R), "fp8")
-                                             for g in range(self.o_groups))
+        if isinstance(w["wo_a"], quant.BlockScaled):     # native: the groups' A8 x FP8 GEMMs
+            self.wo_a, self.wo_a_q, self.wo_a_scale = None, w["wo_a"].q, w["wo_a"].scale
         else:
             self.wo_a = w["wo_a"].view(self.o_groups, cfg.o_lora_rank, cfg.o_group_in)
         self.q_norm, self.kv_norm = RMSNorm(w["q_norm"], eps), RMSNorm(w["kv_norm"], eps)
@@ -96,7 +93,7 @@ class Attention(nn.Module):
         self.keep_window(ring, kv, batch, cache)
         o = self.rope(o, qb.positions, inverse=True).view(xq.shape[0], self.o_groups, -1)
         if self.wo_a is None:
-            z = torch.cat([wo_a(o[:, g]) for g, wo_a in enumerate(self.wo_a_groups)], -1)
+            z = fp8_linear(o.flatten(1), self.wo_a_q, self.wo_a_scale, groups=self.o_groups)
         else:
             z = quant.einsum("tgi,goi->tgo", o, self.wo_a).flatten(1)
         return self.wo_b(z) if self.tp is None else self.tp.all_reduce(self.wo_b(z))

@@ -13,6 +13,8 @@ a fresh FP32 tile, then promoted: acc += tile · s_x[m] · s_w[n] (DeepGEMM's pe
 promotion; both scales are powers of two, so the promotion is exact and only the order of the
 FP32 sums differs from the reference). The E8M0 weight scales are decoded from their bits.
 Output rounded once to out's dtype. FP64 outputs and K not a multiple of 32 run the reference.
+Grouped (wo_a's G output groups): one launch, each output tile inside one group, whose x
+columns its K loop starts at.
 
 Split-K (grid axis 2) where the output tiles alone leave SMs idle (decode widths): each split
 walks its share of the K blocks into FP32 partials [splits, M, N]; a second kernel sums them
@@ -95,21 +97,24 @@ def triton_fp8_act_quant(x, q, s) -> None:
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, KB, KB_SPLIT,
+def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, KB, KB_SPLIT, ROWS_G,
                      stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_os,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
     """Program (m, n, s): K blocks [s·KB_SPLIT, (s+1)·KB_SPLIT) of one output tile, stored at
     o + s·stride_os (split-K partials in FP32; with one split, the output itself). KB and
-    KB_SPLIT are multiples of UNROLL."""
+    KB_SPLIT are multiples of UNROLL. Grouped: the tile's weight rows belong to group
+    n0 // ROWS_G (ROWS_G a multiple of BLOCK_N), which reads its own KB blocks of x."""
+    n0 = tl.program_id(1) * BLOCK_N
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = n0 + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
     rk = tl.arange(0, GROUP_K)
     mmask = rm < M
     nmask = rn < N
-    a_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    g_blocks = (n0 // ROWS_G).to(tl.int64) * KB        # the group's first K block of x
+    a_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + g_blocks * GROUP_K + rk[None, :]
     b_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
-    sa_ptrs = xs_ptr + rm.to(tl.int64) * stride_sm
+    sa_ptrs = xs_ptr + rm.to(tl.int64) * stride_sm + g_blocks
     sb_ptrs = ws_ptr + (rn // GROUP_K).to(tl.int64) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for kb0 in range(split * KB_SPLIT, tl.minimum(split * KB_SPLIT + KB_SPLIT, KB), UNROLL):
@@ -155,23 +160,25 @@ def _splits(tiles: int, KB: int, M: int, K: int, device) -> int:
     return max(n, min(4, KB // 4, K // (16 * M))) if tiles < 4 * sms else n
 
 
-def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None, block_n: int | None = None,
-                          split_k: int | None = None, unroll: int | None = None, num_warps: int = 4,
-                          num_stages: int | None = None) -> None:
-    """`v41::fp8_block_gemm` (same signature); keyword knobs: tile sizes, split-K count (None:
-    `_splits`), K blocks per iteration and stages (None: `_tiles`, one block per iteration where
-    its count does not divide K), warps. Split-K sums FP32 partials in a fixed order:
-    deterministic, and only the order of the FP32 sums differs from one split."""
-    M, K = xq.shape
-    N = w.shape[0]
+def triton_fp8_block_gemm(xq, xs, w, ws, out, groups: int = 1, *, block_m: int | None = None,
+                          block_n: int | None = None, split_k: int | None = None, unroll: int | None = None,
+                          num_warps: int = 4, num_stages: int | None = None) -> None:
+    """`v41::fp8_block_gemm` (same signature; the groups in one launch, each output tile inside
+    one group); keyword knobs: tile sizes, split-K count (None: `_splits`), K blocks per
+    iteration and stages (None: `_tiles`, one block per iteration where its count does not
+    divide K), warps. Split-K sums FP32 partials in a fixed order: deterministic, and only the
+    order of the FP32 sums differs from one split."""
+    K, R = _ref.gemm_group_shape(xq, w, groups)
+    M, N = xq.shape[0], w.shape[0]
+    tile_n, tile_unroll, stages = _tiles(M)
+    bn = block_n or (tile_n if groups == 1 else min(tile_n, R))
     if K % GROUP or out.dtype not in TL_DTYPES or xs.dtype != torch.float32 or \
+            (groups > 1 and (R % bn or bn < 16)) or \
             xq.stride(-1) != 1 or w.stride(-1) != 1 or xs.stride(-1) != 1 or out.stride(-1) != 1:
-        return _ref.fp8_block_gemm(xq, xs, w, ws, out)
+        return _ref.fp8_block_gemm(xq, xs, w, ws, out, groups)
     if M == 0 or N == 0:
         return
     bm, KB = block_m or _block_m(M), K // GROUP
-    tile_n, tile_unroll, stages = _tiles(M)
-    bn = block_n or tile_n
     unroll = unroll or (tile_unroll if KB % tile_unroll == 0 else 1)
     if KB % unroll:
         raise ValueError(f"unroll={unroll} does not divide the {KB} K blocks of 32")
@@ -182,7 +189,7 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, *, block_m: int | None = None, blo
     wsc = ws.view(torch.uint8)
     dest = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=out.device)
     _fp8_gemm_kernel[(grid_m, grid_n, splits)](
-        xq, xs, w, wsc, dest, M, N, KB, per, xq.stride(0), xs.stride(0), w.stride(0),
+        xq, xs, w, wsc, dest, M, N, KB, per, R, xq.stride(0), xs.stride(0), w.stride(0),
         wsc.stride(0), dest.stride(-2), dest.stride(0) if splits > 1 else 0, BLOCK_M=bm, BLOCK_N=bn,
         UNROLL=unroll, num_warps=num_warps, num_stages=num_stages or stages)
     if splits > 1:
