@@ -75,6 +75,7 @@ else:
     from custom_ops import gemm as ref
     from custom_ops import registry
     from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_moe_experts_w4a8
+    from custom_ops.triton.fp8_gemm import tile_counters
     import triton
     import triton.language as tl
 
@@ -134,6 +135,22 @@ else:
                 out = torch.full((M, N), float("nan"))
                 triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k)
                 assert torch.equal(out, r), split_k
+                # the last split of each tile summed it and left its counter at zero for the next call
+                assert not tile_counters(out.device, 0).any()
+
+    def test_fp8_block_gemm_split_k_sums_every_split(g, monkeypatch):
+        """Split-K partials are summed only once every split has stored its own: with the
+        partial buffer NaN-poisoned at allocation, a sum that ran early would carry NaN (the
+        interpreter runs the programs one after another, in grid order and reversed)."""
+        real_empty = torch.empty
+        monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+        for M, N, K, split_k in ((1, 80, 256, 2), (7, 40, 320, 5)):
+            xq, xs, w, ws = fp8_gemm_case(g, M, N, K, exact=True)
+            exact, _ = exact_and_abs(xq, xs, w, ws)
+            out = torch.full((M, N), float("nan"))
+            triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k)
+            assert torch.equal(out.double(), exact)
+            assert not tile_counters(out.device, 0).any()
 
     @pytest.mark.parametrize("M", [1, 7, 33])
     def test_fp8_block_gemm_grouped(g, M):

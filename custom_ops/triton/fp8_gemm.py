@@ -17,8 +17,9 @@ Grouped (wo_a's G output groups): one launch, each output tile inside one group,
 columns its K loop starts at.
 
 Split-K (grid axis 2) where the output tiles alone leave SMs idle (decode widths): each split
-walks its share of the K blocks into FP32 partials [splits, M, N]; a second kernel sums them
-in ascending split order and rounds once.
+walks its share of the K blocks into FP32 partials [splits, M, N]; the split that arrives last
+at its tile (a per-tile counter) sums them in ascending split order and rounds once, in the
+same launch.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ GROUP = 32
 GROUP_K = tl.constexpr(GROUP)   # the same width inside kernels (compiled Triton reads only constexpr globals)
 BLOCK_M_MAX = 64
 PREFILL_M = 1024
+SPLIT_TILES_MAX = 8192        # output tiles a split-K call may have (its counters)
+_COUNTERS: dict = {}
 
 
 def _tiles(M: int) -> tuple[int, int, int]:
@@ -97,13 +100,17 @@ def triton_fp8_act_quant(x, q, s) -> None:
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, KB, KB_SPLIT, ROWS_G,
-                     stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_os,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
-    """Program (m, n, s): K blocks [s·KB_SPLIT, (s+1)·KB_SPLIT) of one output tile, stored at
-    o + s·stride_os (split-K partials in FP32; with one split, the output itself). KB and
+def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, KB, KB_SPLIT, ROWS_G,
+                     stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
+                     SPLIT_K: tl.constexpr):
+    """Program (m, n, s): K blocks [s·KB_SPLIT, (s+1)·KB_SPLIT) of one output tile. KB and
     KB_SPLIT are multiples of UNROLL. Grouped: the tile's weight rows belong to group
-    n0 // ROWS_G (ROWS_G a multiple of BLOCK_N), which reads its own KB blocks of x."""
+    n0 // ROWS_G (ROWS_G a multiple of BLOCK_N), which reads its own KB blocks of x.
+    One split: the tile is rounded into o. SPLIT_K: each split stores its FP32 partial at
+    p + s·stride_ps and counts itself in the tile's counter (acq_rel); the split that counts
+    last sums the partials in ascending s, rounds once into o and zeroes the counter for the
+    next call."""
     n0 = tl.program_id(1) * BLOCK_N
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
@@ -126,20 +133,21 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, KB, KB_SPLIT, RO
             sa = tl.load(sa_ptrs + kb, mask=mmask, other=0.0)
             sb = e8m0_to_f32(tl.load(sb_ptrs + kb, mask=nmask, other=127).to(tl.int32))
             acc += part * sa[:, None] * sb[None, :]
-    o_ptrs = o_ptr + split.to(tl.int64) * stride_os + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
-
-
-@triton.jit
-def _sum_splits_kernel(p_ptr, o_ptr, M, N, SPLITS, stride_ps, stride_pm, stride_om, BLOCK_N: tl.constexpr):
-    """out[m, n] = Σ_s partial[s, m, n] in ascending s (FP32), rounded once to out's dtype."""
-    m = tl.program_id(0).to(tl.int64)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = rn < N
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for s in range(SPLITS):
-        acc += tl.load(p_ptr + s * stride_ps + m * stride_pm + rn, mask=mask, other=0.0)
-    tl.store(o_ptr + m * stride_om + rn, acc.to(o_ptr.dtype.element_ty), mask=mask)
+    omask = mmask[:, None] & nmask[None, :]
+    o_ptrs = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    if SPLIT_K:
+        p_tile = p_ptr + rm.to(tl.int64)[:, None] * stride_pm + rn[None, :]
+        tl.store(p_tile + split.to(tl.int64) * stride_ps, acc, mask=omask)
+        splits = tl.num_programs(2)
+        counter = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+            tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(splits):
+                tot += tl.load(p_tile + s * stride_ps, mask=omask, other=0.0)
+            tl.store(o_ptrs, tot.to(o_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(counter, 0)
+    else:
+        tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=omask)
 
 
 def _block_m(M: int) -> int:
@@ -187,14 +195,24 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, groups: int = 1, *, block_m: int |
     per = triton.cdiv(KB // unroll, splits) * unroll
     splits = triton.cdiv(KB, per)                   # no empty split
     wsc = ws.view(torch.uint8)
-    dest = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=out.device)
+    part = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=out.device)
     _fp8_gemm_kernel[(grid_m, grid_n, splits)](
-        xq, xs, w, wsc, dest, M, N, KB, per, R, xq.stride(0), xs.stride(0), w.stride(0),
-        wsc.stride(0), dest.stride(-2), dest.stride(0) if splits > 1 else 0, BLOCK_M=bm, BLOCK_N=bn,
-        UNROLL=unroll, num_warps=num_warps, num_stages=num_stages or stages)
-    if splits > 1:
-        _sum_splits_kernel[(M, triton.cdiv(N, 256))](dest, out, M, N, splits, dest.stride(0), dest.stride(1),
-                                                     out.stride(0), BLOCK_N=256, num_warps=4)
+        xq, xs, w, wsc, out, part, tile_counters(out.device, grid_m * grid_n if splits > 1 else 0),
+        M, N, KB, per, R, xq.stride(0), xs.stride(0), w.stride(0), wsc.stride(0), out.stride(0),
+        part.stride(0), part.stride(-2), BLOCK_M=bm, BLOCK_N=bn, UNROLL=unroll, SPLIT_K=splits > 1,
+        num_warps=num_warps, num_stages=num_stages or stages)
+
+
+def tile_counters(device, tiles: int) -> torch.Tensor:
+    """The split-K kernels' per-tile arrival counters on `device`: one zeroed buffer made once
+    and kept (a CUDA graph that captured a GEMM keeps its address), every counter back at zero
+    when its tile's last split has summed."""
+    if tiles > SPLIT_TILES_MAX:
+        raise ValueError(f"fp8_block_gemm: split-K over {tiles} output tiles (counters for {SPLIT_TILES_MAX})")
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(SPLIT_TILES_MAX, dtype=torch.int32, device=device)
+    return c
 
 
 register_impl("fp8_act_quant", "triton", triton_fp8_act_quant, device_type="cuda")
