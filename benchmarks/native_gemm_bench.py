@@ -6,6 +6,8 @@ shapes and `torch._scaled_mm` (FP8, per-tensor scales) as the FP8 dense peak.
     python benchmarks/native_gemm_bench.py            # H200: writes benchmarks/results/native-gemm-h200.json
     python benchmarks/native_gemm_bench.py --dry-run  # CPU, Triton interpreter, tiny shapes, prints only
 
+Dense rows at decode widths also time the call from bf16 x: `fp8_linear` (the act quant inside
+the GEMM up to 16 rows) against `fp8_act_quant` then `fp8_block_gemm`.
 Figures per case: device time (CUDA graph of `copies` calls, each on its own weight copy, so
 the weights come from HBM and not from the 50 MB L2; CUDA events around 20 replays, median of
 9), weight bytes read (codes + scales; for the experts, those of the experts the routing hits),
@@ -104,7 +106,8 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True) -> dict:
 
     import custom_ops  # noqa: F401
     import custom_ops.triton  # noqa: F401  (registers the CUDA impls)
-    from custom_ops.triton import triton_fp8_block_gemm, triton_moe_experts_w4a8
+    from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_fp8_linear, \
+        triton_moe_experts_w4a8
     from tests.kernel_cases import fp8_gemm_case, w4a8_case
 
     timed = timer(dev)
@@ -133,6 +136,11 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True) -> dict:
             wb = [a.float().bfloat16() for a, _ in ws_]
             us_bf16 = timed(lambda: [torch.mm(xb, b.T, out=o) for b in wb], copies)
             row = case_row(name, M, N, K, us, wbytes, copy_rate, fp8_peak)
+            if M in decode:     # from bf16 x: the act quant inside the GEMM (fp8_linear) or before it
+                row["linear_us"] = timed(lambda: [triton_fp8_linear(xb, a, b, o) for a, b in ws_], copies)
+                row["quant_then_gemm_us"] = timed(lambda: [(triton_fp8_act_quant(xb, xq, xs),
+                                                            triton_fp8_block_gemm(xq, xs, a, b, o))
+                                                           for a, b in ws_], copies)
             for kw in dense_sweep if M in sweep_m else prefill_sweep if M == prefill[0] else ():
                 t = variant(timed, lambda: [triton_fp8_block_gemm(xq, xs, a, b, o, **kw) for a, b in ws_], copies)
                 out["sweep"].append({**case_row(name, M, N, K, t, wbytes, copy_rate, fp8_peak), "knobs": kw})

@@ -8,6 +8,8 @@ from it only in the order of the FP32 sums.
   E4M3 codes plus FP32 scales, the form the W8A8 GEMM takes.
 - `fp8_block_gemm`: out = (q_x·s_x) · (q_w·s_w)ᵀ, W8A8 with 32x32 E8M0 weight blocks; with
   `groups` G, G such GEMMs side by side (wo_a's batched GEMM).
+- `fp8_linear`: the two above in one call, x in the activation dtype (what `Linear("fp8")`
+  runs; an impl may quantize x inside its GEMM).
 - `moe_experts_w4a8`: `v41::moe_experts` with FP4 E2M1 expert weights and E8M0 per-32 scales.
 
 `native_weights` is the one place that decides, at load, whether weights stay native.
@@ -21,7 +23,7 @@ from custom_ops.registry import define, selected
 from v41 import quant
 
 FP8_GROUP = 32
-NATIVE_OPS = ("fp8_act_quant", "fp8_block_gemm", "moe_experts_w4a8")
+NATIVE_OPS = ("fp8_act_quant", "fp8_block_gemm", "fp8_linear", "moe_experts_w4a8")
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -53,6 +55,16 @@ def fp8_block_gemm(xq, xs, w, ws, out, groups=1) -> None:
         out.copy_(x @ wd.T)
     else:
         out.copy_(torch.einsum("mgk,grk->mgr", x.view(M, G, K), wd.view(G, R, K)).reshape(M, G * R))
+
+
+@define("fp8_linear(Tensor x, Tensor w, Tensor ws, Tensor(a!) out, int groups=1) -> ()")
+def fp8_linear(x, w, ws, out, groups=1) -> None:
+    """x [M, G·K] in the activation dtype; out [M, G·R] <- `fp8_block_gemm` of x's A8 quant
+    (`fp8_act_quant`) and the weight, in out's dtype."""
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(x.shape[0], x.shape[1] // FP8_GROUP, dtype=torch.float32, device=x.device)
+    fp8_act_quant(x, q, s)
+    fp8_block_gemm(q, s, w, ws, out, groups)
 
 
 def gemm_group_shape(xq, w, groups: int) -> tuple[int, int]:

@@ -50,6 +50,7 @@ if not INTERPRETED:
         res = dry_run(tmp_path, "native_gemm_bench.py")
         plain = [row for row in res["dense"] if row["gemm"] == "tiny"]
         assert [row["M"] for row in plain] == [1, 3, 40]
+        assert [("linear_us" in row, "quant_then_gemm_us" in row) for row in plain] == [(True, True)] * 2 + [(False,) * 2]
         assert [(row["gemm"], row["M"]) for row in res["dense"] if "groups" in row] == [
             ("wo_a_grouped", 1), ("wo_a_per_group", 1), ("wo_a_grouped", 3), ("wo_a_per_group", 3)]
         assert [row["M"] for row in res["experts"]] == [1, 3, 40]
@@ -74,7 +75,8 @@ else:
     import custom_ops  # noqa: F401
     from custom_ops import gemm as ref
     from custom_ops import registry
-    from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_moe_experts_w4a8
+    from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_fp8_linear, \
+        triton_moe_experts_w4a8
     from custom_ops.triton.fp8_gemm import tile_counters
     import triton
     import triton.language as tl
@@ -137,6 +139,31 @@ else:
                 assert torch.equal(out, r), split_k
                 # the last split of each tile summed it and left its counter at zero for the next call
                 assert not tile_counters(out.device, 0).any()
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("M,G,kw", [(1, 1, {}), (7, 1, {"split_k": 3}), (16, 3, {}), (5, 3, {"split_k": 2}),
+                                        (33, 1, {}), (33, 3, {"split_k": 2})])
+    def test_fp8_linear_equals_quant_then_gemm(g, dtype, M, G, kw):
+        """`fp8_linear` on x in the activation dtype == `fp8_act_quant` then `fp8_block_gemm`,
+        bitwise: up to 16 rows x is quantized inside the GEMM (the same codes and scales, the same
+        sums), above that by the act-quant kernel first; the reference likewise."""
+        N, K = 96, 320
+        x = (torch.randn(M, G * K, generator=g) *
+             torch.exp2(torch.randint(-6, 6, (M, G * K // 32), generator=g)).repeat_interleave(32, -1)).to(dtype)
+        x[0, :32] = 0                                                   # the amax floor
+        _, _, w, ws = fp8_gemm_case(g, 1, G * N, K)
+        q, s = torch.empty(M, G * K, dtype=torch.float8_e4m3fn), torch.empty(M, G * K // 32)
+        triton_fp8_act_quant(x, q, s)
+        want = torch.full((M, G * N), float("nan"), dtype=dtype)
+        triton_fp8_block_gemm(q, s, w, ws, want, G, **kw)
+        out = torch.full_like(want, float("nan"))
+        triton_fp8_linear(x, w, ws, out, G, **kw)
+        assert not want.isnan().any() and torch.equal(out, want)
+        r1, r2 = torch.empty_like(want), torch.empty_like(want)
+        ref.fp8_linear(x, w, ws, r1, G)
+        ref.fp8_act_quant(x, q, s)
+        ref.fp8_block_gemm(q, s, w, ws, r2, G)
+        assert torch.equal(r1, r2)
 
     def test_fp8_block_gemm_split_k_sums_every_split(g, monkeypatch):
         """Split-K partials are summed only once every split has stored its own: with the

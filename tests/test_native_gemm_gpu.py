@@ -38,6 +38,24 @@ def test_registry_picks_triton():
     assert ref.native_weights(DEV, torch.bfloat16)
 
 
+@pytest.mark.parametrize("M", [1, 5, 16, 17, 64])
+@pytest.mark.parametrize("N,K,G", [(1280, 5120, 1), (32768, 1280, 1), (8192, 4096, 8)])
+def test_fp8_linear_equals_quant_then_gemm(M, N, K, G):
+    """`fp8_linear` (x quantized inside the GEMM up to 16 rows) gives the bits of
+    `fp8_act_quant` then `fp8_block_gemm` at Flash's shapes (wq_a, wq_b, wo_a's 8 groups)."""
+    g = torch.Generator(device=DEV).manual_seed(M + N)
+    x = (torch.randn(M, G * K, device=DEV, generator=g) * 4).bfloat16()
+    _, _, w, ws = fp8_gemm_case(torch.Generator().manual_seed(N), 1, N, K, device=DEV)
+    q = torch.empty(M, G * K, dtype=torch.float8_e4m3fn, device=DEV)
+    s = torch.empty(M, G * K // 32, device=DEV)
+    torch.ops.v41.fp8_act_quant(x, q, s)
+    want = torch.empty(M, N, dtype=torch.bfloat16, device=DEV)
+    torch.ops.v41.fp8_block_gemm(q, s, w, ws, want, G)
+    out = torch.full_like(want, float("nan"))
+    torch.ops.v41.fp8_linear(x, w, ws, out, G)
+    assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("M", [1, 5, 64, 2048])
 def test_fp8_block_gemm_grouped(M):
     """wo_a's grouped form at Flash's shape (8 groups of 1024 rows, K = 4096 each): group g's

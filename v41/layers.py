@@ -37,7 +37,7 @@ class Linear(nn.Module):
     """`fp8`: FP8 block weight, the input is FP8-quantized per 32 (A8) first; `bf16`: plain;
     `f32`: input and weight in the accumulation dtype, FP32 output. The weight arrives
     dequantized to the compute dtype, or (`fp8` only) native as a quant.BlockScaled, which runs
-    the W8A8 ops (weights are prepared once at load: v41.model.prepare_weights)."""
+    the W8A8 op (weights are prepared once at load: v41.model.prepare_weights)."""
 
     def __init__(self, weight, kind: str):
         super().__init__()
@@ -61,14 +61,11 @@ class Linear(nn.Module):
 
 def fp8_linear(x, w, scale, groups: int = 1):
     """x @ dequant(w, scale)ᵀ with x FP8-quantized per 32 first, on the native weight: the
-    `v41::fp8_act_quant` and `v41::fp8_block_gemm` ops (custom_ops/gemm.py); in x's dtype.
-    With `groups` G, x's last dim holds G slices, each multiplied by its G-th of w's rows."""
+    `v41::fp8_linear` op (custom_ops/gemm.py); in x's dtype. With `groups` G, x's last dim
+    holds G slices, each multiplied by its G-th of w's rows."""
     x2 = x.reshape(-1, x.shape[-1])
-    q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(x2.shape[0], x2.shape[1] // 32, dtype=torch.float32, device=x.device)
-    torch.ops.v41.fp8_act_quant(x2, q, s)
     out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    torch.ops.v41.fp8_block_gemm(q, s, w, scale, out, groups)
+    torch.ops.v41.fp8_linear(x2, w, scale, out, groups)
     return out.view(*x.shape[:-1], w.shape[0])
 
 

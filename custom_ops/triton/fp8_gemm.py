@@ -36,6 +36,7 @@ GROUP_K = tl.constexpr(GROUP)   # the same width inside kernels (compiled Triton
 BLOCK_M_MAX = 64
 PREFILL_M = 1024
 SPLIT_TILES_MAX = 8192        # output tiles a split-K call may have (its counters)
+FUSED_QUANT_M = 16            # fp8_linear quantizes x inside the GEMM up to this many rows
 _COUNTERS: dict = {}
 
 
@@ -103,14 +104,15 @@ def triton_fp8_act_quant(x, q, s) -> None:
 def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, KB, KB_SPLIT, ROWS_G,
                      stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
-                     SPLIT_K: tl.constexpr):
+                     SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr):
     """Program (m, n, s): K blocks [s·KB_SPLIT, (s+1)·KB_SPLIT) of one output tile. KB and
     KB_SPLIT are multiples of UNROLL. Grouped: the tile's weight rows belong to group
     n0 // ROWS_G (ROWS_G a multiple of BLOCK_N), which reads its own KB blocks of x.
     One split: the tile is rounded into o. SPLIT_K: each split stores its FP32 partial at
     p + s·stride_ps and counts itself in the tile's counter (acq_rel); the split that counts
     last sums the partials in ascending s, rounds once into o and zeroes the counter for the
-    next call."""
+    next call. QUANT_X: x is the activation itself, each 32-wide block quantized here as
+    `_act_quant_kernel` would (the same codes and scales; xs unused)."""
     n0 = tl.program_id(1) * BLOCK_N
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
@@ -128,11 +130,15 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
         for u in tl.static_range(UNROLL):
             kb = kb0 + u
             a = tl.load(a_ptrs + kb * GROUP_K, mask=mmask[:, None], other=0.0)
+            if QUANT_X:
+                a, sa = fp8_quant_groups(a.to(tl.float32), 1)
+                a = a.to(tl.float8e4nv)
+            else:
+                sa = tl.load(sa_ptrs + kb, mask=mmask, other=0.0)[:, None]
             b = tl.load(b_ptrs + kb * GROUP_K, mask=nmask[None, :], other=0.0)
             part = tl.dot(a, b, out_dtype=tl.float32)
-            sa = tl.load(sa_ptrs + kb, mask=mmask, other=0.0)
             sb = e8m0_to_f32(tl.load(sb_ptrs + kb, mask=nmask, other=127).to(tl.int32))
-            acc += part * sa[:, None] * sb[None, :]
+            acc += part * sa * sb[None, :]
     omask = mmask[:, None] & nmask[None, :]
     o_ptrs = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     if SPLIT_K:
@@ -168,24 +174,43 @@ def _splits(tiles: int, KB: int, M: int, K: int, device) -> int:
     return max(n, min(4, KB // 4, K // (16 * M))) if tiles < 4 * sms else n
 
 
-def triton_fp8_block_gemm(xq, xs, w, ws, out, groups: int = 1, *, block_m: int | None = None,
-                          block_n: int | None = None, split_k: int | None = None, unroll: int | None = None,
-                          num_warps: int = 4, num_stages: int | None = None) -> None:
+def triton_fp8_block_gemm(xq, xs, w, ws, out, groups: int = 1, **knobs) -> None:
     """`v41::fp8_block_gemm` (same signature; the groups in one launch, each output tile inside
-    one group); keyword knobs: tile sizes, split-K count (None: `_splits`), K blocks per
-    iteration and stages (None: `_tiles`, one block per iteration where its count does not
-    divide K), warps. Split-K sums FP32 partials in a fixed order: deterministic, and only the
-    order of the FP32 sums differs from one split."""
-    K, R = _ref.gemm_group_shape(xq, w, groups)
-    M, N = xq.shape[0], w.shape[0]
+    one group); keyword knobs: `_gemm`'s."""
+    if xs.dtype != torch.float32 or xs.stride(-1) != 1 or not _gemm(xq, xs, w, ws, out, groups, **knobs):
+        _ref.fp8_block_gemm(xq, xs, w, ws, out, groups)
+
+
+def triton_fp8_linear(x, w, ws, out, groups: int = 1, **knobs) -> None:
+    """`v41::fp8_linear` (same signature): up to FUSED_QUANT_M rows x is quantized inside the
+    GEMM (each program quantizes the blocks it reads: no act-quant launch, no FP8 copy of x);
+    wider, `triton_fp8_act_quant` first, since every column tile would quantize x again.
+    Knobs: `_gemm`'s."""
+    if x.shape[0] > FUSED_QUANT_M or x.dtype not in TL_DTYPES:
+        q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty(x.shape[0], x.shape[1] // GROUP, dtype=torch.float32, device=x.device)
+        triton_fp8_act_quant(x, q, s)
+        return triton_fp8_block_gemm(q, s, w, ws, out, groups, **knobs)
+    if not _gemm(x, x, w, ws, out, groups, quant_x=True, **knobs):
+        _ref.fp8_linear(x, w, ws, out, groups)
+
+
+def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, block_m: int | None = None,
+          block_n: int | None = None, split_k: int | None = None, unroll: int | None = None,
+          num_warps: int = 4, num_stages: int | None = None) -> bool:
+    """Launch `_fp8_gemm_kernel`, or False where it does not apply. Knobs: tile sizes, split-K
+    count (None: `_splits`), K blocks per iteration and stages (None: `_tiles`, one block per
+    iteration where its count does not divide K), warps. Split-K sums FP32 partials in a fixed
+    order: deterministic, and only the order of the FP32 sums differs from one split."""
+    K, R = _ref.gemm_group_shape(x, w, groups)
+    M, N = x.shape[0], w.shape[0]
     tile_n, tile_unroll, stages = _tiles(M)
-    bn = block_n or (tile_n if groups == 1 else min(tile_n, R))
-    if K % GROUP or out.dtype not in TL_DTYPES or xs.dtype != torch.float32 or \
-            (groups > 1 and (R % bn or bn < 16)) or \
-            xq.stride(-1) != 1 or w.stride(-1) != 1 or xs.stride(-1) != 1 or out.stride(-1) != 1:
-        return _ref.fp8_block_gemm(xq, xs, w, ws, out, groups)
+    bn = block_n or (tile_n if groups == 1 else min(tile_n, R & -R))   # a power of two dividing R
+    if K % GROUP or out.dtype not in TL_DTYPES or (groups > 1 and (R % bn or bn < 16)) or \
+            x.stride(-1) != 1 or w.stride(-1) != 1 or out.stride(-1) != 1:
+        return False
     if M == 0 or N == 0:
-        return
+        return True
     bm, KB = block_m or _block_m(M), K // GROUP
     unroll = unroll or (tile_unroll if KB % tile_unroll == 0 else 1)
     if KB % unroll:
@@ -197,10 +222,11 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, groups: int = 1, *, block_m: int |
     wsc = ws.view(torch.uint8)
     part = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=out.device)
     _fp8_gemm_kernel[(grid_m, grid_n, splits)](
-        xq, xs, w, wsc, out, part, tile_counters(out.device, grid_m * grid_n if splits > 1 else 0),
-        M, N, KB, per, R, xq.stride(0), xs.stride(0), w.stride(0), wsc.stride(0), out.stride(0),
+        x, xs, w, wsc, out, part, tile_counters(out.device, grid_m * grid_n if splits > 1 else 0),
+        M, N, KB, per, R, x.stride(0), xs.stride(0), w.stride(0), wsc.stride(0), out.stride(0),
         part.stride(0), part.stride(-2), BLOCK_M=bm, BLOCK_N=bn, UNROLL=unroll, SPLIT_K=splits > 1,
-        num_warps=num_warps, num_stages=num_stages or stages)
+        QUANT_X=quant_x, num_warps=num_warps, num_stages=num_stages or stages)
+    return True
 
 
 def tile_counters(device, tiles: int) -> torch.Tensor:
@@ -217,3 +243,4 @@ def tile_counters(device, tiles: int) -> torch.Tensor:
 
 register_impl("fp8_act_quant", "triton", triton_fp8_act_quant, device_type="cuda")
 register_impl("fp8_block_gemm", "triton", triton_fp8_block_gemm, device_type="cuda")
+register_impl("fp8_linear", "triton", triton_fp8_linear, device_type="cuda")
