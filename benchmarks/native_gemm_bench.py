@@ -46,6 +46,10 @@ PREFILL_SWEEP = ({"unroll": 4}, {"num_stages": 4}, {"block_m": 128, "block_n": 1
 EXPERT_SWEEP = ({"block_k": 128}, {"block_n_up": 64}, {"num_warps": 8}, {"block_n_down": 64},
                 {"num_warps": 8, "block_n_up": 64}, {"splits": 1}, {"splits": 4}, {"splits": 20},
                 {"path": "mma"})
+# the FP8-MMA expert kernels' tiles at the first prefill width (61% of a native 1x4096 prefill's kernels)
+EXPERT_PREFILL_SWEEP = ({"path": "mma", "block_m": 128}, {"path": "mma", "block_n_up": 128, "block_n_down": 128},
+                        {"path": "mma", "block_m": 128, "block_n_up": 128, "block_n_down": 128, "num_warps": 8},
+                        {"path": "mma", "num_stages": 4}, {"path": "mma", "num_warps": 8})
 SWEEP_M = (1, 8, 64)
 
 
@@ -123,6 +127,7 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True) -> dict:
     sweep_m = () if not sweep else (1,) if dev == "cpu" else SWEEP_M
     dense_sweep, expert_sweep = (DECODE_SWEEP[:1], EXPERT_SWEEP[-1:]) if dev == "cpu" else (DECODE_SWEEP, EXPERT_SWEEP)
     prefill_sweep = () if not sweep else PREFILL_SWEEP[-1:] if dev == "cpu" else PREFILL_SWEEP
+    expert_prefill_sweep = () if not sweep else EXPERT_PREFILL_SWEEP[:1] if dev == "cpu" else EXPERT_PREFILL_SWEEP
     budget = 256 * 2**20 if dev == "cuda" else 1
     for name, (N, K) in dense.items():
         for M in decode + prefill:
@@ -165,7 +170,7 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True) -> dict:
                        flops=2 * 3 * T * k * D * I)
         row["experts_hit"] = hit
         out["experts"].append(row)
-        for kw in expert_sweep if T in sweep_m else ():
+        for kw in expert_sweep if T in sweep_m else expert_prefill_sweep if T == prefill[0] else ():
             t = variant(timed, lambda: experts_call(x, ids, wts, w1, s1, w3, s3, w2, s2, o, **kw), 1)
             out["sweep"].append({**case_row("experts_w4a8", T, 3 * I, D, t, hit * per_expert, copy_rate, fp8_peak,
                                             flops=2 * 3 * T * k * D * I), "knobs": kw})

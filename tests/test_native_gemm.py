@@ -56,8 +56,10 @@ if not INTERPRETED:
         assert [row["M"] for row in res["experts"]] == [1, 3, 40]
         assert "scaled_mm_us" in plain[-1] and res["fp8_peak_TFLOPs"] > 0
         assert all(row["us"] > 0 and row["weight_bytes"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
-        assert [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1), ("tiny", 40), ("experts_w4a8", 1)]
-        assert res["sweep"][-1]["knobs"] == {"path": "mma"} and res["read_rate_TBps"] > 0
+        assert [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1), ("tiny", 40), ("experts_w4a8", 1),
+                                                                     ("experts_w4a8", 40)]
+        assert [row["knobs"] for row in res["sweep"][2:]] == [{"path": "mma"}, {"path": "mma", "block_m": 128}]
+        assert res["read_rate_TBps"] > 0
         assert all(row["pct_read"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
 
     def test_experts_profile_dry_run(tmp_path):
@@ -368,6 +370,18 @@ else:
         triton_moe_experts_w4a8(*args, 1.5, out)
         assert not out.isnan().any()
         assert float((out - r).double().norm() / r.double().norm()) < 2e-2
+
+    def test_moe_experts_w4a8_mma_knobs(g):
+        """The FP8-MMA path's tile knobs partition rows and columns only: each output sums its
+        K blocks in the same order, so other tiles, warps and stages give the same bits."""
+        args = w4a8_case(g, 24, 7, 64, 96, 3, dtype=torch.float32)
+        want, out = torch.full((24, 64), float("nan")), torch.full((24, 64), float("nan"))
+        triton_moe_experts_w4a8(*args, 1.5, want, path="mma")
+        triton_moe_experts_w4a8(*args, 1.5, out, path="mma", block_m=32, block_n_up=32, block_n_down=32,
+                                num_warps=8, num_stages=2)
+        assert not want.isnan().any() and torch.equal(out, want)
+        with pytest.raises(Exception, match="power of 2"):       # the knobs reach the launch
+            triton_moe_experts_w4a8(*args, 1.5, out, path="mma", block_m=24)
 
     def test_expert_path_by_pairs_per_expert():
         """GEMVs while pairs are few per expert (flash-slice's 16 experts: up to 5 tokens of top-6;

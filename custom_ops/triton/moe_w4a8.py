@@ -119,10 +119,11 @@ def _w4a8_down_kernel(hq_ptr, hs_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr
 
 
 def w4a8_expert_gemms(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, *, block_m=None,
-                      block_n_up=None, block_n_down=None):
+                      block_n_up=None, block_n_down=None, num_warps: int = 4, num_stages: int | None = None):
     """Steps 0-2: (h codes [T·k, I] float8_e4m3fn, h scales [T·k, I/32] FP32, y [T·k, D] in x's
     dtype), rows of h in expert order (`order`), rows of y per (token, slot) pair; rows of
-    padding slots are left unwritten. Returns (hq, hs, y, order)."""
+    padding slots are left unwritten. Returns (hq, hs, y, order). Knobs: tile sizes, warps and
+    pipeline stages (None: Triton's default) of both kernels."""
     T, D = x.shape
     E, I = w1.shape[0], w1.shape[1]
     k = ids.shape[1]
@@ -138,14 +139,15 @@ def w4a8_expert_gemms(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, *, block_m
     hs = torch.empty(T * k, I // GROUP, dtype=torch.float32, device=dev)
     y = torch.empty(T * k, D, dtype=x.dtype, device=dev)
     s1, s3, s2 = (s.view(torch.uint8) for s in (s1, s3, s2))
+    launch = {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages else {})}
     _w4a8_up_kernel[(n_tiles, triton.cdiv(I, bnu))](
         xq, xs, w1, s1, w3, s3, order, wts, meta, hq, hs, n_tiles, I, D // GROUP, k, limit,
         xq.stride(0), xs.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
-        hq.stride(0), hs.stride(0), BLOCK_M=bm, BLOCK_N=bnu, ACT=TL_DTYPES[x.dtype], num_warps=4)
+        hq.stride(0), hs.stride(0), BLOCK_M=bm, BLOCK_N=bnu, ACT=TL_DTYPES[x.dtype], **launch)
     _w4a8_down_kernel[(n_tiles, triton.cdiv(D, bnd))](
         hq, hs, w2, s2, order, meta, y, n_tiles, D, I // GROUP, hq.stride(0), hs.stride(0),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bnd, num_warps=4)
+        BLOCK_M=bm, BLOCK_N=bnd, **launch)
     return hq, hs, y, order
 
 
@@ -161,8 +163,8 @@ def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out,
     """`v41::moe_experts_w4a8` (same signature). `path` (default `expert_path`; knobs imply
     'gemv'): 'mma', the FP8-MMA kernels above; 'gemv', moe.py's tile grouping with FP4 GEMVs
     (`run_experts` with scales). Every product is exact in FP32, so only the order of the FP32
-    sums differs from the reference. Knobs: run_experts' (block_m, block_n_up, block_n_down,
-    block_k, splits, num_warps)."""
+    sums differs from the reference. Knobs: 'gemv', run_experts' (block_m, block_n_up,
+    block_n_down, block_k, splits, num_warps); 'mma', w4a8_expert_gemms'."""
     if x.dtype not in TL_DTYPES or w1.dtype != torch.int8 or w1.stride() != w3.stride() or \
             s1.stride() != s3.stride() or not fits(x, (w1, w3, w2, s1, s3, s2), w1.shape[1], out, knobs):
         return _ref.moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
@@ -170,7 +172,7 @@ def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out,
     if path == "mma":
         if x.shape[0]:
             _, _, y, _ = w4a8_expert_gemms(x if x.stride(1) == 1 else x.contiguous(), ids, weights,
-                                           w1, s1, w3, s3, w2, s2, limit)
+                                           w1, s1, w3, s3, w2, s2, limit, **knobs)
             reduce_pairs(y, ids, w1.shape[0], out)
         return
     run_experts(x, ids, weights, w1, w3, w2, tuple(t.view(torch.uint8) for t in (s1, s3, s2)), limit, out, **knobs)
