@@ -149,7 +149,8 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
         if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
             tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in range(splits):
-                tot += tl.load(p_tile + s * stride_ps, mask=omask, other=0.0)
+                # .cg: from L2, where the other splits' stores are (not a stale L1 line)
+                tot += tl.load(p_tile + s * stride_ps, mask=omask, other=0.0, cache_modifier=".cg")
             tl.store(o_ptrs, tot.to(o_ptr.dtype.element_ty), mask=omask)
             tl.atomic_xchg(counter, 0)
     else:
