@@ -1,5 +1,5 @@
-"""Triton impls of `v41::fp8_act_quant` and `v41::fp8_block_gemm` (custom_ops/gemm.py is the
-definition), and the pieces the W4A8 expert kernels share with them.
+"""Triton impls of `v41::fp8_act_quant`, `v41::fp8_block_gemm` and `v41::fp8_linear`
+(custom_ops/gemm.py is the definition), and the pieces the W4A8 expert kernels share with them.
 
 Activation quant, grid (row tiles, group tiles): per group of 32, the scale 2^k and the E4M3
 codes of common.py's FP8 QAT (bit-exact with v41.quant), stored as float8_e4m3fn codes plus
@@ -20,6 +20,10 @@ Split-K (grid axis 2) where the output tiles alone leave SMs idle (decode widths
 walks its share of the K blocks into FP32 partials [splits, M, N]; the split that arrives last
 at its tile (a per-tile counter) sums them in ascending split order and rounds once, in the
 same launch.
+
+fp8_linear from x in the activation dtype: up to FUSED_QUANT_M rows the GEMM program quantizes
+each block of x it reads with the act-quant kernel's function (QUANT_X); wider, the act-quant
+kernel runs first.
 """
 from __future__ import annotations
 
