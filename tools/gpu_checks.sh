@@ -39,7 +39,7 @@ tests)
            tests/test_fused_ops_gpu.py; do
     step "$m"
     # -x: the first failure's traceback is printed before a time limit can cut the run
-    timeout 150 $py -m pytest -q -x -m gpu --timeout=300 --tb=long -p no:cacheprovider "$m" \
+    timeout 240 $py -m pytest -q -x -m gpu --timeout=300 --tb=long -p no:cacheprovider "$m" \
       > "$OUT/$(basename "$m" .py).log" 2>&1
     echo "rc=$?"; tail -3 "$OUT/$(basename "$m" .py).log"
   done ;;
