@@ -25,6 +25,7 @@ import datetime
 import json
 import logging
 import statistics
+import sys
 import time
 
 import torch
@@ -134,6 +135,9 @@ def main():
     ap.add_argument("--agreement", action=argparse.BooleanOptionalAction, default=True,
                     help="check compiled pieces against eager first (minutes on flash-slice)")
     ap.add_argument("--dry-run", action="store_true", help="toy, CPU, eager, small cases: the code path only")
+    ap.add_argument("--worker", action="store_true",
+                    help="after setup print READY, then run the cases given as JSON lines on stdin "
+                         "(benchmarks/weight_formats_bench.py)")
     a = ap.parse_args()
     if a.dry_run:
         return dry_run(a)
@@ -215,6 +219,8 @@ def main():
         res["graphs_tr_hybrid"] = graphs["tr_hybrid"].capture()
         print(f"graphs (tr_hybrid): {json.dumps(res['graphs_tr_hybrid'])}", flush=True)
         save()
+    if a.worker:
+        return serve_cases(eng, variants, use, a.steps, res)
     cases = [("decode", bs, 1024) for bs in (1, 16, 64)] + [("prefill", 1, 4096), ("prefill", 8, 1024)]
     if "tr_hybrid" in variants:
         cases.append(("prefill", 1, 512))      # the largest token bucket: a prefill that replays
@@ -243,11 +249,27 @@ def run_cases(eng, cases, variants, use, steps: int, res: dict, save) -> None:
             save()
 
 
+def serve_cases(eng, variants, use, steps: int, res: dict) -> None:
+    """Worker mode: `READY {setup}` once, then for each JSON line [kind, requests, tokens] on
+    stdin `CASE [results]` (one per variant), until stdin closes."""
+    keys = ("device", "torch", "triton", "weights_gb", "weights_gib", "compile", "graphs", "engine_ready_seconds")
+    print("READY " + json.dumps({k: res.get(k) for k in keys}, default=str), flush=True)
+    for line in sys.stdin:
+        out = {"results": []}
+        run_cases(eng, [tuple(json.loads(line))], variants, use, steps, out, lambda: None)
+        print("CASE " + json.dumps(out["results"]), flush=True)
+
+
 def dry_run(a) -> None:
-    """The toy on the CPU, eager, small cases, both weight formats: prints, writes nothing."""
-    for fmt in ("dequant", "native"):
+    """The toy on the CPU, eager, small cases, both weight formats (--worker: its own format,
+    cases from stdin): prints, writes nothing."""
+    for fmt in (a.weight_format,) if a.worker else ("dequant", "native"):
         eng = LLMEngine(EngineArgs(model="toy", device="cpu", dtype="float32", max_num_seqs=4,
                                    max_num_batched_tokens=256, max_model_len=320, weight_format=fmt))
+        if a.worker:
+            return serve_cases(eng, ["eager"], lambda v: None, 4,
+                               {"device": "cpu (dry run)", "torch": torch.__version__,
+                                "weights_gb": {fmt: round(weight_bytes(eng.runner.model) / 1e9, 6)}})
         res = {"results": []}
         print(fmt, f"{weight_bytes(eng.runner.model) / 1e6:.2f} MB of weights")
         run_cases(eng, [("decode", 1, 64), ("decode", 4, 64), ("prefill", 2, 100)], ["eager"],

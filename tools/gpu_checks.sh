@@ -15,6 +15,7 @@
 #                                     # (default plain,dspark), a profiled step per case (dspark-eager: eager)
 #   tools/gpu_checks.sh OUT native    # step_bench --weight-format native (FULL graphs), profiled
 #   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
+#   tools/gpu_checks.sh OUT formats   # weight_formats_bench: bf16 and native engines in one run, alternating
 #   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
 #   tools/gpu_checks.sh OUT serve     # flash-slice server + serve_bench on chat text prompts
 #
@@ -101,6 +102,12 @@ native)
   timeout 540 $py benchmarks/step_bench.py --weight-format native --variants full --no-agreement \
     --profile "$OUT/native-profiles.txt" --out "$OUT/native-weights-flash-slice-h200.json" > "$OUT/native.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | cut -c1-200 | tail -12 ;;
+formats)
+  # bf16 and native engines side by side, alternating cases; both compile at once (one cold native compile alone: 202-229 s, 2026-12-03)
+  step "weight_formats_bench"
+  timeout 570 $py benchmarks/weight_formats_bench.py --out "$OUT/native-weights-flash-slice-h200.json" \
+    > "$OUT/formats.log" 2>&1
+  echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/formats.log" | cut -c1-200 | tail -12 ;;
 native-gemm)
   step "native_gemm_bench"
   timeout 300 $py benchmarks/native_gemm_bench.py --out "$OUT/native-gemm-h200.json" > "$OUT/native-gemm.log" 2>&1
@@ -130,7 +137,7 @@ serve)
   echo "rc=$?"; grep -E 'TTFT|TPOT|ITL|throughput' "$OUT/serve-bench.log"
   kill $pid; wait $pid 2> /dev/null ;;
 *)
-  echo "unknown part $PART: tests, graphtests, graphs, hybrid, dspark, dspark-eager, native, native-gemm, replay or serve" >&2; exit 2 ;;
+  echo "unknown part $PART: tests, graphtests, graphs, hybrid, dspark, dspark-eager, native, native-gemm, formats, replay or serve" >&2; exit 2 ;;
 esac
 if [ "${PACK_CACHE:-0}" = 1 ] && [ -d .cache/gpu-compile ]; then
   step "packing .cache/gpu-compile"

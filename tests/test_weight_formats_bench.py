@@ -1,0 +1,23 @@
+"""benchmarks/weight_formats_bench.py --dry-run: two step_bench workers (toy, CPU, eager), one per
+weight format, given the same cases in turn; the rows alternate bf16 / native with their floors."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_weight_formats_bench_dry_run():
+    r = subprocess.run([sys.executable, "benchmarks/weight_formats_bench.py", "--dry-run"], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(res["weights_gb"]) == {"bf16", "native"} and res["weights_gb"]["native"] < res["weights_gb"]["bf16"]
+    rows = res["results"]
+    assert [(x["variant"], x["step"], x["requests"]) for x in rows] == [
+        (v, s, n) for s, n in (("decode", 1), ("decode", 4), ("prefill", 2)) for v in ("bf16", "native")]
+    assert all(x["ms"] > 0 and x["floor_ms"] > 0 and x["graphs"] == "eager" for x in rows)
+    # the native engine reads fewer bytes a step than the dequantized one
+    for bf, nat in zip(rows[::2], rows[1::2]):
+        assert nat["bytes"] < bf["bytes"]
