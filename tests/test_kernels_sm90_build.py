@@ -73,3 +73,26 @@ def test_mhc_coef_builds_for_hopper(block_t, block_s):
            **dict.fromkeys(("HC", "BLOCK_T", "BLOCK_S"), "constexpr")}
     k = build(_mhc_coef_kernel, sig, {"HC": 4, "BLOCK_T": block_t, "BLOCK_S": block_s})
     assert 0 < registers(k) <= 255
+
+
+@pytest.mark.parametrize("block_m,block_n,warps", [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8)])
+def test_w4a8_expert_kernels_build_for_hopper(block_m, block_n, warps):
+    """The FP8-MMA expert kernels at the default tiles and the prefill sweep's candidates
+    (native_gemm_bench.py EXPERT_PREFILL_SWEEP)."""
+    from custom_ops.triton.moe_w4a8 import _w4a8_down_kernel, _w4a8_up_kernel
+    up = {**dict.fromkeys(("xq_ptr", "w1_ptr", "w3_ptr", "hq_ptr"), "*fp8e4nv"),
+          "xs_ptr": "*fp32", "hs_ptr": "*fp32", "wts_ptr": "*fp32",
+          **dict.fromkeys(("s1_ptr", "s3_ptr"), "*u8"), "order_ptr": "*i32", "meta_ptr": "*i32",
+          **dict.fromkeys(("n_tiles", "I", "KB", "k"), "i32"), "limit": "fp32",
+          **dict.fromkeys(("stride_x", "stride_xs", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_h",
+                           "stride_hs"), "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N", "ACT"), "constexpr")}
+    up["w1_ptr"] = up["w3_ptr"] = "*i8"
+    k = build(_w4a8_up_kernel, up, {"BLOCK_M": block_m, "BLOCK_N": block_n, "ACT": triton.language.bfloat16},
+              num_warps=warps)
+    assert 0 < registers(k) <= 255
+    down = {"hq_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w2_ptr": "*i8", "s2_ptr": "*u8", "order_ptr": "*i32",
+            "meta_ptr": "*i32", "y_ptr": "*bf16", **dict.fromkeys(("n_tiles", "D", "KB"), "i32"),
+            **dict.fromkeys(("stride_h", "stride_hs", "stride_we", "stride_wn", "stride_se", "stride_sn",
+                             "stride_y"), "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N"), "constexpr")}
+    k = build(_w4a8_down_kernel, down, {"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps)
+    assert 0 < registers(k) <= 255
