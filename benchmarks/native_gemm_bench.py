@@ -43,8 +43,10 @@ DECODE_SWEEP = ({"block_n": 64, "unroll": 1, "num_stages": 3}, {"block_n": 64, "
                 {"block_n": 128, "unroll": 1, "num_stages": 6}, {"block_n": 128, "unroll": 4, "num_stages": 3},
                 {"block_n": 128, "num_stages": 2}, {"split_k": 8}, {"block_n": 256})
 PREFILL_SWEEP = ({"unroll": 4}, {"num_stages": 4}, {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3})
-EXPERT_SWEEP = ({"block_k": 128}, {"block_n_up": 64}, {"num_warps": 8}, {"block_n_down": 64},
-                {"num_warps": 8, "block_n_up": 64}, {"splits": 1}, {"splits": 4}, {"splits": 20},
+# the GEMVs' default tile (64 x 128) takes 255 registers in the up GEMV (sm_90 build, Triton 3.9):
+# two programs an SM; narrower tiles take 106-156 and fit 3-4 (docs/kernels.md)
+EXPERT_SWEEP = ({"block_n_up": 32}, {"block_k": 64}, {"block_n_up": 32, "block_k": 64}, {"num_warps": 8},
+                {"block_n_down": 32}, {"splits": 1}, {"splits": 4}, {"splits": 20},
                 {"path": "mma"})
 # the FP8-MMA expert kernels' tiles at the first prefill width (61% of a native 1x4096 prefill's kernels)
 EXPERT_PREFILL_SWEEP = ({"path": "mma", "block_m": 128}, {"path": "mma", "block_n_up": 128, "block_n_down": 128},

@@ -96,3 +96,20 @@ def test_w4a8_expert_kernels_build_for_hopper(block_m, block_n, warps):
                              "stride_y"), "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N"), "constexpr")}
     k = build(_w4a8_down_kernel, down, {"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps)
     assert 0 < registers(k) <= 255
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+def test_fp4_gemvs_build_for_hopper(warps):
+    """The decode-width FP4 expert GEMVs (moe.py) at their default tile."""
+    from custom_ops.triton.moe import FP4_BLOCK_K, FP4_BLOCK_N, _fp4_down_gemv, _fp4_up_gemv
+    tiles = {"BLOCK_N": FP4_BLOCK_N, "BLOCK_K": FP4_BLOCK_K}
+    up = {"xq_ptr": "*bf16", "ids_ptr": "*i64", "order_ptr": "*i32", **dict.fromkeys(("w1_ptr", "w3_ptr"), "*i8"),
+          **dict.fromkeys(("s1_ptr", "s3_ptr"), "*u8"), "part_ptr": "*fp32",
+          **dict.fromkeys(("I", "D", "k", "k_split", "stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn",
+                           "stride_ps", "stride_pu"), "i32"), **dict.fromkeys(tiles, "constexpr")}
+    assert 0 < registers(build(_fp4_up_gemv, up, tiles, num_warps=warps)) <= 255
+    down = {"h_ptr": "*bf16", "ids_ptr": "*i64", "order_ptr": "*i32", "w2_ptr": "*i8", "s2_ptr": "*u8",
+            "part_ptr": "*fp32", **dict.fromkeys(("D", "I", "k_split", "stride_h", "stride_we", "stride_wn",
+                                                   "stride_se", "stride_sn", "stride_ps"), "i32"),
+            **dict.fromkeys(tiles, "constexpr")}
+    assert 0 < registers(build(_fp4_down_gemv, down, tiles, num_warps=warps)) <= 255
