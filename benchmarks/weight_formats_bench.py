@@ -71,6 +71,10 @@ def main(argv=None) -> dict:
             if not a.dry_run:
                 with open(a.out, "w") as f:          # after every case: a run cut short keeps what it measured
                     json.dump(res, f, indent=1, default=str)
+    except BaseException:
+        for p in procs.values():      # a worker that failed or a stop: the other one goes too
+            p.kill()
+        raise
     finally:
         for p in procs.values():
             p.stdin.close()
