@@ -189,11 +189,10 @@ def wo_a_rows(out, dev, g, timed, widths, copy_rate, fp8_peak, budget, small: bo
     in the same run."""
     import torch
     from custom_ops.triton import triton_fp8_block_gemm
-    from tests.kernel_cases import fp8_gemm_case
+    from tests.kernel_cases import fp8_grouped_case
     G, R, K = (2, 32, 64) if small else WO_A
     for M in widths:
-        xq, xs, w, ws = fp8_gemm_case(g, M, G * R, G * K, device=dev)
-        w, ws = w[:, :K].contiguous(), ws[:, : K // 32].contiguous()
+        xq, xs, w, ws = fp8_grouped_case(g, M, G, R, K, device=dev)
         wbytes = w.nbytes + ws.nbytes
         copies = max(1, min(8, math.ceil(budget / wbytes)))
         ws_ = [(w.clone(), ws.clone()) for _ in range(copies)]

@@ -235,13 +235,13 @@ def main():
 
 def run_cases(eng, cases, variants, use, steps: int, res: dict, save) -> None:
     for kind, n, length in cases:
+        floor = step_floor(eng.runner.model, kind, n, length, held_state_bytes(eng.runner.cache.geo, n, length))
         for v in variants:  # alternate variants case by case
             use(v)
             if kind == "decode":
                 ms, dev, host = decode_ms(eng, n, length, steps)
             else:
                 (ms, dev), host = prefill_ms(eng, n, length, 3), None
-            floor = step_floor(eng.runner.model, kind, n, length, held_state_bytes(eng.runner.cache.geo, n, length))
             res["results"].append({"variant": v, "step": kind, "requests": n, "tokens_each": length,
                                    "ms": round(ms, 3), "device_ms": round(dev, 3), **floor,
                                    **({"host_ms_by_phase": host} if host is not None else {})})

@@ -221,6 +221,13 @@ def fp8_gemm_case(g, M: int, N: int, K: int, exact: bool = False, device="cpu"):
     return (q.to(torch.float8_e4m3fn).to(device), s.float().to(device), wq.to(device), ws.to(device))
 
 
+def fp8_grouped_case(g, M: int, G: int, R: int, K: int, exact: bool = False, device="cpu"):
+    """Inputs of a grouped `v41::fp8_block_gemm` (wo_a's form): (xq, xs) of x [M, G·K] and
+    (w, ws) of w [G·R, K], as `fp8_gemm_case` makes them."""
+    xq, xs, w, ws = fp8_gemm_case(g, M, G * R, G * K, exact, device)
+    return xq, xs, w[:, :K].contiguous(), ws[:, : K // 32].contiguous()
+
+
 def fp4_experts(g, E: int, n: int, k: int, exact: bool = False):
     """FP4 expert weights (packed [E, n, k/2], scale [E, n, k/32]); with `exact`, E2M1 values
     times 2^b per 1x32 group, b in [-1, 1], which quant_fp4_expert keeps unchanged."""

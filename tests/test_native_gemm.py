@@ -85,7 +85,7 @@ else:
 
     from custom_ops.triton.fp8_gemm import e8m0_to_f32
     from custom_ops.triton.moe import e2m1_e4m3, run_experts
-    from tests.kernel_cases import fp8_gemm_case, rne_bf16_casts, w4a8_case
+    from tests.kernel_cases import fp8_gemm_case, fp8_grouped_case, rne_bf16_casts, w4a8_case
     from v41 import quant
 
     SEED = int(os.environ.get("V41_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
@@ -187,8 +187,7 @@ else:
         slice times w's g-th rows. Exactly summable inputs: kernel == reference == float64 per
         group, bitwise, with 64-wide tiles narrowed to the group's 32 rows, split or not."""
         G, R, K = 3, 32, 256
-        xq, xs, w, ws = fp8_gemm_case(g, M, G * R, G * K, exact=True)
-        w, ws = w[:, :K].contiguous(), ws[:, : K // 32].contiguous()   # w [G·R, K]
+        xq, xs, w, ws = fp8_grouped_case(g, M, G, R, K, exact=True)
         x, wd = dequant_act(xq, xs), quant.dequant_fp8_block(w, ws, torch.float64)
         exact = torch.cat([x[:, i * K:(i + 1) * K] @ wd[i * R:(i + 1) * R].T for i in range(G)], -1)
         r = torch.empty(M, G * R)

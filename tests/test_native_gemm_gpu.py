@@ -24,7 +24,7 @@ import custom_ops  # noqa: E402,F401
 import custom_ops.triton  # noqa: E402,F401  (registers the CUDA impls)
 from custom_ops import gemm as ref  # noqa: E402
 from custom_ops import registry  # noqa: E402
-from tests.kernel_cases import fp8_gemm_case, w4a8_case  # noqa: E402
+from tests.kernel_cases import fp8_gemm_case, fp8_grouped_case, w4a8_case  # noqa: E402
 from v41 import quant  # noqa: E402
 
 DEV = "cuda"
@@ -62,8 +62,7 @@ def test_fp8_block_gemm_grouped(M):
     columns within the FP32-order bound of x's g-th slice times its rows, as the reference."""
     G, R, K = 8, 1024, 4096
     g = torch.Generator().manual_seed(M)
-    xq, xs, w, ws = fp8_gemm_case(g, M, G * R, G * K, device=DEV)
-    w, ws = w[:, :K].contiguous(), ws[:, : K // 32].contiguous()
+    xq, xs, w, ws = fp8_grouped_case(g, M, G, R, K, device=DEV)
     x = (xq.double() * xs.double().repeat_interleave(32, -1)).view(M, G, K)
     wd = quant.dequant_fp8_block(w, ws, torch.float64).view(G, R, K)
     exact = torch.einsum("mgk,grk->mgr", x, wd).flatten(1)

@@ -318,12 +318,6 @@ class BlockScaled:
             return dequant_fp8_block(self.q, self.scale, dtype)
         return dequant_fp4_expert(self.q, self.scale, dtype)
 
-    def rows(self, start: int, stop: int) -> "BlockScaled":
-        """Output rows [start, stop) of an FP8 block weight (both multiples of its 32-row blocks)."""
-        if self.fmt != "fp8" or start % 32 or stop % 32:
-            raise ValueError(f"BlockScaled.rows({start}, {stop}): FP8 weights in whole 32-row blocks only")
-        return BlockScaled(self.q[start:stop], self.scale[start // 32: stop // 32])
-
     @staticmethod
     def stack(ws: list["BlockScaled"]) -> "BlockScaled":
         return BlockScaled(torch.stack([w.q for w in ws]), torch.stack([w.scale for w in ws]))

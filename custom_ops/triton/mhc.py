@@ -158,7 +158,7 @@ def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb,
     # H200 ran as fast or faster at 5, 64 and 4,096 tokens (benchmarks/results/mhc-h200.json)
     bs = block_s or (min(triton.next_power_of_2(S), COEF_TILE // (hc * hc)) if bt == 1 else 1)
     _mhc_coef_kernel[(triton.cdiv(T, bt),)](
-        part, sq, base, scale, outs[0], outs[1], outs[2], T, part.shape[0], hc * D, iters,
+        part, sq, base, scale, outs[0], outs[1], outs[2], T, S, hc * D, iters,
         hc_eps, norm_eps, part.stride(0), part.stride(1), sq.stride(0), outs[0].stride(0),
         outs[1].stride(0), outs[2].stride(0), outs[2].stride(1), HC=hc, BLOCK_T=bt, BLOCK_S=bs,
         num_warps=4)
