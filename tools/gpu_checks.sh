@@ -103,7 +103,7 @@ native)
     --profile "$OUT/native-profiles.txt" --out "$OUT/native-weights-flash-slice-h200.json" > "$OUT/native.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | cut -c1-200 | tail -12 ;;
 formats)
-  # bf16 and native engines side by side, alternating cases; both compile at once (one cold native compile alone: 202-229 s, 2026-12-03)
+  # bf16 and native engines side by side, alternating cases; both compile at once (one cold native compile alone: 229 s, native-weights-flash-slice-h200.json)
   step "weight_formats_bench"
   timeout 570 $py benchmarks/weight_formats_bench.py --out "$OUT/native-weights-flash-slice-h200.json" \
     > "$OUT/formats.log" 2>&1
