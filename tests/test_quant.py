@@ -262,6 +262,51 @@ def test_group_quant_idempotent(quant, qat, group):
     assert_same(qat(y), y)
 
 
+def group_quant_inputs(dtype):
+    """Rows that reach every branch of a group quantizer: every finite bfloat16 value (all
+    binades, subnormal and saturating ratios), exact grid midpoints and their neighbours one ulp
+    away, all-zero and all-tiny groups (the amax floor), -0.0, and NaN/inf groups."""
+    g = torch.Generator().manual_seed(5)
+    vals = all_bf16().to(dtype)
+    grid = torch.tensor(E2M1 + [448.0, 1.0625, 1.1875, 2.0**-9 * 1.5, 2.0**-10], dtype=dtype)
+    mids = torch.cat([grid, grid.nextafter(torch.full_like(grid, 10.0 ** 9)), grid.nextafter(torch.zeros_like(grid))])
+    scaled = (mids[None, :] * torch.exp2(torch.arange(-20, 21, 4, dtype=dtype))[:, None]).flatten()
+    special = torch.tensor([0.0, -0.0, 1e-30, -1e-30, float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    x = torch.cat([vals, scaled, special, torch.zeros(64, dtype=dtype), torch.full((32,), 1e-7, dtype=dtype),
+                   torch.randn(4096, generator=g, dtype=torch.float64).to(dtype) * 100])
+    x = x[torch.randperm(len(x), generator=g)]
+    return torch.cat([x, torch.zeros(-len(x) % 96, dtype=dtype)]).reshape(-1, 96)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4", "fp4_e4m3", "fp8_row"])
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_host_group_quant_is_bitwise_the_torch_one(fmt, dtype, monkeypatch):
+    """On the CPU outside tracing the group quantizers run in numpy; traced and on the GPU in
+    torch. Both, on the same inputs, give the same bits."""
+    import v41.quant as Q
+    x = group_quant_inputs(dtype)
+    quantize = {"fp8": lambda v: Q._fp8(v, 32), "fp4": lambda v: Q._fp4(v, 32),
+                "fp4_e4m3": lambda v: Q._fp4_e4m3(v, 16), "fp8_row": lambda v: Q._fp8(v, v.shape[-1])}[fmt]
+    assert Q._on_host(x)
+    host = quantize(x)
+    monkeypatch.setattr(Q, "_on_host", lambda v: False)
+    ref = quantize(x)
+    for a, b in zip(host, ref):
+        assert_same(a, b)
+    assert host[0].nan_to_num().abs().max() > 0 and host[0].isnan().any()
+
+
+def test_host_path_only_for_plain_cpu_tensors():
+    import v41.quant as Q
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    x = torch.randn(2, 32)
+    assert Q._on_host(x) and not Q._on_host(x.requires_grad_())
+    with FakeTensorMode() as mode:
+        assert not Q._on_host(mode.from_tensor(torch.randn(2, 32)))
+    traced = torch.fx.experimental.proxy_tensor.make_fx(lambda v: fp8_qat(v))(torch.randn(2, 32))
+    assert any(n.target == torch.ops.aten.round.default for n in traced.graph.nodes)
+
+
 def test_fp8_qat_float64_does_not_cross_a_boundary():
     # s = pow2ceil(448/448) = 1 for every group; 1 + 1/16 + 2^-40 must round up to 1.125
     x = t([[448.0, 1 + 1 / 16 + 2.0**-40] + [0.0] * 30])

@@ -33,8 +33,10 @@ q * s exactly. (float16 cannot hold the 2^-126 FP4 scale floor.)
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -45,6 +47,9 @@ FP4_AMAX_FLOOR = 6 * 2.0**-126     # smallest scale 2^-126, the smallest normal 
 FP4_E4M3_AMAX_FLOOR = 6 * 2.0**-9  # smallest scale 2^-9, the smallest nonzero E4M3
 FP4_WEIGHT_GROUP = 32
 E8M0_NAN = 255
+# (mantissa bits, smallest normal exponent, largest value) of the element grids
+E4M3_GRID = (3, -6, E4M3_MAX)
+E2M1_GRID = (1, 0, E2M1_MAX)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,40 +109,91 @@ def _round_to_grid(x: torch.Tensor, mant_bits: int, min_exp: int, max_val: float
 
 def round_e4m3(x: torch.Tensor) -> torch.Tensor:
     """Round to nearest even onto float8_e4m3fn values, saturating to ±448; in x's dtype."""
-    return _round_to_grid(x, mant_bits=3, min_exp=-6, max_val=E4M3_MAX)
+    return _round_to_grid(x, *E4M3_GRID)
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round to nearest even onto ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}, saturating at ±6; in x's dtype."""
-    return _round_to_grid(x, mant_bits=1, min_exp=0, max_val=E2M1_MAX)
+    return _round_to_grid(x, *E2M1_GRID)
 
 
 # ---------------------------------------------------------------------------------------------
 # group quantizers along the last dim
 
-def _group_quant(x, group, amax_floor, scale_of, round_q):
-    """Per `group` elements of the last dim: s = scale_of(max(amax, floor)), q = round_q(x / s).
+def _group_quant(x, group, amax_floor, elem, scale_grid=None):
+    """Per `group` elements of the last dim: s = pow2ceil(max(amax, floor) / elem max), or that
+    ratio rounded onto `scale_grid`; q = x / s rounded onto the `elem` grid.
 
     Returns (q [..., D/group, group], s [..., D/group, 1]) in the working dtype. The spec's
-    clamp(x / s, ±max) before rounding is implicit: round_q saturates at the same bound."""
+    clamp(x / s, ±max) before rounding is implicit: the rounding saturates at the same bound.
+    On the CPU outside tracing the same arithmetic runs in numpy (`_group_quant_host`)."""
+    if _on_host(x):
+        return _group_quant_host(x, group, amax_floor, elem, scale_grid)
     w = x.to(_work_dtype(x.dtype)).unflatten(-1, (-1, group))
-    amax = w.abs().amax(-1, keepdim=True).clamp(min=amax_floor)
-    s = scale_of(amax)
-    return round_q(w / s), s
+    a = w.abs().amax(-1, keepdim=True).clamp(min=amax_floor) / elem[2]
+    s = pow2ceil(a) if scale_grid is None else _round_to_grid(a, *scale_grid)
+    return _round_to_grid(w / s, *elem), s
 
 
 def _fp8(x, group):
-    return _group_quant(x, group, FP8_AMAX_FLOOR, lambda a: pow2ceil(a / E4M3_MAX), round_e4m3)
+    return _group_quant(x, group, FP8_AMAX_FLOOR, E4M3_GRID)
 
 
 def _fp4(x, group):
-    return _group_quant(x, group, FP4_AMAX_FLOOR, lambda a: pow2ceil(a / E2M1_MAX), round_e2m1)
+    return _group_quant(x, group, FP4_AMAX_FLOOR, E2M1_GRID)
 
 
 def _fp4_e4m3(x, group):
     # True division x / s (not x * (1/s)): the two differ only at E2M1 ties (spec §2.4, open).
-    return _group_quant(x, group, FP4_E4M3_AMAX_FLOOR, lambda a: round_e4m3(a / E2M1_MAX),
-                        round_e2m1)
+    return _group_quant(x, group, FP4_E4M3_AMAX_FLOOR, E2M1_GRID, scale_grid=E4M3_GRID)
+
+
+# ---- the same on the host ---------------------------------------------------------------------
+# A torch op on the CPU costs microseconds of dispatch whatever its size, a numpy ufunc a
+# fraction of that, and a quantizer is ~25 elementwise ops on a few rows: on the CPU the
+# eager toy spends most of a step here. The numpy functions mirror the torch ones op for op:
+# the same IEEE operations in the same dtype (np.rint and torch.round both round half to even),
+# so the results are bitwise equal (tests/test_quant.py checks them against each other).
+
+_NP_BITS = {np.dtype(np.float32): (np.int32, 23, 127), np.dtype(np.float64): (np.int64, 52, 1023)}
+
+
+def _on_host(x: torch.Tensor) -> bool:
+    """A plain CPU tensor outside compilation and tracing (a fake, functional or traced tensor
+    must see the torch ops)."""
+    return (type(x) is torch.Tensor and x.device.type == "cpu" and not x.requires_grad
+            and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None)
+
+
+def _np_exp2(n: np.ndarray, dtype) -> np.ndarray:
+    it, mant, bias = _NP_BITS[dtype]
+    return ((n.astype(it) + bias) << mant).view(dtype)
+
+
+def _np_binade(a: np.ndarray) -> np.ndarray:
+    it, mant, bias = _NP_BITS[a.dtype]
+    return ((a.view(it) >> mant) & (2 * bias + 1)) - (bias - 1)
+
+
+def _np_round_to_grid(w: np.ndarray, mant_bits: int, min_exp: int, max_val: float) -> np.ndarray:
+    a = np.minimum(np.abs(w), max_val)
+    quantum = np.maximum(_np_binade(a) - 1, min_exp) - mant_bits
+    return np.copysign(np.rint(a * _np_exp2(-quantum, w.dtype)) * _np_exp2(quantum, w.dtype), w)
+
+
+def _group_quant_host(x, group, amax_floor, elem, scale_grid=None):
+    """`_group_quant` in numpy, for a CPU tensor; torch tensors in and out."""
+    w = x.to(_work_dtype(x.dtype)).numpy()
+    w = w.reshape(*w.shape[:-1], -1, group)
+    with np.errstate(all="ignore"):    # NaN / inf rows propagate, as in torch, unannounced
+        a = np.maximum(np.abs(w).max(-1, keepdims=True), amax_floor) / elem[2]
+        if scale_grid is None:
+            it, mant, _ = _NP_BITS[a.dtype]
+            s = _np_exp2(_np_binade(a) - ((a.view(it) & ((1 << mant) - 1)) == 0), a.dtype)   # pow2ceil
+        else:
+            s = _np_round_to_grid(a, *scale_grid)
+        q = _np_round_to_grid(w / s, *elem)
+    return torch.from_numpy(q), torch.from_numpy(s)
 
 
 def _as_pair(x, q, s):
