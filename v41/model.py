@@ -102,9 +102,9 @@ class Transformer(nn.Module):
         decoder bounded replay (`batch.decoder`) of the rows the step samples."""
         X, pre = self.embed(batch)
         sel: dict = {}
-        queries, last = None, len(self.layers) - 1
+        queries, last, boundary = None, len(self.layers) - 1, self.cfg.topology.boundary
         for i, block in enumerate(self.layers):
-            if i == self.cfg.topology.boundary and batch.decoder is not None:
+            if i == boundary and batch.decoder is not None:
                 X, pre, batch, sel, queries = self.enter_decoder(X, pre, batch, cache, sel)
                 if not X.shape[0]:
                     break
