@@ -303,6 +303,11 @@ def test_host_path_only_for_plain_cpu_tensors():
     assert Q._on_host(x) and not Q._on_host(x.requires_grad_())
     with FakeTensorMode() as mode:
         assert not Q._on_host(mode.from_tensor(torch.randn(2, 32)))
+    class Watching(torch.overrides.TorchFunctionMode):      # as tests/test_sync_free.py counts reads
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    with Watching():
+        assert not Q._on_host(x.detach())
     traced = torch.fx.experimental.proxy_tensor.make_fx(lambda v: fp8_qat(v))(torch.randn(2, 32))
     assert any(n.target == torch.ops.aten.round.default for n in traced.graph.nodes)
 

@@ -159,10 +159,11 @@ _NP_BITS = {np.dtype(np.float32): (np.int32, 23, 127), np.dtype(np.float64): (np
 
 
 def _on_host(x: torch.Tensor) -> bool:
-    """A plain CPU tensor outside compilation and tracing (a fake, functional or traced tensor
-    must see the torch ops)."""
+    """A plain CPU tensor outside compilation, tracing and torch modes (a fake, functional or
+    traced tensor, and a mode that watches the ops, must see the torch ops)."""
     return (type(x) is torch.Tensor and x.device.type == "cpu" and not x.requires_grad
-            and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None)
+            and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and not torch._C._is_torch_function_mode_enabled())
 
 
 def _np_exp2(n: np.ndarray, dtype) -> np.ndarray:
