@@ -87,7 +87,8 @@ class LLMEngine:
         self.bm = BlockManager(num_pages, args.max_num_seqs, geo.page_tokens, pages_per_seq,
                                args.enable_prefix_caching, num_images)
         self.scheduler = Scheduler(self.bm, args.max_num_seqs, args.max_num_batched_tokens,
-                                   cfg.eos_token_id, args.max_prefill_chunk, self.runner.state)
+                                   cfg.eos_token_id, args.max_prefill_chunk, self.runner.state,
+                                   speculative=self.runner.spec is not None)
         self.sampling_table = SamplingTable(args.max_num_seqs)    # per STATE slot
         self.seqs: dict[str, Sequence] = {}
 
@@ -191,7 +192,7 @@ class LLMEngine:
         if len(verified) == len(seqs):      # DSpark's steady state: acceptance chose every token
             toks, errors = [-1] * len(seqs), {}
         else:
-            toks, errors = share_tokens(*self._sample(rows, seqs, slots))
+            toks, errors = share_tokens(*self._sample(rows, seqs, slots, sb.steady))
         for j, (_, got) in verified.items():
             toks[j] = got           # the plain sample of the last row is not used
         lps = self._logprobs(rows, seqs, toks, errors)
@@ -211,13 +212,13 @@ class LLMEngine:
                 self.seqs.pop(s.request_id, None)
         return seqs
 
-    def _sample(self, rows: torch.Tensor, seqs: list[Sequence], slots) -> tuple[list[int], dict[int, str]]:
+    def _sample(self, rows: torch.Tensor, seqs: list[Sequence], slots, steady: bool) -> tuple[list[int], dict[int, str]]:
         """The batch's tokens, and {row: error} for rows whose own data made the sampler raise:
         a failed batch is sampled again row by row (a row's token does not depend on the batch,
         so the others get the tokens the batch would have given them)."""
         eos = self.cfg.eos_token_id
         try:
-            return sample(rows, seqs, eos, self.sampling_table, slots), {}
+            return sample(rows, seqs, eos, self.sampling_table, slots, steady), {}
         except Exception:  # noqa: BLE001 - find the rows that raise; the others go on
             toks, errors = [], {}
             for j, seq in enumerate(seqs):

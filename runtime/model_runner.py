@@ -66,6 +66,7 @@ class ModelRunner:
         self.rows_run = {"encoder": 0, "decoder": 0}    # rows each part of the model has run
         self.fast_steps = 0             # steps `decode_rows` prepared
         self._hash = None               # hash_layers' stacked constants
+        self._table = None              # (block tables, rows) on the device's block_table buffer
         self._row_views = {}            # rows -> the Batch fields' first rows (batch_view)
         self._no_image = np.full(max_num_batched_tokens, -1, np.int64)
         self._ones, self._rows = np.ones(max_num_batched_tokens, np.int64), np.arange(max_num_batched_tokens)
@@ -135,8 +136,16 @@ class ModelRunner:
             if Tr > T:
                 h[T:Tr] = PAD[k]
         hi = self.max_seqs if self.static_shapes else Br
-        host["block_table"][:B] = sb.block_tables
-        host["block_table"][B:hi] = 0
+        # a steady decode step's table is the step before's (Scheduler._next_decode) with
+        # `table_rows` changed: only those rows are written
+        fresh = self._table is None or self._table[0] is not sb.block_tables or self._table[1] != hi
+        if fresh:
+            host["block_table"][:B] = sb.block_tables
+            host["block_table"][B:hi] = 0
+            self._table = (sb.block_tables, hi)
+        elif sb.table_rows is not None and sb.table_rows.size:
+            host["block_table"][sb.table_rows] = sb.block_tables[sb.table_rows]
+            fresh = True
         final = starts + n == known
         self.final_mask = final
         host["commit_slots"][:B] = slots
@@ -150,7 +159,9 @@ class ModelRunner:
         dec = (replay.plan(fields["positions"], fields["batch_ids"], starts, tails, slots,
                            sampled, self.W, self.cache.num_slots)
                if self.decoder_replay and not fast else None)
-        rows = {k: Tr for k in fields} | {"block_table": hi, "commit_slots": B, "commit_cursor": B}
+        rows = {k: Tr for k in fields} | {"commit_slots": B, "commit_cursor": B}
+        if fresh:
+            rows["block_table"] = hi
         rows.update({f"engram_ids.{l}": T for l in self.cfg.engram_layer_ids})
         # the rows that sample: each request's last row; of those, the final chunks' (and
         # which requests they are)
@@ -223,12 +234,20 @@ class ModelRunner:
         start (decoder replay)."""
         seqs, B = sb.seqs, len(sb.seqs)
         m, W, S, P = self.m, self.W, self.cache.num_slots, self.page
-        got = np.fromiter(chain.from_iterable([(s.seq_id, s.num_computed, s.token_ids[-1]) for s in seqs]),
-                          np.int64, 3 * B).reshape(B, 3)
         slots = sb.slots
         meta = self.slot_meta[slots]
         pos, floor_r, write_r = meta[:, 1], meta[:, 2], meta[:, 3]
-        if not ((meta[:, :2] == got[:, :2]).all() and (pos >= meta[:, 4]).all()):
+        if sb.steady and not self.verify_history:     # the step before's requests (Scheduler): their mirrors
+            ids = np.fromiter([s.token_ids[-1] for s in seqs], np.int64, B)
+        else:
+            got = np.fromiter(chain.from_iterable([(s.seq_id, s.num_computed, s.token_ids[-1]) for s in seqs]),
+                              np.int64, 3 * B).reshape(B, 3)
+            if not (meta[:, :2] == got[:, :2]).all():
+                if sb.steady:
+                    raise AssertionError("a steady decode batch's slot mirrors are not its requests'")
+                return None
+            ids = got[:, 2]
+        if not (pos >= meta[:, 4]).all():
             return None
         bid = np.arange(B)
         # window rows p-W+1 .. p: ring rows (slot*W + q % W, q % W read from a rotation table),
@@ -244,7 +263,7 @@ class ModelRunner:
         d1 = sb.block_tables[bid, pos // P] * P + off      # owner row of ratio 1; ratio 2: d1 // 2
         odd = (off & 1) == 1
         cached = pos < write_r
-        fields = dict(input_ids=got[:, 2], positions=pos, batch_ids=bid, win_idx=win,
+        fields = dict(input_ids=ids, positions=pos, batch_ids=bid, win_idx=win,
                       ring_dest=slots * W + pos % W, tail_src=np.where(odd, slots, -1),
                       tail_dst=np.where(odd, -1, slots), dest1=np.where(cached, -1, d1),
                       dest2=np.where(odd & ~cached, d1 >> 1, -1), image_dest=self._no_image[:B])
@@ -252,7 +271,7 @@ class ModelRunner:
         if self.verify_history:
             self.check_history(hist, pos, slots)
         look = np.empty((B, m + 1), np.int64)          # look[t, k]: compressed id at position p - k
-        look[:, 0] = self.token_map[got[:, 2]]
+        look[:, 0] = self.token_map[ids]
         look[:, 1:] = hist[:, ::-1]
         self.hash_layers(look, host)
         return fields, meta, pos + 1, np.concatenate([hist[:, 1:], look[:, :1]], 1)
@@ -275,6 +294,7 @@ class ModelRunner:
             if k != "block_table":
                 b[:tokens].fill_(PAD[k])
         self.block_table_rows(1).fill_(0)
+        self._table = None
         return self.batch_view(tokens, 1, {l: b[:tokens].zero_() for l, b in self.engram_buf.items()}, [])
 
     def batch_view(self, rows: int, bs: int, engram_rows: dict, captures) -> Batch:

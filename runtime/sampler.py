@@ -86,21 +86,25 @@ class SamplingTensors:
     @classmethod
     def build(cls, seqs: list[Sequence], vocab: int, device, dtype=torch.float32,
               eos_token_id: int | None = None, table: "SamplingTable | None" = None,
-              slots: np.ndarray | None = None) -> "SamplingTensors":
+              slots: np.ndarray | None = None, steady: bool = False) -> "SamplingTensors":
         """`table` with each request's STATE `slots`: the per-request parameters come from the
         engine's SamplingTable (rows written once per request) instead of a pass over every
-        request's params. Raises ValueError naming the field when a request's data does not fit
-        this vocab."""
+        request's params. `steady`: the requests of the last build in its rows, each one token
+        on (a steady decode step, runtime.scheduler), so neither they nor the table are read.
+        Raises ValueError naming the field when a request's data does not fit this vocab."""
         B = len(seqs)
         if table is None:
             table, slots = SamplingTable(B), np.arange(B)
-        changed = table.update(seqs, slots)
         pin = torch.device(device).type == "cuda"
         key = (vocab, str(device), dtype, eos_token_id, slots.tobytes())
-        if not changed and table.last is not None and table.last[0] == key:
+        last = table.last if table.last is not None and table.last[0] == key else None
+        changed = not (steady and last is not None) and table.update(seqs, slots)
+        if not changed and last is not None:
             # the same requests in the same rows as the last build: only the draws' steps moved
-            _, prev, rand_list, prompt_len = table.last
-            step = np.fromiter([len(seqs[j].token_ids) for j in rand_list], np.int64, len(rand_list)) - prompt_len
+            _, prev, rand_list, prompt_len, step = last
+            step = step + 1 if steady else np.fromiter([len(seqs[j].token_ids) for j in rand_list], np.int64,
+                                                        len(rand_list)) - prompt_len
+            table.last = (key, prev, rand_list, prompt_len, step)
             return dataclasses.replace(prev, step=_to(torch.from_numpy(step), device, pin))
         greedy = table.greedy[slots]
         fl = table.floats[:, slots]
@@ -150,7 +154,7 @@ class SamplingTensors:
         # reusable while the rows stay these requests' (logit_bias, min_tokens and penalties
         # depend on more than the step: never reused)
         special = bool(table.special[slots].any())
-        table.last = None if special else (key, st, rand.tolist(), table.prompt_len[slots[rand]])
+        table.last = None if special else (key, st, rand.tolist(), table.prompt_len[slots[rand]], n_out[rand])
         return st
 
 
@@ -169,7 +173,7 @@ class SamplingTable:
         self.seed_hi = np.zeros(S, np.int64)
         self.prompt_len = np.zeros(S, np.int64)
         self.special = np.zeros(S, bool)                  # logit_bias, min_tokens or penalties
-        self.last = None    # (key, SamplingTensors, random rows, their prompt lengths) of the last build
+        self.last = None    # (key, SamplingTensors, random rows, their prompt lengths, steps) of the last build
 
     def update(self, seqs: list[Sequence], slots: np.ndarray) -> bool:
         """Write the rows of the requests new to their slot; True when there were any."""
@@ -289,13 +293,13 @@ def sample_tensors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None = None,
-           table: SamplingTable | None = None, slots: np.ndarray | None = None) -> list[int]:
+           table: SamplingTable | None = None, slots: np.ndarray | None = None, steady: bool = False) -> list[int]:
     """The next token of each request (row i of `logits` is `seqs[i]`'s last position);
-    `table`/`slots` as SamplingTensors.build."""
+    `table`/`slots`/`steady` as SamplingTensors.build."""
     if not seqs:
         return []
     st = SamplingTensors.build(seqs, logits.shape[-1], logits.device,
-                               torch.promote_types(logits.dtype, torch.float32), eos_token_id, table, slots)
+                               torch.promote_types(logits.dtype, torch.float32), eos_token_id, table, slots, steady)
     return sample_tensors(logits, st).tolist()
 
 

@@ -33,6 +33,11 @@ class ScheduledBatch:
     captures: list = field(default_factory=list)    # (batch index, boundary position, image)
     decode: bool = False          # every request is running and computes its one last token
     spec: list = field(default_factory=list)        # per request: the drafts its rows verify (DSpark)
+    # `steady`: a decode step of the same requests as the step before, each one row on
+    # (Scheduler.schedule); its lists and arrays are that step's, `table_rows` the rows of
+    # block_tables that changed since (a request took a page)
+    steady: bool = False
+    table_rows: np.ndarray | None = None
 
     @property
     def starts(self) -> list[int]:
@@ -92,7 +97,8 @@ class WaitQueue:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_id: int | None, max_prefill_chunk: int | None = None, state=None):
+                 eos_token_id: int | None, max_prefill_chunk: int | None = None, state=None,
+                 speculative: bool = False):
         self.bm = block_manager
         self.state = state            # StateTransfer (prefix hits), or None without prefix caching
         self.stats = {"replayed_rows": 0}
@@ -102,6 +108,11 @@ class Scheduler:
         self.waiting = WaitQueue()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # steady decode (`_next_decode`): drafts are proposed after postprocess, so a speculative
+        # engine never repeats a batch
+        self.speculative = speculative
+        self._scheduled = None        # (batch, its positions, its requests' page capacity): a decode batch
+        self._steady = None           # the same, confirmed by postprocess and advanced one row
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -122,6 +133,9 @@ class Scheduler:
         return seq.spec_token_ids[:max(0, min(left, budget - 1))]
 
     def schedule(self) -> ScheduledBatch:
+        sb = self._next_decode()
+        if sb is not None:
+            return sb
         seqs, num_new, budget, spec = [], [], self.max_tokens, {}      # spec: row -> drafts (DSpark)
         P, resumes, decode = self.bm.page_tokens, [], True
         i, running = 0, self.running
@@ -176,6 +190,32 @@ class Scheduler:
                             spec=[spec.get(j, ()) for j in range(len(seqs))] if spec else [])
         if self.state is not None and self.state.mode == "copy":
             self._plan_captures(sb)
+        self._scheduled = None
+        if sb.decode and not (resumes or sb.captures or self.speculative) and len(seqs) == len(self.running):
+            pos = np.fromiter([s.num_computed for s in seqs], np.int64, len(seqs))
+            cap = np.fromiter([len(s.pages) for s in seqs], np.int64, len(seqs)) * P
+            self._scheduled = (sb, pos, cap)
+        return sb
+
+    def _next_decode(self) -> ScheduledBatch | None:
+        """After a decode step in which every request took one token and none ended (a steady
+        step, `postprocess`), the next step is the same requests one row on, unless a waiting
+        request could be admitted: that batch again, from arrays, visiting only the requests
+        whose row opens a page. None: schedule afresh (no page left: preemption decides)."""
+        st, self._steady = self._steady, None
+        if st is None or (self.waiting and len(self.running) < self.max_num_seqs):
+            return None
+        prev, pos, cap = st
+        full = np.flatnonzero(pos >= cap)
+        for i in full.tolist():
+            if not self.bm.allocate(prev.seqs[i], 1):
+                return None
+        if full.size:
+            cap[full] += self.bm.page_tokens
+            prev.block_tables[full] = self.bm.table[prev.slots[full]]
+        sb = ScheduledBatch(prev.seqs, prev.num_new, prev.slots, prev.block_tables, decode=True, steady=True,
+                            table_rows=full)
+        self._scheduled = (sb, pos, cap)
         return sb
 
     def resume_from_cache(self, seq: Sequence) -> None:
@@ -238,6 +278,7 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        self._steady = None
 
     def abort(self, request_id: str) -> Sequence | None:
         """Cancel a request wherever it is; its pages and slot return at once. O(1) for a
@@ -250,6 +291,7 @@ class Scheduler:
             self.running.remove(seq)
         self.bm.free(seq)
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        self._steady = None
         return seq
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict) -> list[Sequence]:
@@ -258,10 +300,11 @@ class Scheduler:
         (DSpark) maps to its accepted drafts then the next token: its position advances past the
         anchor and the accepted drafts only, and the tokens append one by one, a stop or the
         length ending the request there."""
-        finished = []
+        finished, steady = [], True      # steady: every request took one token
         caching, RUNNING, eos = self.bm.prefix_caching, Status.RUNNING, self.eos
         for seq, n, d in zip(batch.seqs, batch.num_new, batch.drafts):
             if seq.status is not RUNNING:
+                steady = False
                 continue  # aborted or preempted after scheduling
             toks = sampled.get(seq.seq_id)
             c = seq.num_computed
@@ -275,6 +318,7 @@ class Scheduler:
             if caching and c < seq.num_prompt_tokens:
                 self.bm.register(seq)
             if toks is None:
+                steady = False
                 continue
             ids, p = seq.token_ids, seq.params
             for tok in (toks,) if type(toks) is int else toks:
@@ -291,4 +335,8 @@ class Scheduler:
             self.running.remove(seq)
             self.bm.free(seq)
             finished.append(seq)
+        sch = self._scheduled
+        if sch is not None and sch[0] is batch and steady and not finished:
+            self._steady = (batch, sch[1] + 1, sch[2])
+        self._scheduled = None
         return finished

@@ -3,6 +3,8 @@
 commit cursor), and the sampler's per-slot SamplingTable against a build from the requests.
 Runs with a stub forward, so every step of chunked prefill, decode, preemption, slot reuse,
 prefix hits and decoder replay is compared fast."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -32,6 +34,8 @@ def compared_engine(weights, hook=None, **engine):
         runner.decode_fast_path = False
         prepare(sb, **width)
         T, B = sb.scheduled_tokens, sb.scheduled_bs
+        # a steady step rewrites only the table rows that changed: the mirror is still the table
+        assert np.array_equal(host["block_table"][:B], eng.bm.table[sb.slots])
         keys = FIELDS + tuple(k for k in host if k.startswith("engram_ids."))
         want = {k: host[k][:T if host[k].shape[0] == runner.max_tokens else B].copy() for k in keys}
         want_mirror = [np.array(a, copy=True) for a in runner._mirror]
@@ -44,6 +48,7 @@ def compared_engine(weights, hook=None, **engine):
         for a, b in zip(runner._mirror, want_mirror):
             assert np.array_equal(a, b)
         seen.append((sb.decode, fast))
+        eng.steady_steps = getattr(eng, "steady_steps", 0) + sb.steady
         return batch
 
     runner.prepare = twice
@@ -83,6 +88,7 @@ def test_decode_rows_equal_general_rows(toy_weights, engine):
     drive(eng, reqs, seeded, arrivals=[0, 0, 2, 5, 9, 9, 14][:len(reqs)])
     assert any(fast for _, fast in seen), "the fast path never ran"
     assert all(d or not f for d, f in seen), "the fast path ran on a step that is not pure decode"
+    assert eng.steady_steps > 0, "no steady decode step (the step before's batch, one row on)"
 
 
 def test_decode_rows_around_preemption(toy_weights):
@@ -104,13 +110,18 @@ def test_mirror_of_another_request_is_not_used(toy_weights):
     eng.add_request([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
     for _ in range(3):
         eng.step()
-    sb = eng.scheduler.schedule()
-    assert sb.decode
+    steady = eng.scheduler.schedule()
+    assert steady.decode and steady.steady        # the step before's requests: mirrors trusted
+    sb = dataclasses.replace(steady, steady=False)  # a batch scheduled afresh: mirrors checked
     host = eng.runner.bufs.begin()
     assert eng.runner.decode_rows(sb, host) is not None
     slot = int(sb.slots[0])
     eng.runner.slot_meta[slot, 0] += 1                        # another request's mirror
     assert eng.runner.decode_rows(sb, host) is None
+    eng.runner.verify_history = True                          # tests check a steady batch's too
+    with pytest.raises(AssertionError, match="steady decode batch"):
+        eng.runner.decode_rows(steady, host)
+    eng.runner.verify_history = False
     eng.runner.slot_meta[slot, 0] -= 1
     eng.runner.slot_meta[slot, 1] -= 1                        # an older position
     assert eng.runner.decode_rows(sb, host) is None
@@ -178,3 +189,30 @@ def test_sampling_table_reuses_the_last_build_only_for_the_same_requests():
     batch = [special] + seqs[1:]
     a = check(batch, slots)
     assert check(batch, slots).top_k is not a.top_k and a.banned_at.numel() == 0   # eos None: nothing banned
+
+
+def test_steady_decode_steps_give_the_tokens_of_fresh_schedules(toy_weights, monkeypatch):
+    """Seeded and greedy requests with staggered arrivals and lengths: the engine whose decode
+    steps repeat the step before's batch (Scheduler._next_decode, the runner's and the sampler's
+    steady paths) gives the tokens of one that schedules every step afresh."""
+    from runtime.scheduler import Scheduler
+    reqs = H.prompts((3, 30, 9, 1), seed=7)
+
+    def tokens():
+        eng = H.make_engine(toy_weights, "float32", max_num_seqs=4)
+        out, seen = {}, []
+        schedule = eng.scheduler.schedule
+        eng.scheduler.schedule = lambda: seen.append(schedule()) or seen[-1]
+        for step in range(40):
+            if step in (0, 3, 5, 6):
+                i = (0, 3, 5, 6).index(step)
+                params = SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True, **(dict(temperature=0.9, seed=i) if i % 2 else {}))
+                out[i] = eng.add_request(reqs[i], params, request_id=f"r{i}")
+            eng.step()
+        assert not eng.has_unfinished()
+        return {i: s.completion_token_ids for i, s in out.items()}, sum(sb.steady for sb in seen)
+
+    got, steady = tokens()
+    assert steady > 5
+    monkeypatch.setattr(Scheduler, "_next_decode", lambda self: None)
+    assert tokens() == (got, 0)

@@ -317,7 +317,7 @@ def test_steps_whose_every_token_is_verified_do_not_sample(toy_weights, reqs, ba
         if "_sample" in vars(eng):
             return
         sample, accept = eng._sample, eng.runner.spec.accept
-        eng._sample = lambda rows, seqs, slots: (sampled.add(now[0]), sample(rows, seqs, slots))[1]
+        eng._sample = lambda rows, seqs, *a: (sampled.add(now[0]), sample(rows, seqs, *a))[1]
 
         def counted(rows, drafts, seqs):
             last, verified = accept(rows, drafts, seqs)

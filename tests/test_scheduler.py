@@ -288,3 +288,65 @@ def test_the_wait_queue_keeps_fcfs_order_through_aborts_and_preemption():
         add(sch, [5], "b")
     sb, _ = step(sch)
     assert sb.seqs == [a] and list(sch.waiting) == [b, d]
+
+
+# ---- steady decode: the batch of the step before, one row on --------------------------------
+
+def decoding(sch, *prompts, max_tokens=12):
+    """Requests with these prompt lengths, prefilled and through their first decode step."""
+    seqs = [add(sch, range(3, 3 + n), max_tokens=max_tokens) for n in prompts]
+    step(sch)
+    sb, _ = step(sch)
+    assert sb.decode and not sb.steady           # the first decode step is scheduled afresh
+    return seqs
+
+
+def test_steady_decode_repeats_the_batch_and_takes_pages_on_the_way():
+    sch = make()
+    a, b = decoding(sch, 3, 5)                   # next rows: a at 4, b at 6; pages of P = 4
+    rows = []
+    for _ in range(6):
+        sb, _ = step(sch)
+        assert sb.steady and sb.seqs == [a, b] and sb.num_new == [1, 1] and sb.began == [a.num_computed - 1,
+                                                                                          b.num_computed - 1]
+        assert (sb.block_tables == sch.bm.table[sb.slots]).all()
+        rows.append(sb.table_rows.tolist())
+    # a opens a page at positions 4 and 8, b at 8
+    assert rows == [[0], [], [1], [], [0], []]
+    assert [len(a.pages), len(b.pages)] == [3, 3]
+
+
+def test_steady_decode_ends_when_the_batch_changes():
+    sch = make(seqs=3)
+    a, b = decoding(sch, 3, 5)
+    assert step(sch)[0].steady
+    c = add(sch, range(3, 6))                    # room for it: admitted, the batch scheduled afresh
+    sb, _ = step(sch)
+    assert not sb.steady and sb.seqs == [a, b, c]
+    assert not step(sch)[0].steady               # the first decode step of the three
+    assert step(sch)[0].steady
+    d = add(sch, range(3, 6))                    # no room (3 running): the steady batch goes on
+    assert step(sch)[0].steady and d.status is Status.WAITING
+    sch.abort(b.request_id)
+    sb, _ = step(sch)
+    assert not sb.steady and b not in sb.seqs and d in sb.seqs
+
+
+def test_steady_decode_after_a_finish_or_without_a_sample_is_scheduled_afresh():
+    sch = make()
+    a, b = decoding(sch, 3, 5, max_tokens=4)     # a and b took 2 tokens each
+    assert step(sch)[0].steady
+    _, done = step(sch)                          # the 4th token: both finish
+    assert done == [a, b] and not sch.has_unfinished()
+    a, b = decoding(sch, 3, 5)
+    sb = sch.schedule()
+    assert sb.steady
+    sch.postprocess(sb, {a.seq_id: 7})           # b's token did not come (its sampling failed)
+    assert not sch.schedule().steady
+
+
+def test_steady_decode_without_a_page_preempts_as_a_fresh_schedule():
+    sch = make(pages=3)
+    a, b = decoding(sch, 3, 5)                   # 3 pages held; a's next row opens a 4th
+    sb, _ = step(sch)
+    assert not sb.steady and sb.seqs == [a] and sch.num_preemptions == 1 and b.status is Status.WAITING
