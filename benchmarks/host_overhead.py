@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import inspect
 import json
 import os
 import platform
@@ -53,6 +54,7 @@ def decoding_engine(n_requests: int, steps: int, weights, model_len: int = 2048)
                         SamplingParams(max_tokens=min(4 * steps + 100, model_len - 8), ignore_eos=True, **sampled))
     while any(s.num_computed < s.num_prompt_tokens for s in eng.seqs.values()):
         eng.step()  # prefill until every request is decoding
+    eng.sampling_table.last = None    # built by the tree's sampler, whose record REV's may not read
     return eng
 
 
@@ -134,12 +136,26 @@ def classes_of(rev: str):
         sys.modules[m.__name__] = m            # dataclasses look their module up
         exec(compile(src, f"{rev}:{path}", "exec"), m.__dict__)
         saved[cls] = getattr(runtime.engine, cls)
-        setattr(runtime.engine, cls, getattr(m, cls))
+        setattr(runtime.engine, cls, _older(m, cls))
     try:
         yield
     finally:
         for cls, c in saved.items():
             setattr(runtime.engine, cls, c)
+
+
+def _older(m, cls: str):
+    """REV's class as the tree's engine calls it, for a REV before steady decode: its batches
+    are never steady and its Scheduler takes (and ignores) `speculative`."""
+    c = getattr(m, cls)
+    if cls != "Scheduler" or "speculative" in inspect.signature(c).parameters:
+        return c
+    m.ScheduledBatch.steady, m.ScheduledBatch.table_rows = False, None
+
+    class Scheduler(c):
+        def __init__(self, *a, speculative: bool = False, **k):
+            super().__init__(*a, **k)
+    return Scheduler
 
 
 def against(rev: str, n_requests: int, blocks: int, weights) -> dict:

@@ -21,7 +21,7 @@ from runtime.cache import KVCache
 from runtime.geometry import PoolGeometry
 from runtime.scheduler import ScheduledBatch
 from runtime.state import StateTransfer
-from v41.engram.hashing import DEAD, EngramLayout
+from v41.engram.hashing import DEAD, EngramLayout, LayerHashes
 from v41.loader.engram_map import engram_stager, engram_tables
 from v41.model import Transformer
 
@@ -46,6 +46,7 @@ class ModelRunner:
         self.W, self.page = cfg.sliding_window, geo.page_tokens
         self.token_map = np.asarray(token_map, dtype=np.int64)
         self.layout = EngramLayout(cfg, pad_id=int(self.token_map[cfg.engram_pad_token_id]))
+        self.hash_layers = LayerHashes(self.layout, cfg.engram_layer_ids)
         self.m = self.layout.max_ngram - 1           # Engram history length (the cursor's ids)
         self.max_model_len = max_model_len
         self.tail_staging = max_num_seqs * (spec_tokens // 2 + 1) if spec_tokens else 0
@@ -65,7 +66,6 @@ class ModelRunner:
                            for l in cfg.engram_layer_ids}
         self.rows_run = {"encoder": 0, "decoder": 0}    # rows each part of the model has run
         self.fast_steps = 0             # steps `decode_rows` prepared
-        self._hash = None               # hash_layers' stacked constants
         self._table = None              # (block tables, rows) on the device's block_table buffer
         self._row_views = {}            # rows -> the Batch fields' first rows (batch_view)
         self._no_image = np.full(max_num_batched_tokens, -1, np.int64)
@@ -237,14 +237,16 @@ class ModelRunner:
         slots = sb.slots
         meta = self.slot_meta[slots]
         pos, floor_r, write_r = meta[:, 1], meta[:, 2], meta[:, 3]
-        if sb.steady and not self.verify_history:     # the step before's requests (Scheduler): their mirrors
+        if sb.steady and not self.verify_history:
+            # the step before's requests (Scheduler._next_decode), whose slots' mirrors are
+            # theirs if the step before committed: the positions tell
+            if not (pos == sb.positions).all():
+                return None
             ids = np.fromiter([s.token_ids[-1] for s in seqs], np.int64, B)
         else:
             got = np.fromiter(chain.from_iterable([(s.seq_id, s.num_computed, s.token_ids[-1]) for s in seqs]),
                               np.int64, 3 * B).reshape(B, 3)
             if not (meta[:, :2] == got[:, :2]).all():
-                if sb.steady:
-                    raise AssertionError("a steady decode batch's slot mirrors are not its requests'")
                 return None
             ids = got[:, 2]
         if not (pos >= meta[:, 4]).all():
@@ -368,28 +370,6 @@ class ModelRunner:
         look = ext[tok_ext[:, None] - np.arange(m + 1)]
         self.hash_layers(look, host)
         return ext[(base + ext_len)[:, None] - m + np.arange(m)].reshape(B, m)
-
-    def hash_layers(self, look: np.ndarray, host: dict) -> None:
-        """hash_lookback of every Engram layer at once into the host mirrors. The arrays are
-        tiny ([rows, n]), so a step pays per numpy call: the look-back order is the outer axis
-        (the rolling xor is then a few whole-plane xors) and all layers share each call."""
-        if self._hash is None:
-            lo, L = self.layout, range(len(self.cfg.engram_layer_ids))
-            n, H = lo.max_ngram, lo.n_heads
-            planes = lambda v: np.array([v[i] for i in L], np.int64).reshape(len(L), n - 1, H).transpose(1, 2, 0)
-            self._hash = (np.array([lo.multipliers[i] for i in L], np.int64).T[:, :, None],    # [n, layers, 1]
-                          planes(lo.primes)[..., None], planes(lo.offsets)[..., None])     # [n-1, H, layers, 1]
-        mult, primes, offsets = self._hash
-        if (look < 0).any():                                # once blocked, every longer look-back pads
-            look = np.where(np.maximum.accumulate(look < 0, axis=1), np.int64(self.layout.pad_id), look)
-        prods = np.ascontiguousarray(look.T)[:, None, :] * mult     # [n, layers, R], wrapping mod 2**64
-        for k in range(1, len(prods)):                      # the rolling xor (accumulate is slower here)
-            np.bitwise_xor(prods[k], prods[k - 1], out=prods[k])
-        out = np.mod(prods[1:, None], primes)               # [n-1, H, layers, R]: floor-mod, as hash_lookback
-        out += offsets
-        R = len(look)
-        for i, l in enumerate(self.cfg.engram_layer_ids):   # (order, head) columns
-            host[f"engram_ids.{l}"][:R] = out[:, :, i].reshape(-1, R).T
 
     def check_history(self, hist, starts, slots) -> None:
         """Tests (`verify_history`): the history taken from the host's tokens equals the STATE

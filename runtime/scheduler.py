@@ -33,10 +33,10 @@ class ScheduledBatch:
     captures: list = field(default_factory=list)    # (batch index, boundary position, image)
     decode: bool = False          # every request is running and computes its one last token
     spec: list = field(default_factory=list)        # per request: the drafts its rows verify (DSpark)
-    # `steady`: a decode step of the same requests as the step before, each one row on
-    # (Scheduler.schedule); its lists and arrays are that step's, `table_rows` the rows of
-    # block_tables that changed since (a request took a page)
-    steady: bool = False
+    # a steady step (Scheduler._next_decode): the decode step of the same requests as the step
+    # before, each one row on; its lists and arrays are that step's, `table_rows` the rows of
+    # block_tables that changed since (a request took a page), `positions` each row's position
+    positions: np.ndarray | None = None
     table_rows: np.ndarray | None = None
 
     @property
@@ -51,6 +51,10 @@ class ScheduledBatch:
     @property
     def drafts(self) -> list:
         return self.spec or [()] * len(self.seqs)
+
+    @property
+    def steady(self) -> bool:
+        return self.positions is not None
 
     @property
     def scheduled_bs(self) -> int:
@@ -213,7 +217,7 @@ class Scheduler:
         if full.size:
             cap[full] += self.bm.page_tokens
             prev.block_tables[full] = self.bm.table[prev.slots[full]]
-        sb = ScheduledBatch(prev.seqs, prev.num_new, prev.slots, prev.block_tables, decode=True, steady=True,
+        sb = ScheduledBatch(prev.seqs, prev.num_new, prev.slots, prev.block_tables, decode=True, positions=pos,
                             table_rows=full)
         self._scheduled = (sb, pos, cap)
         return sb

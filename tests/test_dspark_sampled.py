@@ -259,7 +259,7 @@ def follow_with_plain(weights, eng, prompt: list, p: SamplingParams, tokens: lis
     rows and tails to 1e-12 relative, the cursor bit for bit. Returns (the request, the number
     of verify steps)."""
     plain = H.make_engine(weights)
-    plain._sample = lambda rows, seqs, slots: ([tokens[len(s.completion_token_ids)] for s in seqs], {})
+    plain._sample = lambda rows, seqs, *_: ([tokens[len(s.completion_token_ids)] for s in seqs], {})
     seq, ref = eng.add_request(prompt, p, request_id="q0"), plain.add_request(prompt, p, request_id="q0")
     verified = 0
     while eng.has_unfinished():

@@ -129,3 +129,30 @@ def hash_lookback(lookback, layout: EngramLayout, i: int):
     # np.mod is floor-mod like torch and the reference: non-negative for a positive prime
     out = (np.mod(rolling[:, :, None], primes) + offsets).reshape(len(look), -1)
     return torch.from_numpy(out) if as_tensor else out
+
+
+class LayerHashes:
+    """hash_lookback of every Engram layer at once, into a step's host mirrors (the runtime's
+    decode path). The arrays are tiny ([rows, n]), so a step pays per numpy call: the look-back
+    order is the outer axis (the rolling xor is then a few whole-plane xors) and all layers
+    share each call."""
+
+    def __init__(self, layout: EngramLayout, layer_ids):
+        L, n, H = range(len(layer_ids)), layout.max_ngram, layout.n_heads
+        planes = lambda v: np.array([v[i] for i in L], np.int64).reshape(len(L), n - 1, H).transpose(1, 2, 0)  # noqa: E731
+        self.mult = np.array([layout.multipliers[i] for i in L], np.int64).T[:, :, None]     # [n, layers, 1]
+        self.primes, self.offsets = planes(layout.primes)[..., None], planes(layout.offsets)[..., None]  # [n-1, H, layers, 1]
+        self.pad_id, self.names = np.int64(layout.pad_id), [f"engram_ids.{l}" for l in layer_ids]
+
+    def __call__(self, look: np.ndarray, host: dict) -> None:
+        """Each layer's ids of the rows look[t, k] (as hash_lookback's) into host[engram_ids.<layer>]."""
+        if (look < 0).any():                                # once blocked, every longer look-back pads
+            look = np.where(np.maximum.accumulate(look < 0, axis=1), self.pad_id, look)
+        prods = np.ascontiguousarray(look.T)[:, None, :] * self.mult     # [n, layers, R], wrapping mod 2**64
+        for k in range(1, len(prods)):                      # the rolling xor (accumulate is slower here)
+            np.bitwise_xor(prods[k], prods[k - 1], out=prods[k])
+        out = np.mod(prods[1:, None], self.primes)          # [n-1, H, layers, R]: floor-mod, as hash_lookback
+        out += self.offsets
+        R = len(look)
+        for i, name in enumerate(self.names):               # (order, head) columns
+            host[name][:R] = out[:, :, i].reshape(-1, R).T
