@@ -173,6 +173,18 @@ def against(rev: str, n_requests: int, blocks: int, weights) -> dict:
     return {name: {p: round(statistics.median(v), 1) for p, v in d.items()} for name, d in got.items()}
 
 
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.machine())
+
+
+def git_head() -> str:
+    """HEAD's short hash, marked when the host-path files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", *HOST_PATH], capture_output=True, text=True).stdout
+    return head + ("+changes" if dirty else "")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
@@ -187,12 +199,10 @@ def main():
     from v41.loader import dummy_weights
     weights = dummy_weights(preset("toy"), progress=False)
     if a.against:
-        tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", *HOST_PATH], capture_output=True, text=True).stdout
         res = {"benchmark": "host_overhead_against", "running_requests": 256, "steps_each": a.blocks * 30,
                "what": "median CPU time (us) per decode step phase of two engines in one process, alternating "
                        "blocks of 30 steps: one built from REV's scheduler, runner and sampler classes, one from the tree",
-               "rev": a.against, "tree": tree + ("+changes" if dirty else ""),
+               "rev": a.against, "tree": git_head(), "cpu_model": cpu_model(),
                "device": f"cpu ({platform.processor() or platform.machine()}), 1 torch thread",
                "torch": torch.__version__, "python": platform.python_version(), "date": datetime.date.today().isoformat(),
                "median_us": against(a.against, 256, a.blocks, weights)}
@@ -230,7 +240,8 @@ def main():
            "device": f"cpu ({platform.processor() or platform.machine()}), 1 torch thread",
            "torch": torch.__version__, "numpy": __import__("numpy").__version__,
            "python": platform.python_version(), "date": datetime.date.today().isoformat(),
-           "load_average_1min_before_after": load, "cores": os.cpu_count(), "results": rows}
+           "load_average_1min_before_after": load, "cores": os.cpu_count(), "cpu_model": cpu_model(),
+           "commit": git_head(), "results": rows}
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 
