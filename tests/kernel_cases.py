@@ -245,7 +245,9 @@ def w4a8_case(g, T: int, E: int, D: int, I: int, k: int, exact: bool = False, dt
     some padding slots, expert E-1 without tokens and (`pad_token`) token 0 all padding."""
     x = torch.randint(-15, 16, (T, D), generator=g).float() if exact else torch.randn(T, D, generator=g)
     ids = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(T)])
-    ids[torch.rand(T, k, generator=g) < 0.15] = -1
+    drop = torch.rand(T, k, generator=g) < 0.15
+    drop[drop.all(1), 0] = False       # only token 0 (`pad_token`) is all padding
+    ids[drop] = -1
     if pad_token:
         ids[0] = -1
     weights = torch.rand(T, k, generator=g)
