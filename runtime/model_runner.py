@@ -137,15 +137,15 @@ class ModelRunner:
                 h[T:Tr] = PAD[k]
         hi = self.max_seqs if self.static_shapes else Br
         # a steady decode step's table is the step before's (Scheduler._next_decode) with
-        # `table_rows` changed: only those rows are written
-        fresh = self._table is None or self._table[0] is not sb.block_tables or self._table[1] != hi
-        if fresh:
+        # `table_rows` changed: only those rows are written, and nothing when none changed
+        written = self._table is None or self._table[0] is not sb.block_tables or self._table[1] != hi
+        if written:
             host["block_table"][:B] = sb.block_tables
             host["block_table"][B:hi] = 0
             self._table = (sb.block_tables, hi)
         elif sb.table_rows is not None and sb.table_rows.size:
             host["block_table"][sb.table_rows] = sb.block_tables[sb.table_rows]
-            fresh = True
+            written = True
         final = starts + n == known
         self.final_mask = final
         host["commit_slots"][:B] = slots
@@ -160,7 +160,7 @@ class ModelRunner:
                            sampled, self.W, self.cache.num_slots)
                if self.decoder_replay and not fast else None)
         rows = {k: Tr for k in fields} | {"commit_slots": B, "commit_cursor": B}
-        if fresh:
+        if written:
             rows["block_table"] = hi
         rows.update({f"engram_ids.{l}": T for l in self.cfg.engram_layer_ids})
         # the rows that sample: each request's last row; of those, the final chunks' (and

@@ -176,6 +176,11 @@ def _np_binade(a: np.ndarray) -> np.ndarray:
     return ((a.view(it) >> mant) & (2 * bias + 1)) - (bias - 1)
 
 
+def _np_pow2ceil(a: np.ndarray) -> np.ndarray:
+    it, mant, _ = _NP_BITS[a.dtype]
+    return _np_exp2(_np_binade(a) - ((a.view(it) & ((1 << mant) - 1)) == 0), a.dtype)
+
+
 def _np_round_to_grid(w: np.ndarray, mant_bits: int, min_exp: int, max_val: float) -> np.ndarray:
     a = np.minimum(np.abs(w), max_val)
     quantum = np.maximum(_np_binade(a) - 1, min_exp) - mant_bits
@@ -188,11 +193,7 @@ def _group_quant_host(x, group, amax_floor, elem, scale_grid=None):
     w = w.reshape(*w.shape[:-1], -1, group)
     with np.errstate(all="ignore"):    # NaN / inf rows propagate, as in torch, unannounced
         a = np.maximum(np.abs(w).max(-1, keepdims=True), amax_floor) / elem[2]
-        if scale_grid is None:
-            it, mant, _ = _NP_BITS[a.dtype]
-            s = _np_exp2(_np_binade(a) - ((a.view(it) & ((1 << mant) - 1)) == 0), a.dtype)   # pow2ceil
-        else:
-            s = _np_round_to_grid(a, *scale_grid)
+        s = _np_pow2ceil(a) if scale_grid is None else _np_round_to_grid(a, *scale_grid)
         q = _np_round_to_grid(w / s, *elem)
     return torch.from_numpy(q), torch.from_numpy(s)
 
