@@ -170,8 +170,8 @@ def test_a_decode_step_does_not_synchronize(cuda_weights, traces, monkeypatch):
     decoding(eng, 3)
     copies = []
 
-    def sample(rows, seqs, eos, table=None, slots=None):     # runtime.sampler.sample, the one copy allowed
-        st = SamplingTensors.build(seqs, rows.shape[-1], rows.device, torch.float32, eos, table, slots)
+    def sample(rows, seqs, *rest):      # runtime.sampler.sample (same arguments), the one copy allowed
+        st = SamplingTensors.build(seqs, rows.shape[-1], rows.device, torch.float32, *rest)
         ids = sample_tensors(rows, st)
         torch.cuda.set_sync_debug_mode(0)
         copies.append(1)
@@ -182,8 +182,11 @@ def test_a_decode_step_does_not_synchronize(cuda_weights, traces, monkeypatch):
     monkeypatch.setattr(E, "sample", sample)
     schedule = eng.scheduler.schedule
 
+    steady = []
+
     def schedule_then_error():
         sb = schedule()
+        steady.append(sb.steady)
         torch.cuda.set_sync_debug_mode("error")
         return sb
 
@@ -194,4 +197,5 @@ def test_a_decode_step_does_not_synchronize(cuda_weights, traces, monkeypatch):
             assert len(eng.step()) == 3
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert copies == [1, 1, 1]
+    assert copies == [1, 1, 1]          # one batched sample per step: no row-by-row retry
+    assert steady == [False, True, True]  # the first decode batch afresh, then repeated one row on
