@@ -325,15 +325,15 @@ class Scheduler:
                 steady = False
                 continue
             ids, p = seq.token_ids, seq.params
-            for tok in (toks,) if type(toks) is int else toks:
-                ids.append(tok)
-                if (tok == eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            if type(toks) is int:           # a token (the common case, without a loop)
+                ids.append(toks)
+                if (toks == eos and not p.ignore_eos) or toks in p.stop_token_ids:
                     seq.finish_reason = "stop"
-                    break
-                if len(ids) - seq.num_prompt_tokens >= p.max_tokens:
+                elif len(ids) - seq.num_prompt_tokens >= p.max_tokens:
                     seq.finish_reason = "length"
-                    break
-            else:
+                else:
+                    continue
+            elif not self._append(seq, toks):
                 continue
             seq.status = Status.FINISHED
             self.running.remove(seq)
@@ -344,3 +344,17 @@ class Scheduler:
             self._steady = (batch, sch[1] + 1, sch[2])
         self._scheduled = None
         return finished
+
+    def _append(self, seq: Sequence, toks) -> bool:
+        """A verify request's accepted tokens, one by one, up to a stop or the length; whether
+        the request finished."""
+        ids, p, eos = seq.token_ids, seq.params, self.eos
+        for tok in toks:
+            ids.append(tok)
+            if (tok == eos and not p.ignore_eos) or tok in p.stop_token_ids:
+                seq.finish_reason = "stop"
+                return True
+            if len(ids) - seq.num_prompt_tokens >= p.max_tokens:
+                seq.finish_reason = "length"
+                return True
+        return False
