@@ -1,7 +1,8 @@
 """FULL and TR_HYBRID CUDA graphs and the sync-free step on a GPU (`pytest -m gpu
 tests/test_cuda_graph_gpu.py` on the H200; the module takes longer than one 10-minute device
-call: `tools/gpu_checks.sh OUT graphtests` runs it in six processes, each a group of tests that
-share one compile; what has passed is in benchmarks/results/gpu-tests-h200.txt).
+call: `tools/gpu_checks.sh OUT graphtests` and `... OUT harness` run it in two calls, processes
+side by side, each a group of tests that share one compile; what has passed is in
+benchmarks/results/gpu-tests-h200.txt).
 The CPU versions, with a recording stand-in: tests/test_cuda_graph_cpu.py, test_token_graphs.py.
 
 - A replayed decode graph gives bitwise the logits of the same compiled forward run without

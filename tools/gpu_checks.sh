@@ -6,8 +6,9 @@
 # `pip install -q --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site` first.
 #
 #   tools/gpu_checks.sh OUT tests       # the `-m gpu` kernel/compile modules, one log each, first failure's traceback kept
-#   tools/gpu_checks.sh OUT graphtests [K...]  # tests/test_cuda_graph_gpu.py in seven processes grouped
-#                                     # by compile (or a process per -k expression K)
+#   tools/gpu_checks.sh OUT graphtests [K...]  # tests/test_cuda_graph_gpu.py but the harness, in six
+#                                     # processes grouped by compile (or a process per -k expression K)
+#   tools/gpu_checks.sh OUT harness   # its schedule-invariance harness: a process per mode and scenario
 #   tools/gpu_checks.sh OUT graphs    # step_bench: eager / compiled / full, wall and kernel time, and
 #                                     # profiler tables with the step's phases named (OUT/profiles.txt)
 #   tools/gpu_checks.sh OUT hybrid    # step_bench: compiled / full / tr_hybrid (after graphs: warm compile cache)
@@ -44,33 +45,38 @@ tests)
       > "$OUT/$(basename "$m" .py).log" 2>&1
     echo "rc=$?"; tail -3 "$OUT/$(basename "$m" .py).log"
   done ;;
-graphtests)
+graphtests|harness)
   # processes side by side, each running its tests one after another so that they share one
   # compile (the module's TraceCache: same compile key and signature): eight workers each
   # compiling the toy cold ran the harness's tests past 380-500 s apiece (2026-12-03).
-  # With K...: a process per -k expression.
-  step "tests/test_cuda_graph_gpu.py"
   # The TR_HYBRID replay and padding tests build their engines without the TraceCache: a process each
-  # (a TR_HYBRID engine's pieces hold its own graphs).
-  groups=("replay_equals or inert_under_replay or (schedule_invariance and FULL and not cancel) or does_not_synchronize"
-          "schedule_invariance and TR_HYBRID and not cancel"
-          "tr_hybrid_replays_equal and not cancellations"
-          "tr_hybrid_replays_equal_the_compiled_forward_under_cancellations"
-          "tr_hybrid_padding"
-          "schedule_invariance and cancel"
-          "dspark")
-  [ $# -gt 2 ] && groups=("${@:3}")
+  # (a TR_HYBRID engine's pieces hold its own graphs). A harness test builds two engines with
+  # graphs (one replaying, one not) and takes 50-330 s after the compile: one process each.
+  if [ "$PART" = harness ]; then
+    groups=()
+    for m in FULL TR_HYBRID; do
+      for sc in chunks preempt cancel arrivals; do groups+=("schedule_invariance and $m-$sc"); done
+    done
+  else
+    groups=("replay_equals or inert_under_replay or does_not_synchronize"
+            "tr_hybrid_replays_equal and not cancellations"
+            "tr_hybrid_replays_equal_the_compiled_forward_under_cancellations"
+            "tr_hybrid_padding"
+            "dspark")
+    [ $# -gt 2 ] && groups=("${@:3}")
+  fi
+  step "tests/test_cuda_graph_gpu.py ($PART)"
   # Inductor compiles with a worker per core in each process: share the cores out instead
   export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / ${#groups[@]} > 0 ? $(nproc) / ${#groups[@]} : 1 ))
   i=0
   for k in "${groups[@]}"; do
     { timeout 570 $py -m pytest -v -rA -p no:xdist -m gpu --timeout=540 --tb=short --durations=0 -p no:cacheprovider \
-        tests/test_cuda_graph_gpu.py -k "$k" > "$OUT/graphtests-$i.log" 2>&1
-      echo "rc=$?" >> "$OUT/graphtests-$i.log"; } &
+        tests/test_cuda_graph_gpu.py -k "$k" > "$OUT/$PART-$i.log" 2>&1
+      echo "rc=$?" >> "$OUT/$PART-$i.log"; } &
     i=$((i + 1))
   done
   wait
-  grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed|s call |^rc=" "$OUT"/graphtests-*.log | head -80 ;;
+  grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed|s call |^rc=" "$OUT"/$PART-*.log | head -80 ;;
 graphs)
   step "step_bench eager,compiled,full"
   timeout 560 $py benchmarks/step_bench.py --variants eager,compiled,full --no-agreement \
@@ -137,7 +143,7 @@ serve)
   echo "rc=$?"; grep -E 'TTFT|TPOT|ITL|throughput' "$OUT/serve-bench.log"
   kill $pid; wait $pid 2> /dev/null ;;
 *)
-  echo "unknown part $PART: tests, graphtests, graphs, hybrid, dspark, dspark-eager, native, native-gemm, formats, replay or serve" >&2; exit 2 ;;
+  echo "unknown part $PART: tests, graphtests, harness, graphs, hybrid, dspark, dspark-eager, native, native-gemm, formats, replay or serve" >&2; exit 2 ;;
 esac
 if [ "${PACK_CACHE:-0}" = 1 ] && [ -d .cache/gpu-compile ]; then
   step "packing .cache/gpu-compile"
