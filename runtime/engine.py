@@ -219,7 +219,10 @@ class LLMEngine:
         eos = self.cfg.eos_token_id
         try:
             return sample(rows, seqs, eos, self.sampling_table, slots, steady), {}
-        except Exception:  # noqa: BLE001 - find the rows that raise; the others go on
+        except Exception as e:  # noqa: BLE001 - find the rows that raise; the others go on
+            # said once per failed batch: an error of the batched path itself would otherwise
+            # only show as every step sampling row by row
+            log.warning("sampling %d rows raised %s: %s; sampling them one by one", len(seqs), type(e).__name__, e)
             toks, errors = [], {}
             for j, seq in enumerate(seqs):
                 try:

@@ -221,7 +221,7 @@ def run_engine(weights, bad_at=None):
     return live
 
 
-def test_a_request_whose_sampling_raises_fails_alone(toy_weights):
+def test_a_request_whose_sampling_raises_fails_alone(toy_weights, caplog):
     alone = {}
     for i in range(len(REQS)):                         # each alone, then all with a failing request
         eng = H.make_engine(toy_weights)
@@ -229,7 +229,11 @@ def test_a_request_whose_sampling_raises_fails_alone(toy_weights):
         while eng.has_unfinished():
             eng.step()
         alone[i] = s
-    live = run_engine(toy_weights, bad_at=2)
+    with caplog.at_level("WARNING", logger="v41"):
+        live = run_engine(toy_weights, bad_at=2)
+    # the batch that raised is named once, then sampled row by row
+    named = [r.message for r in caplog.records if "one by one" in r.message]
+    assert len(named) == 1 and "rows raised ValueError: logit_bias: token ids [5000]" in named[0], named
     bad = live.pop("bad")
     assert bad.finish_reason == "error" and bad.completion_token_ids == []
     assert "logit_bias: token ids [5000] out of range [0, 1024)" in bad.error
