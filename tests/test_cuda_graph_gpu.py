@@ -29,6 +29,7 @@ import torch
 from runtime.compile import TraceCache
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.sampler import SamplingTensors, sample_tensors
+from runtime.token_graphs import TokenGraphRunner
 from tests import harness as H
 from tests.graph_checks import decoding, planes_written_by_a_step, replay_equals_plain_forward, step_equals_plain_forward
 
@@ -86,14 +87,32 @@ SCENARIOS = [
 ]
 
 
-def without_replay(hook):
+def without_replay(hook, engines: list):
     """A scenario hook that also swaps the engine's graph replay for the compiled forward on the
-    same published buffers: every step runs at the width it would replay, without graphs."""
+    same published buffers (every step runs at the width it would replay, without graphs), and
+    keeps the engine in `engines`."""
     def swapped(eng, live, step, rng):
         r = eng.runner
         r.graphs.replay = lambda width, batch, cache: r.forward(batch, cache)
-        return hook(eng, live, step, rng) if hook is not None else None
+        return keeping(hook, engines)(eng, live, step, rng)
     return swapped
+
+
+def keeping(hook, engines: list):
+    """`hook` that also keeps the engine it sees in `engines`."""
+    def kept(eng, live, step, rng):
+        if not engines:
+            engines.append(eng)
+        return hook(eng, live, step, rng) if hook is not None else None
+    return kept
+
+
+def replays(eng) -> int:
+    """Graph replays so far: TR_HYBRID's token pieces, FULL's chains per width."""
+    g = eng.runner.graphs
+    if isinstance(g, TokenGraphRunner):
+        return g.pieces.counts()["replays"]
+    return sum(chain.replays for chain in g.graphs.values())
 
 
 @pytest.mark.parametrize("sc", SCENARIOS, ids=[s.name for s in SCENARIOS])
@@ -102,11 +121,13 @@ def test_schedule_invariance_graphs_vs_the_same_widths_without(cuda_weights, tra
     reqs = H.prompts()
     cuda = {k: v for k, v in BASE.items() if k not in ("model", "dtype", "max_num_seqs")}
     engine = {**cuda, **sc.engine, "cudagraph_mode": mode}
-    got = {}
-    for name, hook in (("graphs", sc.hook), ("plain", without_replay(sc.hook))):
+    got, engines = {}, {"graphs": [], "plain": []}
+    for name, hook in (("graphs", keeping(sc.hook, engines["graphs"])),
+                       ("plain", without_replay(sc.hook, engines["plain"]))):
         scenario = H.Scenario(sc.name, engine=engine, arrival_steps=sc.arrival_steps, hook=hook, seed=sc.seed)
         got[name] = H.run(cuda_weights, reqs, max_tokens=8, scenario=scenario, dtype="float32")
     assert got["graphs"] == got["plain"]
+    assert replays(engines["graphs"][0]) > 0 and replays(engines["plain"][0]) == 0
 
 
 @pytest.mark.parametrize("replay", [True, False], ids=["decoder-replay", "no-decoder-replay"])
