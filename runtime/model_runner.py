@@ -46,7 +46,8 @@ class ModelRunner:
         self.W, self.page = cfg.sliding_window, geo.page_tokens
         self.token_map = np.asarray(token_map, dtype=np.int64)
         self.layout = EngramLayout(cfg, pad_id=int(self.token_map[cfg.engram_pad_token_id]))
-        self.hash_layers = LayerHashes(self.layout, cfg.engram_layer_ids)
+        self.hash_layers = LayerHashes(self.layout, range(len(cfg.engram_layer_ids)),
+                                       [f"engram_ids.{l}" for l in cfg.engram_layer_ids])
         self.m = self.layout.max_ngram - 1           # Engram history length (the cursor's ids)
         self.max_model_len = max_model_len
         self.tail_staging = max_num_seqs * (spec_tokens // 2 + 1) if spec_tokens else 0

@@ -112,47 +112,46 @@ def hash_ids(compressed, layout: EngramLayout, i: int, start: int = 0, history=N
 
 
 def hash_lookback(lookback, layout: EngramLayout, i: int):
-    """Hash ids from look-back rows: lookback[t, k] = compressed id at position p_t - k, DEAD
-    where that position is an image token or lies before the sequence. Rows of many requests
-    hash in one call (the runtime's batched path). numpy in, numpy out; a tensor in gives a
-    tensor out."""
+    """Hash ids [rows, (max_ngram-1)*n_heads] of Engram layer i from look-back rows:
+    lookback[t, k] = compressed id at position p_t - k, DEAD where that position is an image
+    token or lies before the sequence (LayerHashes' arithmetic, for one layer). numpy in, numpy
+    out; a tensor in gives a tensor out."""
     as_tensor = isinstance(lookback, torch.Tensor)
     look = lookback.numpy() if as_tensor else np.asarray(lookback, dtype=np.int64)
-    n, H = layout.max_ngram, layout.n_heads
-    blocked = np.maximum.accumulate(look < 0, axis=1)  # once blocked, every longer look-back is pad
-    tok = np.where(blocked, np.int64(layout.pad_id), look)
-    with np.errstate(over="ignore"):
-        prods = tok * np.asarray(layout.multipliers[i], dtype=np.int64)  # wraps mod 2**64 like torch
-    primes = np.asarray(layout.primes[i], dtype=np.int64).reshape(n - 1, H)
-    offsets = np.asarray(layout.offsets[i], dtype=np.int64).reshape(n - 1, H)
-    rolling = np.bitwise_xor.accumulate(prods, axis=1)[:, 1:]      # order o = column o - 1
-    # np.mod is floor-mod like torch and the reference: non-negative for a positive prime
-    out = (np.mod(rolling[:, :, None], primes) + offsets).reshape(len(look), -1)
+    out = LayerHashes(layout, [i]).ids(look)[:, :, 0]             # [n-1, H, rows]
+    out = np.ascontiguousarray(out.reshape(-1, len(look)).T)      # (order, head) columns
     return torch.from_numpy(out) if as_tensor else out
 
 
 class LayerHashes:
-    """hash_lookback of every Engram layer at once, into a step's host mirrors (the runtime's
-    decode path). The arrays are tiny ([rows, n]), so a step pays per numpy call: the look-back
-    order is the outer axis (the rolling xor is then a few whole-plane xors) and all layers
-    share each call."""
+    """The hash ids of several Engram layers at once (the runtime's batched path writes them into
+    a step's host mirrors). The arrays are tiny ([rows, n]), so a step pays per numpy call: the
+    look-back order is the outer axis (the rolling xor is then a few whole-plane xors) and all
+    layers share each call."""
 
-    def __init__(self, layout: EngramLayout, layer_ids):
-        L, n, H = range(len(layer_ids)), layout.max_ngram, layout.n_heads
+    def __init__(self, layout: EngramLayout, layers, names=()):
+        """`layers`: the Engram layers' indices (0, 1, ...: layout.multipliers' rows); `names`:
+        each one's host mirror, for __call__."""
+        L, n, H = list(layers), layout.max_ngram, layout.n_heads
         planes = lambda v: np.array([v[i] for i in L], np.int64).reshape(len(L), n - 1, H).transpose(1, 2, 0)  # noqa: E731
         self.mult = np.array([layout.multipliers[i] for i in L], np.int64).T[:, :, None]     # [n, layers, 1]
         self.primes, self.offsets = planes(layout.primes)[..., None], planes(layout.offsets)[..., None]  # [n-1, H, layers, 1]
-        self.pad_id, self.names = np.int64(layout.pad_id), [f"engram_ids.{l}" for l in layer_ids]
+        self.pad_id, self.names = np.int64(layout.pad_id), list(names)
 
-    def __call__(self, look: np.ndarray, host: dict) -> None:
-        """Each layer's ids of the rows look[t, k] (as hash_lookback's) into host[engram_ids.<layer>]."""
+    def ids(self, look: np.ndarray) -> np.ndarray:
+        """[n-1, H, layers, rows] hash ids of the rows look[t, k] (compressed id at p_t - k)."""
         if (look < 0).any():                                # once blocked, every longer look-back pads
             look = np.where(np.maximum.accumulate(look < 0, axis=1), self.pad_id, look)
         prods = np.ascontiguousarray(look.T)[:, None, :] * self.mult     # [n, layers, R], wrapping mod 2**64
         for k in range(1, len(prods)):                      # the rolling xor (accumulate is slower here)
             np.bitwise_xor(prods[k], prods[k - 1], out=prods[k])
-        out = np.mod(prods[1:, None], self.primes)          # [n-1, H, layers, R]: floor-mod, as hash_lookback
+        # np.mod is floor-mod like torch and the reference: non-negative for a positive prime
+        out = np.mod(prods[1:, None], self.primes)          # [n-1, H, layers, R]
         out += self.offsets
-        R = len(look)
-        for i, name in enumerate(self.names):               # (order, head) columns
+        return out
+
+    def __call__(self, look: np.ndarray, host: dict) -> None:
+        """Each layer's ids of the rows look[t, k] into host[name], (order, head) columns."""
+        out, R = self.ids(look), len(look)
+        for i, name in enumerate(self.names):
             host[name][:R] = out[:, :, i].reshape(-1, R).T
