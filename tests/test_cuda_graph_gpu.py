@@ -87,24 +87,18 @@ SCENARIOS = [
 ]
 
 
-def without_replay(hook, engines: list):
-    """A scenario hook that also swaps the engine's graph replay for the compiled forward on the
-    same published buffers (every step runs at the width it would replay, without graphs), and
-    keeps the engine in `engines`."""
-    def swapped(eng, live, step, rng):
-        r = eng.runner
-        r.graphs.replay = lambda width, batch, cache: r.forward(batch, cache)
-        return keeping(hook, engines)(eng, live, step, rng)
-    return swapped
-
-
-def keeping(hook, engines: list):
-    """`hook` that also keeps the engine it sees in `engines`."""
-    def kept(eng, live, step, rng):
+def watching(hook, engines: list, replay: bool = True):
+    """`hook` that also keeps the engine it sees in `engines` and, unless `replay`, swaps that
+    engine's graph replay for the compiled forward on the same published buffers (every step then
+    runs at the width it would replay, without graphs)."""
+    def watched(eng, live, step, rng):
         if not engines:
             engines.append(eng)
+            if not replay:
+                r = eng.runner
+                r.graphs.replay = lambda width, batch, cache: r.forward(batch, cache)
         return hook(eng, live, step, rng) if hook is not None else None
-    return kept
+    return watched
 
 
 def replays(eng) -> int:
@@ -122,8 +116,8 @@ def test_schedule_invariance_graphs_vs_the_same_widths_without(cuda_weights, tra
     cuda = {k: v for k, v in BASE.items() if k not in ("model", "dtype", "max_num_seqs")}
     engine = {**cuda, **sc.engine, "cudagraph_mode": mode}
     got, engines = {}, {"graphs": [], "plain": []}
-    for name, hook in (("graphs", keeping(sc.hook, engines["graphs"])),
-                       ("plain", without_replay(sc.hook, engines["plain"]))):
+    for name in engines:
+        hook = watching(sc.hook, engines[name], replay=name == "graphs")
         scenario = H.Scenario(sc.name, engine=engine, arrival_steps=sc.arrival_steps, hook=hook, seed=sc.seed)
         got[name] = H.run(cuda_weights, reqs, max_tokens=8, scenario=scenario, dtype="float32")
     assert got["graphs"] == got["plain"]
