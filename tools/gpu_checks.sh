@@ -47,11 +47,10 @@ tests)
   done ;;
 graphtests|harness)
   # processes side by side, each running its tests one after another so that they share one
-  # compile (the module's TraceCache: same compile key and signature): eight workers each
-  # compiling the toy cold ran the harness's tests past 380-500 s apiece (2026-12-03).
-  # The TR_HYBRID replay and padding tests build their engines without the TraceCache: a process each
-  # (a TR_HYBRID engine's pieces hold its own graphs). A harness test builds two engines with
-  # graphs (one replaying, one not) and takes 50-330 s after the compile: one process each.
+  # compile (the module's TraceCache: same compile key and signature; a cold compile per test
+  # does not fit the call). The TR_HYBRID replay and padding tests build their engines without
+  # the TraceCache: a process each (a TR_HYBRID engine's pieces hold its own graphs). A harness
+  # test builds two engines with graphs (one replaying, one not): a process each.
   if [ "$PART" = harness ]; then
     groups=()
     for m in FULL TR_HYBRID; do
