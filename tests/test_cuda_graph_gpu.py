@@ -9,10 +9,11 @@ The CPU versions, with a recording stand-in: tests/test_cuda_graph_cpu.py, test_
   capture at the same running width (toy, float32), from the same cache state.
 - The schedule-invariance harness gives the same greedy tokens with FULL and with TR_HYBRID as
   the same engine running the same steps at the same widths without graphs (the scenario run
-  again on it, replay swapped for the compiled forward), and leaks no page or slot. (Not NONE's tokens in float32: a step padded to a captured width runs the GEMMs at
-  another row count, whose float32 sums may round differently, and random weights turn one such
-  difference into other tokens; in float64 on the CPU the graph path gives the eager engine's
-  tokens, tests/test_token_graphs.py.)
+  again on it, replay swapped for the compiled forward), and leaks no page or slot. (Not NONE's
+  tokens in float32: a step padded to a captured width runs the GEMMs at another row count,
+  whose float32 sums may round differently, and random weights turn one such difference into
+  other tokens; in float64 on the CPU the graph path gives the eager engine's tokens,
+  tests/test_token_graphs.py.)
 - TR_HYBRID: a replayed prefill, mixed and decode step gives bitwise the logits and cache of the
   compiled forward without graphs at the same padded width; padding rows write nothing.
 - DSpark's verify steps (the anchor and five drafts per request) replay FULL graphs, its draft
@@ -88,10 +89,10 @@ SCENARIOS = [
 
 
 def watching(hook, engines: list, replay: bool = True):
-    """`hook` that also keeps the engine it sees in `engines`, with its replay count then (capture
-    replays every graph once at startup), and, unless `replay`, swaps that engine's graph replay
-    for the compiled forward on the same published buffers (every step then runs at the width it
-    would replay, without graphs)."""
+    """`hook` that also keeps the engine it sees in `engines`, with its replay count then (its
+    capture and any earlier run replayed too), and, unless `replay`, swaps that engine's graph
+    replay for the compiled forward on the same published buffers (every step then runs at the
+    width it would replay, without graphs)."""
     def watched(eng, live, step, rng):
         if not engines:
             engines.extend((eng, replays(eng)))
@@ -119,21 +120,15 @@ def test_schedule_invariance_graphs_vs_the_same_widths_without(cuda_weights, tra
     reqs = H.prompts()
     cuda = {k: v for k, v in BASE.items() if k not in ("model", "dtype", "max_num_seqs")}
     engine = {**cuda, **sc.engine, "cudagraph_mode": mode}
-    built = []
-
-    def make_once(*a, **kw):
-        if not built:
-            built.append(make(*a, **kw))
-        return built[0]
-    make = H.make_engine
-    monkeypatch.setattr(H, "make_engine", make_once)
+    eng = H.make_engine(cuda_weights, "float32", **engine)
+    monkeypatch.setattr(H, "make_engine", lambda *a, **kw: eng)
     got, engines = {}, {"graphs": [], "plain": []}
     for name in engines:
         hook = watching(sc.hook, engines[name], replay=name == "graphs")
         scenario = H.Scenario(sc.name, engine=engine, arrival_steps=sc.arrival_steps, hook=hook, seed=sc.seed)
         got[name] = H.run(cuda_weights, reqs, max_tokens=8, scenario=scenario, dtype="float32")
-    assert len(built) == 1 and got["graphs"] == got["plain"]
-    replayed = {name: replays(eng) - at_start for name, (eng, at_start) in engines.items()}
+    assert got["graphs"] == got["plain"]
+    replayed = {name: replays(e) - at_start for name, (e, at_start) in engines.items()}
     assert replayed["graphs"] > 0 and replayed["plain"] == 0, replayed
 
 
