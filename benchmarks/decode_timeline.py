@@ -5,14 +5,18 @@ after the launch returns (C) and after the step (D); an event enqueued while the
 fires at once, so A->B is the host's schedule + prepare (or the prepare's copies, if longer),
 B->C the launch plus the graph's run, C->D the LM head, sampling, the ids copy and the host's
 post work. Beside them: the graph's span replayed back to back (no launch exposed), its summed
-kernel time and kernel count (torch.profiler), the host time of `replay()`.
+kernel time and kernel count (torch.profiler), the host time of `replay()`. `--host-profile FILE`
+appends a cProfile of further steps per batch size (the host's functions, by own time).
 
-    python benchmarks/decode_timeline.py --out $OUT/decode-timeline.json
+    python benchmarks/decode_timeline.py --out $OUT/decode-timeline.json [--host-profile $OUT/host.txt]
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
+import io
+import pstats
 import json
 import statistics
 import time
@@ -38,7 +42,22 @@ def kernels(fn) -> tuple[float, int]:
     return sum(e.self_device_time_total for e in avg) / 1e3, sum(e.count for e in avg)
 
 
-def timeline(eng, bs: int, steps: int) -> dict:
+def host_profile(eng, bs: int, steps: int, path: str) -> None:
+    """cProfile of `steps` decode steps at the batch now running, appended to `path`."""
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(steps):
+        eng.step()
+    prof.disable()
+    out = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(40)
+    with open(path, "a") as f:
+        f.write(f"==== {bs} request(s), {steps} FULL decode steps\n{out.getvalue()}\n")
+
+
+def timeline(eng, bs: int, steps: int, host_path: str | None = None) -> dict:
     g = torch.Generator().manual_seed(bs)
     seqs = [eng.add_request(torch.randint(3, 120000, (1024,), generator=g).tolist(),
                             SamplingParams(max_tokens=steps + 64, ignore_eos=True)) for _ in range(bs)]
@@ -81,6 +100,8 @@ def timeline(eng, bs: int, steps: int) -> dict:
     torch.cuda.synchronize()
     graph_kernel_ms, graph_kernels = kernels(g_.replay)
     step_kernel_ms, step_kernels = kernels(eng.step)
+    if host_path:
+        host_profile(eng, bs, 20, host_path)
     for q in seqs:
         eng.abort(q.request_id)
     med = {k: round(statistics.median(r[k] for r in rows[2:]), 3) for k in rows[0]}
@@ -94,6 +115,7 @@ def main():
     ap.add_argument("--model", default="flash-slice")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", default="decode-timeline.json")
+    ap.add_argument("--host-profile", default=None, help="file a cProfile of decode steps is appended to")
     a = ap.parse_args()
     args = EngineArgs(model=a.model, device="cuda", dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=8192,
                       max_model_len=4352, enable_prefix_caching=False, enforce_eager=False, cudagraph_mode="FULL")
@@ -104,7 +126,7 @@ def main():
            "date": datetime.date.today().isoformat(), "engine_ready_seconds": round(time.perf_counter() - t0, 1),
            "graphs": eng.graph_report, "results": []}
     for bs in (1, 16, 64):
-        res["results"].append(timeline(eng, bs, a.steps))
+        res["results"].append(timeline(eng, bs, a.steps, a.host_profile))
         print(json.dumps(res["results"][-1]), flush=True)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1, default=str)

@@ -1,7 +1,8 @@
 """Engine step latency on a GPU (flash-slice, bf16, random weights): decode steps at batch 1,
 16 and 64 (contexts of 1,024 tokens) and prefill steps of 1x4096 and 8x1024 tokens, timed with
 CUDA events after warm-up, median of several steps, each case beside the summed kernel time of
-one more step of it under torch.profiler (`device_ms`: wall / device says how host-bound it is);
+more steps of it under torch.profiler (`device_ms`, decode: the median of three; wall / device
+says how host-bound it is; `replayed`: of the timed and the profiled steps, how many replayed);
 decode cases also carry each engine phase's median host time over the timed steps
 (`host_ms_by_phase`, benchmarks/profiling.phases_timed: no profiler), and every case its floor
 (`floor_ms`: the bytes it must read or its GEMM FLOPs at the measured peaks, benchmarks/floor.py).
@@ -62,20 +63,25 @@ def kernel_ms(fn) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
 
 
-def decode_ms(eng, bs: int, ctx: int, steps: int) -> tuple[float, float, dict]:
-    """(wall ms median, kernel ms of one more step, median host ms per phase of the timed steps)
-    of decode steps at batch `bs`."""
+def decode_ms(eng, bs: int, ctx: int, steps: int) -> tuple[float, float, dict, dict]:
+    """(wall ms median, kernel ms: the median of three more steps', median host ms per phase of
+    the timed steps, {} or with graphs how many of those steps replayed) of decode steps at
+    batch `bs`."""
     g = torch.Generator().manual_seed(bs)
     seqs = [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (ctx,), generator=g).tolist(),
                             SamplingParams(max_tokens=steps + 5, ignore_eos=True)) for _ in range(bs)]
     while any(s.num_computed < s.num_prompt_tokens for s in seqs):
         eng.step()
+    graphs = eng.runner.graphs
+    replays = [graphs.replays if graphs is not None else 0]
     with phases_timed(eng) as host:
         ts = [timed(eng.step) for _ in range(steps)]
-    dev = kernel_ms(eng.step)
+    replays.append(graphs.replays if graphs is not None else 0)
+    dev = statistics.median(kernel_ms(eng.step) for _ in range(3))
     for s in seqs:
         eng.abort(s.request_id)
-    return statistics.median(ts[2:]), dev, median_by_phase(host)
+    replayed = {} if graphs is None else {"replayed": [replays[1] - replays[0], graphs.replays - replays[1]]}
+    return statistics.median(ts[2:]), dev, median_by_phase(host), replayed
 
 
 def prefill_ms(eng, n: int, length: int, reps: int) -> tuple[float, float]:
@@ -239,12 +245,12 @@ def run_cases(eng, cases, variants, use, steps: int, res: dict, save) -> None:
         for v in variants:  # alternate variants case by case
             use(v)
             if kind == "decode":
-                ms, dev, host = decode_ms(eng, n, length, steps)
+                ms, dev, host, replayed = decode_ms(eng, n, length, steps)
             else:
-                (ms, dev), host = prefill_ms(eng, n, length, 3), None
+                (ms, dev), host, replayed = prefill_ms(eng, n, length, 3), None, {}
             res["results"].append({"variant": v, "step": kind, "requests": n, "tokens_each": length,
                                    "ms": round(ms, 3), "device_ms": round(dev, 3), **floor,
-                                   **({"host_ms_by_phase": host} if host is not None else {})})
+                                   **({"host_ms_by_phase": host} if host is not None else {}), **replayed})
             print(json.dumps(res["results"][-1]), flush=True)
             save()
 

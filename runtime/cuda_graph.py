@@ -2,7 +2,9 @@
 width (rows), largest first, into one shared memory pool. The graphs read the runner's
 persistent step buffers (runtime.batch.StepBuffers) and the KV cache, so a replay is what
 `ModelRunner.prepare` already does (host mirrors, one copy per field, padding rows to the
-captured width) plus the replay; no Python runs in the forward.
+captured width) plus the replay; no Python runs in the forward. The graphs also gather the
+step's Engram rows from the published ids (`ModelRunner.graph_forward`): two kernel launches
+fewer on the host's path before the replay.
 
 A width's forward is a chain of graphs (`GraphChain`), cut at compiled-piece boundaries
 (`CHAIN_CUTS`): launching a graph of ~4,200 kernels took the host 2-3 ms at 16-56 rows on the
@@ -157,6 +159,17 @@ class CUDAGraphRunner:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, T)]
 
+    @property
+    def replays(self) -> int:
+        """Forwards replayed so far, every width's."""
+        return sum(chain.replays for chain in self.graphs.values())
+
+    @property
+    def gathers_engram(self) -> bool:
+        """Its graphs gather the step's Engram rows (ModelRunner.graph_forward), unless mapped
+        tables gather them on the host."""
+        return self.runner.engram_stager is None
+
     @staticmethod
     def running(width: int) -> dict:
         """The runner's running width for a step replayed at `width` (its requests as scheduled:
@@ -169,7 +182,7 @@ class CUDAGraphRunner:
         r, dev = self.runner, self.runner.device
         with capturing(dev) as report, torch.inference_mode():
             for width in tqdm(sorted(self.sizes, reverse=True), desc="CUDA graphs", unit="graph", disable=not progress):
-                chain, out = capture_chain(r.forward, (r.padding_batch(width), r.cache), self.pool, dev)
+                chain, out = capture_chain(r.graph_forward, (r.padding_batch(width), r.cache), self.pool, dev)
                 self.pool = chain.pool
                 self.graphs[width], self.outputs[width] = chain, out
         report = {"sizes": list(self.sizes), **report,

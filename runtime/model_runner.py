@@ -110,10 +110,11 @@ class ModelRunner:
 
     # ---- metadata ------------------------------------------------------------------------
     def prepare(self, sb: ScheduledBatch, running_tokens: int | None = None, running_bs: int | None = None,
-                decoder_buckets: tuple | None = None) -> Batch:
+                decoder_buckets: tuple | None = None, gather: bool = True) -> Batch:
         """Host metadata for the step, written into the host mirrors and copied to the device
         buffers. Prefix hits get their state first (a restored image, or a replay cursor).
-        `decoder_buckets`: the decoder's rows run padded to one of them (TR_HYBRID)."""
+        `decoder_buckets`: the decoder's rows run padded to one of them (TR_HYBRID). `gather`
+        False: the step's Engram rows are left to the FULL graph it replays (`graph_forward`)."""
         host = self.bufs.begin()
         seqs, B = sb.seqs, len(sb.seqs)
         # a decode step: one row per request (its last), the rows' numbers known already
@@ -160,30 +161,28 @@ class ModelRunner:
         dec = (replay.plan(fields["positions"], fields["batch_ids"], starts, tails, slots,
                            sampled, self.W, self.cache.num_slots)
                if self.decoder_replay and not fast else None)
-        rows = {k: Tr for k in fields} | {"commit_slots": B, "commit_cursor": B}
-        if written:
-            rows["block_table"] = hi
-        rows.update({f"engram_ids.{l}": T for l in self.cfg.engram_layer_ids})
+        rows = ({k: Tr for k in fields} | {"commit_slots": B, "commit_cursor": B}
+                | {f"engram_ids.{l}": T for l in self.cfg.engram_layer_ids} | ({"block_table": hi} if written else {}))
         # the rows that sample: each request's last row; of those, the final chunks' (and
-        # which requests they are)
+        # which requests they are). A fast decode step samples row i for request i: none needed
         F = int(final.sum())
-        host["sample_rows"][:B] = ends
-        host["final_rows"][:F] = np.flatnonzero(final)
-        host["final_last"][:len(sampled)] = sampled
-        rows.update(sample_rows=B, final_rows=F, final_last=len(sampled))
+        if not fast:
+            host["sample_rows"][:B] = ends
+            host["final_rows"][:F] = np.flatnonzero(final)
+            host["final_last"][:len(sampled)] = sampled
+            rows.update(sample_rows=B, final_rows=F, final_last=len(sampled))
         if dec is not None:
             rows.update(replay.stage(host, fields, *dec, decoder_buckets))
         dev = self.bufs.publish(rows)
         self._commit = (dev["commit_slots"], dev["commit_cursor"])
-        self._sample = (B, T, F, dev["sample_rows"], dev["final_rows"], dev["final_last"])
-        engram = self.gather_engram(dev, T, Tr)
-        batch = self.batch_view(Tr, Br, engram, sb.captures)
+        self._sample = (B, T, F, *(dev.get(k) for k in ("sample_rows", "final_rows", "final_last")))
+        if gather:
+            self.gather_engram(dev, T)
+        batch = self.batch_view(Tr, Br, {l: b[:Tr] for l, b in self.engram_buf.items()}, sb.captures)
         self._fields = fields if self.spec is not None else None
         if dec is not None:
             batch.decoder = replay.decoder_rows(batch, dev, Batch)
-            self.rows_run["decoder"] += len(dec[0])
-        else:
-            self.rows_run["decoder"] += T
+        self.rows_run["decoder"] += T if dec is None else len(dec[0])
         self.rows_run["encoder"] += T
         return batch
 
@@ -382,20 +381,23 @@ class ModelRunner:
             raise AssertionError(f"Engram history on the host {hist.tolist()} / starts {starts.tolist()} "
                                  f"differs from the STATE cursor {dev.tolist()}")
 
-    def gather_engram(self, dev: dict, T: int, Tr: int) -> dict:
-        """Table rows of every Engram layer, gathered on the device from the published ids, or
-        from mapped tables on the host (EngramStager: pinned staging, one copy per layer)."""
+    def gather_engram(self, dev: dict, T: int) -> None:
+        """Every Engram layer's table rows of the first T rows (`engram_buf`), gathered on the
+        device from the published ids (`dev`), or from mapped tables on the host (EngramStager:
+        pinned staging, one copy per layer)."""
+        keys = {l: f"engram_ids.{l}" for l in self.cfg.engram_layer_ids}
         if self.engram_stager is not None:
-            ids = {l: self.bufs.host[f"engram_ids.{l}"][:T] for l in self.cfg.engram_layer_ids}
-            self.engram_stager.gather(ids, self.engram_buf)
-            return {l: b[:Tr] for l, b in self.engram_buf.items()}
-        out = {}
-        for l in self.cfg.engram_layer_ids:
-            buf = self.engram_buf[l]
-            table, scale = self.engram_tables[l]
-            ops.engram_gather(table, scale, dev[f"engram_ids.{l}"], buf[:T])
-            out[l] = buf[:Tr]
-        return out
+            return self.engram_stager.gather({l: self.bufs.host[k][:T] for l, k in keys.items()}, self.engram_buf)
+        for l, k in keys.items():
+            ops.engram_gather(*self.engram_tables[l], dev[k][:T], self.engram_buf[l][:T])
+
+    def graph_forward(self, batch: Batch, cache) -> torch.Tensor:
+        """What a FULL graph captures: the Engram rows of every row of `batch`, gathered on the
+        device from the published ids (the launches leave the host's path to the replay), then
+        the forward. Mapped tables (EngramStager) gather on the host, in `prepare`."""
+        if self.engram_stager is None:
+            self.gather_engram(self.bufs.dev, batch.input_ids.shape[0])
+        return self.forward(batch, cache)
 
     # ---- step ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -407,7 +409,7 @@ class ModelRunner:
         graph = self.graphs.width_for(sb) if self.graphs is not None and not width and not all_rows else None
         if graph is not None:
             width = self.graphs.running(graph)
-        batch = self.prepare(sb, **width)
+        batch = self.prepare(sb, gather=graph is None or not self.graphs.gathers_engram, **width)
         if all_rows and batch.decoder is not None:
             raise ValueError("every row's logits (teacher forcing) need the decoder on every row: "
                              "--no-decoder-swa-bounded-replay")
@@ -433,8 +435,7 @@ class ModelRunner:
 
     def commit(self, sb: ScheduledBatch) -> None:
         """Positions and Engram history advance after the forward: cursor = (committed position,
-        last three compressed ids), copied to the device by `prepare`; the slots' host mirror
-        follows."""
+        last three compressed ids), copied by `prepare`; the slots' host mirror follows."""
         if sb.seqs:
             self.cache.cursor.index_copy_(0, *self._commit)
             slots, meta, ends, hist = self._mirror

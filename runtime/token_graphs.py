@@ -41,6 +41,8 @@ def token_buckets(max_tokens: int) -> tuple:
 
 
 class TokenGraphRunner:
+    gathers_engram = False      # the step's Engram rows come from `prepare`: the pieces read them
+
     def __init__(self, runner, sizes):
         """`sizes`: the token buckets to capture (each at most max_num_batched_tokens)."""
         if runner.device.type != "cuda":
@@ -60,6 +62,11 @@ class TokenGraphRunner:
         if not T or T > self.sizes[-1]:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, T)]
+
+    @property
+    def replays(self) -> int:
+        """Piece graphs replayed so far."""
+        return self.pieces.counts()["replays"]
 
     def running(self, width: int) -> dict:
         """The runner's running width for a step at `width` (its requests stay as scheduled; the

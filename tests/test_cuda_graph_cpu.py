@@ -112,22 +112,13 @@ def graphed(weights, sizes, **kw):
     eng = H.make_engine(weights, **kw)
     r = eng.runner
     r.use_forward(r.model, static_shapes=True)
-    forward = r.forward
-
-    def traced(batch, cache):
-        out = forward(batch, cache)
-        if RecordedGraph.recording is not None:
-            RecordedGraph.recording.record(forward, (batch, cache), out)
-        return out
-
-    r.forward = traced
+    r.graph_forward = recorded(r.graph_forward)     # what a FULL graph captures
     device, r.device = r.device, SimpleNamespace(type="cuda")      # CUDAGraphRunner's device check
     try:
         r.graphs = CUDAGraphRunner(r, sizes)
         r.graphs.capture(progress=False)
     finally:
         r.device = device
-    r.forward = forward
     return eng
 
 

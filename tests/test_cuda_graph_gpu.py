@@ -30,7 +30,6 @@ import torch
 from runtime.compile import TraceCache
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.sampler import SamplingTensors, sample_tensors
-from runtime.token_graphs import TokenGraphRunner
 from tests import harness as H
 from tests.graph_checks import decoding, planes_written_by_a_step, replay_equals_plain_forward, step_equals_plain_forward
 
@@ -95,20 +94,12 @@ def watching(hook, engines: list, replay: bool = True):
     width it would replay, without graphs)."""
     def watched(eng, live, step, rng):
         if not engines:
-            engines.extend((eng, replays(eng)))
+            engines.extend((eng, eng.runner.graphs.replays))
             if not replay:
                 r = eng.runner
                 r.graphs.replay = lambda width, batch, cache: r.forward(batch, cache)
         return hook(eng, live, step, rng) if hook is not None else None
     return watched
-
-
-def replays(eng) -> int:
-    """Graph replays so far: TR_HYBRID's token pieces, FULL's chains per width."""
-    g = eng.runner.graphs
-    if isinstance(g, TokenGraphRunner):
-        return g.pieces.counts()["replays"]
-    return sum(chain.replays for chain in g.graphs.values())
 
 
 @pytest.mark.parametrize("sc", SCENARIOS, ids=[s.name for s in SCENARIOS])
@@ -128,7 +119,7 @@ def test_schedule_invariance_graphs_vs_the_same_widths_without(cuda_weights, tra
         scenario = H.Scenario(sc.name, engine=engine, arrival_steps=sc.arrival_steps, hook=hook, seed=sc.seed)
         got[name] = H.run(cuda_weights, reqs, max_tokens=8, scenario=scenario, dtype="float32")
     assert got["graphs"] == got["plain"]
-    replayed = {name: replays(e) - at_start for name, (e, at_start) in engines.items()}
+    replayed = {name: e.runner.graphs.replays - at_start for name, (e, at_start) in engines.items()}
     assert replayed["graphs"] > 0 and replayed["plain"] == 0, replayed
 
 

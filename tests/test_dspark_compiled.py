@@ -94,7 +94,7 @@ def compile_engine(eng, mode: str, patch, cache_dir) -> None:
         for p in fwd.piece_graphs.pieces:
             p.fn = recorded(p.fn)
     else:
-        r.forward = recorded(fwd)
+        r.graph_forward = recorded(r.graph_forward)     # what a FULL graph captures
     with patch.context() as m:
         m.setattr(r, "device", SimpleNamespace(type="cuda"))      # the graph runners' device check
         r.graphs = TokenGraphRunner(r, BUCKETS) if hybrid else CUDAGraphRunner(r, WIDTHS)
@@ -103,7 +103,6 @@ def compile_engine(eng, mode: str, patch, cache_dir) -> None:
             r.spec.graphs = DraftGraphRunner(r.spec, (1, 2, 4), r.graphs.pool)
             r.spec.graphs.fn = recorded(r.spec.graphs.fn)
             r.spec.graphs.capture()
-    r.forward = fwd
 
 
 def test_full_widths_hold_verify_steps():
