@@ -2,7 +2,8 @@
 16 and 64 (contexts of 1,024 tokens) and prefill steps of 1x4096 and 8x1024 tokens, timed with
 CUDA events after warm-up, median of several steps, each case beside the summed kernel time of
 more steps of it under torch.profiler (`device_ms`, decode: the median of three; wall / device
-says how host-bound it is; `replayed`: of the timed and the profiled steps, how many replayed);
+says how host-bound it is; `replayed`: of the timed and the profiled steps, how many replayed;
+FULL: `graph_ms`, the width's graphs replayed back to back, timed with CUDA events);
 decode cases also carry each engine phase's median host time over the timed steps
 (`host_ms_by_phase`, benchmarks/profiling.phases_timed: no profiler), and every case its floor
 (`floor_ms`: the bytes it must read or its GEMM FLOPs at the measured peaks, benchmarks/floor.py).
@@ -21,6 +22,7 @@ per variant: where the time goes.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import datetime
 import json
@@ -33,6 +35,7 @@ import torch
 
 from benchmarks.floor import held_state_bytes, step_floor, weight_bytes
 from benchmarks.profiling import median_by_phase, phases_timed, profile_step
+from runtime.cuda_graph import CUDAGraphRunner
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.piece_check import METRICS, by_piece, compare_pieces
 from runtime.sequence import SamplingParams
@@ -78,10 +81,20 @@ def decode_ms(eng, bs: int, ctx: int, steps: int) -> tuple[float, float, dict, d
         ts = [timed(eng.step) for _ in range(steps)]
     replays.append(graphs.replays if graphs is not None else 0)
     dev = statistics.median(kernel_ms(eng.step) for _ in range(3))
+    replayed = {} if graphs is None else {"replayed": [replays[1] - replays[0], graphs.replays - replays[1]]}
+    if isinstance(graphs, CUDAGraphRunner):
+        replayed["graph_ms"] = round(graph_ms(graphs.graphs[graphs.sizes[bisect.bisect_left(graphs.sizes, bs)]]), 3)
     for s in seqs:
         eng.abort(s.request_id)
-    replayed = {} if graphs is None else {"replayed": [replays[1] - replays[0], graphs.replays - replays[1]]}
     return statistics.median(ts[2:]), dev, median_by_phase(host), replayed
+
+
+def graph_ms(chain, reps: int = 10) -> float:
+    """Device ms of one forward's graphs replayed back to back (CUDA events, no profiler): the
+    graph's span with no host in it. The replays rewrite what the last step wrote."""
+    for _ in range(3):
+        chain.replay()
+    return timed(lambda: [chain.replay() for _ in range(reps)]) / reps
 
 
 def prefill_ms(eng, n: int, length: int, reps: int) -> tuple[float, float]:
@@ -208,7 +221,6 @@ def main():
               f"logits rel_l2 {res['agreement']['logits_rel_l2']:.3g}", flush=True)
         save()
     if "full" in variants:
-        from runtime.cuda_graph import CUDAGraphRunner
         graphs["full"] = CUDAGraphRunner(runner, (1, 2, 4, 8, 16, 32, 64))
         use("compiled")
         res["graphs"] = graphs["full"].capture()

@@ -70,7 +70,8 @@ class StepBuffers:
         self._host = ({k: torch.zeros(s, dtype=torch.long, pin_memory=True) for k, s in shapes.items()}
                       if self.cuda else self.dev)
         self._np = {k: t.numpy() for k, t in self._host.items()}
-        self._copied = None            # CUDA event behind the last step's copies
+        self._copied = None            # CUDA event behind the last step's copies, or None: all done
+        self._event = torch.cuda.Event() if self.cuda else None     # recorded again by each publish
         self._views = {}               # (field, rows) -> the device buffer's first rows
 
     @property
@@ -99,8 +100,8 @@ class StepBuffers:
                 d.copy_(self._host[k][:n], non_blocking=True)
             out[k] = d
         if self.cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._event.record()
+            self._copied = self._event
         return out
 
     def put(self, name: str, a: np.ndarray) -> torch.Tensor:

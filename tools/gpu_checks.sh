@@ -9,8 +9,8 @@
 #   tools/gpu_checks.sh OUT graphtests [K...]  # tests/test_cuda_graph_gpu.py but the harness, in six
 #                                     # processes grouped by compile (or a process per -k expression K)
 #   tools/gpu_checks.sh OUT harness   # its schedule-invariance harness: a process per mode and scenario
-#   tools/gpu_checks.sh OUT graphs    # step_bench: eager / compiled / full, wall and kernel time, and
-#                                     # profiler tables with the step's phases named (OUT/profiles.txt)
+#   tools/gpu_checks.sh OUT graphs    # step_bench: eager / compiled / full, wall and kernel time, host
+#                                     # time by phase, FULL graphs' device span
 #   tools/gpu_checks.sh OUT hybrid    # step_bench: compiled / full / tr_hybrid (after graphs: warm compile cache)
 #   tools/gpu_checks.sh OUT dspark [V]  # dspark_bench at acceptance length 3.51, compiled + FULL, variants V
 #                                     # (default plain,dspark), a profiled step per case (dspark-eager: eager)
@@ -78,8 +78,9 @@ graphtests|harness)
   grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed|s call |^rc=" "$OUT"/$PART-*.log | head -80 ;;
 graphs)
   step "step_bench eager,compiled,full"
+  # no --profile: a cold compile and the profiles ran past 560 s (2026-12-04)
   timeout 560 $py benchmarks/step_bench.py --variants eager,compiled,full --no-agreement \
-    --profile "$OUT/profiles.txt" --out "$OUT/graphs-flash-slice-h200.json" > "$OUT/graphs.log" 2>&1
+    --out "$OUT/graphs-flash-slice-h200.json" > "$OUT/graphs.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|^graphs:|Error' "$OUT/graphs.log" | tail -20 ;;
 hybrid)
   step "step_bench compiled,full,tr_hybrid"
