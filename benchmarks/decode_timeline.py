@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from benchmarks.profiling import kernel_time
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.sequence import SamplingParams
 
@@ -31,15 +32,6 @@ def ev():
     e = torch.cuda.Event(enable_timing=True)
     e.record()
     return e
-
-
-def kernels(fn) -> tuple[float, int]:
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    avg = prof.key_averages()
-    return sum(e.self_device_time_total for e in avg) / 1e3, sum(e.count for e in avg)
 
 
 def host_profile(eng, bs: int, steps: int, path: str) -> None:
@@ -98,8 +90,8 @@ def timeline(eng, bs: int, steps: int, host_path: str | None = None) -> dict:
         g_.replay()
     e = ev()
     torch.cuda.synchronize()
-    graph_kernel_ms, graph_kernels = kernels(g_.replay)
-    step_kernel_ms, step_kernels = kernels(eng.step)
+    graph_kernel_ms, graph_kernels = kernel_time(g_.replay)
+    step_kernel_ms, step_kernels = kernel_time(eng.step)
     if host_path:
         host_profile(eng, bs, 20, host_path)
     for q in seqs:

@@ -80,6 +80,20 @@ def median_by_phase(times: dict) -> dict:
     return {k: round(statistics.median(v), 3) for k, v in times.items()}
 
 
+def kernel_time(fn) -> tuple[float, int]:
+    """(summed device time in ms, count) of the kernels `fn` launches, torch.profiler; (NaN, 0)
+    without CUDA (`fn` still runs)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    if not torch.cuda.is_available():
+        fn()
+        return float("nan"), 0
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    avg = prof.key_averages()
+    return sum(e.self_device_time_total for e in avg) / 1e3, sum(e.count for e in avg)
+
+
 def phase_summary(events) -> list[str]:
     """Lines `phase: host ms, device span ms` for the `step:` ranges of a profile's events: a
     range's host event gives its host time, its device-side annotation (on CUDA) the span from

@@ -2,7 +2,8 @@
 16 and 64 (contexts of 1,024 tokens) and prefill steps of 1x4096 and 8x1024 tokens, timed with
 CUDA events after warm-up, median of several steps, each case beside the summed kernel time of
 more steps of it under torch.profiler (`device_ms`, decode: the median of three; wall / device
-says how host-bound it is; `replayed`: of the timed and the profiled steps, how many replayed;
+says how host-bound it is; `kernels`: their count; `replayed`: of the timed and the profiled
+steps, how many replayed;
 FULL: `graph_ms`, the width's graphs replayed back to back, timed with CUDA events);
 decode cases also carry each engine phase's median host time over the timed steps
 (`host_ms_by_phase`, benchmarks/profiling.phases_timed: no profiler), and every case its floor
@@ -34,7 +35,7 @@ import time
 import torch
 
 from benchmarks.floor import held_state_bytes, step_floor, weight_bytes
-from benchmarks.profiling import median_by_phase, phases_timed, profile_step
+from benchmarks.profiling import kernel_time, median_by_phase, phases_timed, profile_step
 from runtime.cuda_graph import CUDAGraphRunner
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.piece_check import METRICS, by_piece, compare_pieces
@@ -54,22 +55,10 @@ def timed(fn) -> float:
     return a.elapsed_time(b)
 
 
-def kernel_ms(fn) -> float:
-    """Summed device time of the kernels `fn` launches (torch.profiler), ms."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-    if not torch.cuda.is_available():
-        fn()
-        return float("nan")
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
-
-
 def decode_ms(eng, bs: int, ctx: int, steps: int) -> tuple[float, float, dict, dict]:
     """(wall ms median, kernel ms: the median of three more steps', median host ms per phase of
-    the timed steps, {} or with graphs how many of those steps replayed) of decode steps at
-    batch `bs`."""
+    the timed steps, {kernels: their median count, and with graphs how many of those steps
+    replayed, graph_ms}) of decode steps at batch `bs`."""
     g = torch.Generator().manual_seed(bs)
     seqs = [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (ctx,), generator=g).tolist(),
                             SamplingParams(max_tokens=steps + 5, ignore_eos=True)) for _ in range(bs)]
@@ -80,13 +69,16 @@ def decode_ms(eng, bs: int, ctx: int, steps: int) -> tuple[float, float, dict, d
     with phases_timed(eng) as host:
         ts = [timed(eng.step) for _ in range(steps)]
     replays.append(graphs.replays if graphs is not None else 0)
-    dev = statistics.median(kernel_ms(eng.step) for _ in range(3))
-    replayed = {} if graphs is None else {"replayed": [replays[1] - replays[0], graphs.replays - replays[1]]}
+    profiled = [kernel_time(eng.step) for _ in range(3)]
+    dev = statistics.median(ms for ms, _ in profiled)
+    extra = {"kernels": statistics.median(n for _, n in profiled)}
+    if graphs is not None:
+        extra["replayed"] = [replays[1] - replays[0], graphs.replays - replays[1]]
     if isinstance(graphs, CUDAGraphRunner):
-        replayed["graph_ms"] = round(graph_ms(graphs.graphs[graphs.sizes[bisect.bisect_left(graphs.sizes, bs)]]), 3)
+        extra["graph_ms"] = round(graph_ms(graphs.graphs[graphs.sizes[bisect.bisect_left(graphs.sizes, bs)]]), 3)
     for s in seqs:
         eng.abort(s.request_id)
-    return statistics.median(ts[2:]), dev, median_by_phase(host), replayed
+    return statistics.median(ts[2:]), dev, median_by_phase(host), extra
 
 
 def graph_ms(chain, reps: int = 10) -> float:
@@ -107,7 +99,7 @@ def prefill_ms(eng, n: int, length: int, reps: int) -> tuple[float, float]:
         if rep < reps:
             ts.append(timed(eng.step))
         else:
-            dev = kernel_ms(eng.step)
+            dev = kernel_time(eng.step)[0]
         while eng.has_unfinished():
             eng.step()
         assert all(s.is_finished for s in seqs)
@@ -257,12 +249,12 @@ def run_cases(eng, cases, variants, use, steps: int, res: dict, save) -> None:
         for v in variants:  # alternate variants case by case
             use(v)
             if kind == "decode":
-                ms, dev, host, replayed = decode_ms(eng, n, length, steps)
+                ms, dev, host, extra = decode_ms(eng, n, length, steps)
             else:
-                (ms, dev), host, replayed = prefill_ms(eng, n, length, 3), None, {}
+                (ms, dev), host, extra = prefill_ms(eng, n, length, 3), None, {}
             res["results"].append({"variant": v, "step": kind, "requests": n, "tokens_each": length,
                                    "ms": round(ms, 3), "device_ms": round(dev, 3), **floor,
-                                   **({"host_ms_by_phase": host} if host is not None else {}), **replayed})
+                                   **({"host_ms_by_phase": host} if host is not None else {}), **extra})
             print(json.dumps(res["results"][-1]), flush=True)
             save()
 
