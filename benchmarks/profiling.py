@@ -6,6 +6,7 @@
 it launched) and the profiler's tables sorted by device and by host time. Every profile of a run
 goes to one file: a device call brings back few files. The profiler inflates host times several
 fold; `phases_timed` gives the same phases' host times of ordinary steps (perf_counter, no sync).
+`kernel_time` sums a call's kernels; `kernel_gaps` finds where the device sat idle between them.
 """
 from __future__ import annotations
 
@@ -92,6 +93,41 @@ def kernel_time(fn) -> tuple[float, int]:
         torch.cuda.synchronize()
     avg = prof.key_averages()
     return sum(e.self_device_time_total for e in avg) / 1e3, sum(e.count for e in avg)
+
+
+def kernel_gaps(fn, top: int = 12) -> dict:
+    """Where the device idles inside `fn`'s work (a graph replay: no host between its kernels),
+    from the profiler's device events: `gaps_between` of them; {} without CUDA."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    if not torch.cuda.is_available():
+        fn()
+        return {}
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    dev = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+           if e.device_type == torch.autograd.DeviceType.CUDA]
+    return gaps_between(dev, top)
+
+
+def gaps_between(events, top: int = 12) -> dict:
+    """Of device events (start µs, end µs, name): their span, busy time (overlaps merged), idle
+    time, and the `top` largest idle intervals with the events on either side, in ms."""
+    events = sorted(events)
+    if not events:
+        return {}
+    busy, gaps, end, last = 0.0, [], events[0][0], None
+    for a, b, name in events:
+        if a > end and last is not None:
+            gaps.append((a - end, last, name))
+        busy += max(0.0, b - max(a, end))
+        if b >= end:
+            end, last = b, name
+    span = end - events[0][0]
+    gaps.sort(key=lambda g: -g[0])
+    return {"span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3), "idle_ms": round((span - busy) / 1e3, 3),
+            "events": len(events),
+            "largest": [{"ms": round(g / 1e3, 3), "after": x[:80], "before": y[:80]} for g, x, y in gaps[:top]]}
 
 
 def phase_summary(events) -> list[str]:

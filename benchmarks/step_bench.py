@@ -3,8 +3,9 @@
 CUDA events after warm-up, median of several steps, each case beside the summed kernel time of
 more steps of it under torch.profiler (`device_ms`, decode: the median of three; wall / device
 says how host-bound it is; `kernels`: their count; `replayed`: of the timed and the profiled
-steps, how many replayed;
-FULL: `graph_ms`, the width's graphs replayed back to back, timed with CUDA events);
+steps, how many replayed; FULL: `graph_ms`, the width's graphs replayed back to back, timed with
+CUDA events, and `graph_gaps`, one replay's device span, busy and idle time and its largest idle
+intervals);
 decode cases also carry each engine phase's median host time over the timed steps
 (`host_ms_by_phase`, benchmarks/profiling.phases_timed: no profiler), and every case its floor
 (`floor_ms`: the bytes it must read or its GEMM FLOPs at the measured peaks, benchmarks/floor.py).
@@ -35,7 +36,7 @@ import time
 import torch
 
 from benchmarks.floor import held_state_bytes, step_floor, weight_bytes
-from benchmarks.profiling import kernel_time, median_by_phase, phases_timed, profile_step
+from benchmarks.profiling import kernel_gaps, kernel_time, median_by_phase, phases_timed, profile_step
 from runtime.cuda_graph import CUDAGraphRunner
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.piece_check import METRICS, by_piece, compare_pieces
@@ -75,7 +76,8 @@ def decode_ms(eng, bs: int, ctx: int, steps: int) -> tuple[float, float, dict, d
     if graphs is not None:
         extra["replayed"] = [replays[1] - replays[0], graphs.replays - replays[1]]
     if isinstance(graphs, CUDAGraphRunner):
-        extra["graph_ms"] = round(graph_ms(graphs.graphs[graphs.sizes[bisect.bisect_left(graphs.sizes, bs)]]), 3)
+        chain = graphs.graphs[graphs.sizes[bisect.bisect_left(graphs.sizes, bs)]]
+        extra.update(graph_ms=round(graph_ms(chain), 3), graph_gaps=kernel_gaps(chain.replay, top=8))
     for s in seqs:
         eng.abort(s.request_id)
     return statistics.median(ts[2:]), dev, median_by_phase(host), extra
