@@ -16,8 +16,8 @@ import argparse
 import cProfile
 import datetime
 import io
-import pstats
 import json
+import pstats
 import statistics
 import time
 

@@ -81,16 +81,24 @@ def median_by_phase(times: dict) -> dict:
     return {k: round(statistics.median(v), 3) for k, v in times.items()}
 
 
-def kernel_time(fn) -> tuple[float, int]:
-    """(summed device time in ms, count) of the kernels `fn` launches, torch.profiler; (NaN, 0)
+def device_profile(fn):
+    """`fn()` under torch.profiler's device activity, synchronized: the profile, or None
     without CUDA (`fn` still runs)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     if not torch.cuda.is_available():
         fn()
-        return float("nan"), 0
+        return None
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_time(fn) -> tuple[float, int]:
+    """(summed device time in ms, count) of the kernels `fn` launches; (NaN, 0) without CUDA."""
+    prof = device_profile(fn)
+    if prof is None:
+        return float("nan"), 0
     avg = prof.key_averages()
     return sum(e.self_device_time_total for e in avg) / 1e3, sum(e.count for e in avg)
 
@@ -98,16 +106,11 @@ def kernel_time(fn) -> tuple[float, int]:
 def kernel_gaps(fn, top: int = 12) -> dict:
     """Where the device idles inside `fn`'s work (a graph replay: no host between its kernels),
     from the profiler's device events: `gaps_between` of them; {} without CUDA."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-    if not torch.cuda.is_available():
-        fn()
+    prof = device_profile(fn)
+    if prof is None:
         return {}
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    dev = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-           if e.device_type == torch.autograd.DeviceType.CUDA]
-    return gaps_between(dev, top)
+    return gaps_between([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                         if e.device_type == torch.autograd.DeviceType.CUDA], top)
 
 
 def gaps_between(events, top: int = 12) -> dict:

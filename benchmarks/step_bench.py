@@ -66,15 +66,15 @@ def decode_ms(eng, bs: int, ctx: int, steps: int) -> tuple[float, float, dict, d
     while any(s.num_computed < s.num_prompt_tokens for s in seqs):
         eng.step()
     graphs = eng.runner.graphs
-    replays = [graphs.replays if graphs is not None else 0]
+    before = graphs.replays if graphs is not None else 0
     with phases_timed(eng) as host:
         ts = [timed(eng.step) for _ in range(steps)]
-    replays.append(graphs.replays if graphs is not None else 0)
+    timed_end = graphs.replays if graphs is not None else 0
     profiled = [kernel_time(eng.step) for _ in range(3)]
     dev = statistics.median(ms for ms, _ in profiled)
     extra = {"kernels": statistics.median(n for _, n in profiled)}
     if graphs is not None:
-        extra["replayed"] = [replays[1] - replays[0], graphs.replays - replays[1]]
+        extra["replayed"] = [timed_end - before, graphs.replays - timed_end]
     if isinstance(graphs, CUDAGraphRunner):
         chain = graphs.graphs[graphs.sizes[bisect.bisect_left(graphs.sizes, bs)]]
         extra.update(graph_ms=round(graph_ms(chain), 3), graph_gaps=kernel_gaps(chain.replay, top=8))

@@ -70,8 +70,7 @@ class StepBuffers:
         self._host = ({k: torch.zeros(s, dtype=torch.long, pin_memory=True) for k, s in shapes.items()}
                       if self.cuda else self.dev)
         self._np = {k: t.numpy() for k, t in self._host.items()}
-        self._copied = None            # CUDA event behind the last step's copies, or None: all done
-        self._event = torch.cuda.Event() if self.cuda else None     # recorded again by each publish
+        self._copied = torch.cuda.Event() if self.cuda else None     # recorded behind each publish's copies
         self._views = {}               # (field, rows) -> the device buffer's first rows
 
     @property
@@ -83,9 +82,8 @@ class StepBuffers:
         """The host mirrors as numpy arrays, safe to write for one step: waits for the copies of
         the step before if they have not run (see the module docstring). Each field is written
         at most once per step."""
-        if self._copied is not None and not self._copied.query():
+        if self.cuda and not self._copied.query():     # (never recorded: done)
             self._copied.synchronize()
-        self._copied = None
         return self._np
 
     def publish(self, rows: dict) -> dict:
@@ -100,8 +98,7 @@ class StepBuffers:
                 d.copy_(self._host[k][:n], non_blocking=True)
             out[k] = d
         if self.cuda:
-            self._event.record()
-            self._copied = self._event
+            self._copied.record()
         return out
 
     def put(self, name: str, a: np.ndarray) -> torch.Tensor:

@@ -68,7 +68,7 @@ class ModelRunner:
         self.rows_run = {"encoder": 0, "decoder": 0}    # rows each part of the model has run
         self.fast_steps = 0             # steps `decode_rows` prepared
         self._table = None              # (block tables, rows) on the device's block_table buffer
-        self._row_views = {}            # rows -> the Batch fields' first rows (batch_view)
+        self._row_views = {}            # rows -> the Batch fields' and Engram rows' first rows (batch_view)
         self._no_image = np.full(max_num_batched_tokens, -1, np.int64)
         self._ones, self._rows = np.ones(max_num_batched_tokens, np.int64), np.arange(max_num_batched_tokens)
         self.graphs = None              # runtime.cuda_graph.graph_runner (FULL, TR_HYBRID), when captured
@@ -113,8 +113,8 @@ class ModelRunner:
                 decoder_buckets: tuple | None = None, gather: bool = True) -> Batch:
         """Host metadata for the step, written into the host mirrors and copied to the device
         buffers. Prefix hits get their state first (a restored image, or a replay cursor).
-        `decoder_buckets`: the decoder's rows run padded to one of them (TR_HYBRID). `gather`
-        False: the step's Engram rows are left to the FULL graph it replays (`graph_forward`)."""
+        `decoder_buckets`: the decoder's rows run padded to one of them (TR_HYBRID); `gather`
+        False: the FULL graph the step replays gathers its Engram rows (`graph_forward`)."""
         host = self.bufs.begin()
         seqs, B = sb.seqs, len(sb.seqs)
         # a decode step: one row per request (its last), the rows' numbers known already
@@ -178,7 +178,7 @@ class ModelRunner:
         self._sample = (B, T, F, *(dev.get(k) for k in ("sample_rows", "final_rows", "final_last")))
         if gather:
             self.gather_engram(dev, T)
-        batch = self.batch_view(Tr, Br, {l: b[:Tr] for l, b in self.engram_buf.items()}, sb.captures)
+        batch = self.batch_view(Tr, Br, sb.captures)
         self._fields = fields if self.spec is not None else None
         if dec is not None:
             batch.decoder = replay.decoder_rows(batch, dev, Batch)
@@ -292,21 +292,24 @@ class ModelRunner:
         warms and captures the compiled forward (runtime.compile, runtime.cuda_graph)."""
         if not 1 <= tokens <= self.max_tokens:
             raise ValueError(f"padding batch of {tokens} rows: capacity is {self.max_tokens}")
-        for k, b in self.buf.items():
-            if k != "block_table":
-                b[:tokens].fill_(PAD[k])
+        for k, pad in PAD.items():                # every field but the block table
+            self.buf[k][:tokens].fill_(pad)
         self.block_table_rows(1).fill_(0)
         self._table = None
-        return self.batch_view(tokens, 1, {l: b[:tokens].zero_() for l, b in self.engram_buf.items()}, [])
+        batch = self.batch_view(tokens, 1, [])
+        for b in batch.engram_rows.values():
+            b.zero_()
+        return batch
 
-    def batch_view(self, rows: int, bs: int, engram_rows: dict, captures) -> Batch:
-        """The Batch over the persistent buffers' first `rows` rows and `bs` requests."""
+    def batch_view(self, rows: int, bs: int, captures) -> Batch:
+        """The Batch over the persistent buffers' first `rows` rows (fields, Engram rows) and `bs` requests."""
         v = self._row_views.get(rows)
         if v is None:
-            v = self._row_views[rows] = {k: b[:rows] for k, b in self.buf.items() if k != "block_table"}
+            v = self._row_views[rows] = ({k: b[:rows] for k, b in self.buf.items() if k != "block_table"}
+                                         | {"engram": {l: b[:rows] for l, b in self.engram_buf.items()}})
         return Batch(v["input_ids"], v["positions"], v["batch_ids"], self.block_table_rows(bs), v["win_idx"],
                      v["ring_dest"], {1: v["dest1"], 2: v["dest2"]}, v["tail_src"], v["tail_dst"],
-                     engram_rows, self.image_rows(captures, v["image_dest"]))
+                     v["engram"], self.image_rows(captures, v["image_dest"]))
 
     def resume(self, sb: ScheduledBatch, host: dict) -> None:
         """A prefix hit's fresh slot gets its state: the checkpoint image (copy), or, for
@@ -382,9 +385,8 @@ class ModelRunner:
                                  f"differs from the STATE cursor {dev.tolist()}")
 
     def gather_engram(self, dev: dict, T: int) -> None:
-        """Every Engram layer's table rows of the first T rows (`engram_buf`), gathered on the
-        device from the published ids (`dev`), or from mapped tables on the host (EngramStager:
-        pinned staging, one copy per layer)."""
+        """Every Engram layer's table rows of the first T rows (`engram_buf`): from the published ids
+        (`dev`) on the device, or from mapped tables on the host (EngramStager, pinned staging)."""
         keys = {l: f"engram_ids.{l}" for l in self.cfg.engram_layer_ids}
         if self.engram_stager is not None:
             return self.engram_stager.gather({l: self.bufs.host[k][:T] for l, k in keys.items()}, self.engram_buf)
@@ -392,9 +394,8 @@ class ModelRunner:
             ops.engram_gather(*self.engram_tables[l], dev[k][:T], self.engram_buf[l][:T])
 
     def graph_forward(self, batch: Batch, cache) -> torch.Tensor:
-        """What a FULL graph captures: the Engram rows of every row of `batch`, gathered on the
-        device from the published ids (the launches leave the host's path to the replay), then
-        the forward. Mapped tables (EngramStager) gather on the host, in `prepare`."""
+        """What a FULL graph captures: the Engram rows of every row of `batch` gathered on the device
+        (off the host's path to the replay; mapped tables gather in `prepare`), then the forward."""
         if self.engram_stager is None:
             self.gather_engram(self.bufs.dev, batch.input_ids.shape[0])
         return self.forward(batch, cache)
