@@ -1,16 +1,14 @@
 """ModelRunner: publishes a ScheduledBatch into the step's buffers (runtime.batch.StepBuffers:
 fixed device addresses sized for `max_num_batched_tokens` and `max_num_seqs`, host mirrors
 filled with numpy, one non-blocking copy per field), runs the forward and returns the logits of
-the rows that sample. Metadata is computed on the host without a Python loop over tokens, and
-nothing in a step reads the device: the Engram history comes from the tokens the host holds.
+the rows that sample. The rows' fields come from runtime.step_rows (host arithmetic, no Python
+loop over tokens), and nothing in a step reads the device.
 
 A step runs `running_tokens` rows for `running_bs` requests: the scheduled ones first, then
 padding rows (batch id -1, every destination -1) and zero-length padding requests, which read
 and write nothing.
 """
 from __future__ import annotations
-
-from itertools import chain
 
 import numpy as np
 import torch
@@ -21,7 +19,7 @@ from runtime.cache import KVCache
 from runtime.geometry import PoolGeometry
 from runtime.scheduler import ScheduledBatch
 from runtime.state import StateTransfer
-from v41.engram.hashing import DEAD, EngramLayout, LayerHashes
+from runtime.step_rows import StepRows
 from v41.loader.engram_map import engram_stager, engram_tables
 from v41.model import Transformer
 
@@ -30,8 +28,7 @@ ops = torch.ops.v41
 
 class ModelRunner:
     PAD = PAD
-    verify_history = False      # tests: check the host's Engram history against the cursor
-    decode_fast_path = True     # tests: False runs every step through general_rows
+    decode_fast_path = True     # tests: False runs every step through StepRows.general
 
     def __init__(self, cfg, weights, geo: PoolGeometry, num_pages: int, num_slots: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, token_map,
@@ -45,31 +42,26 @@ class ModelRunner:
         self.model = Transformer(cfg, weights, dtype, device, max_pos=max_model_len, native=native_weights)
         self.W, self.page = cfg.sliding_window, geo.page_tokens
         self.token_map = np.asarray(token_map, dtype=np.int64)
-        self.layout = EngramLayout(cfg, pad_id=int(self.token_map[cfg.engram_pad_token_id]))
-        self.hash_layers = LayerHashes(self.layout, range(len(cfg.engram_layer_ids)),
-                                       [f"engram_ids.{l}" for l in cfg.engram_layer_ids])
-        self.m = self.layout.max_ngram - 1           # Engram history length (the cursor's ids)
         self.max_model_len = max_model_len
+        T, B = max_num_batched_tokens, max_num_seqs
+        self.max_tokens, self.max_seqs = T, B
         self.tail_staging = max_num_seqs * (spec_tokens // 2 + 1) if spec_tokens else 0
         self.use_cache(num_pages, num_slots, num_images, transfer)
         self.engram_tables = engram_tables(cfg, weights, self.device)     # resident ones on the device
         self.max_pages = -(-max_model_len // geo.page_tokens)
-        T, B = max_num_batched_tokens, max_num_seqs
-        self.max_tokens, self.max_seqs = T, B
         self.engram_stager = engram_stager(weights, T, self.device)    # tables mapped on the host
-        ids_width = self.m * self.layout.n_heads
+        m, ids_width = self.step_rows.m, self.step_rows.ids_width
         self.bufs = StepBuffers(step_fields(T, B, self.W, self.max_pages, {l: ids_width for l in cfg.engram_layer_ids},
                                             geo.page_tokens) | replay.step_fields(T)
-                                | (spec_step.step_fields(T, B, 1 + self.m) if spec_tokens else {}), self.device)
+                                | (spec_step.step_fields(T, B, 1 + m) if spec_tokens else {}), self.device)
         self.buf = {k: self.bufs.dev[k] for k in (*PAD, "block_table")}    # the Batch's fields
         width = cfg.engram_width
         self.engram_buf = {l: torch.zeros(T, width, dtype=dtype, device=self.device)
                            for l in cfg.engram_layer_ids}
         self.rows_run = {"encoder": 0, "decoder": 0}    # rows each part of the model has run
-        self.fast_steps = 0             # steps `decode_rows` prepared
+        self.fast_steps = 0             # steps StepRows.decode prepared
         self._table = None              # (block tables, rows) on the device's block_table buffer
         self._row_views = {}            # rows -> the Batch fields' and Engram rows' first rows (batch_view)
-        self._no_image = np.full(max_num_batched_tokens, -1, np.int64)
         self._ones, self._rows = np.ones(max_num_batched_tokens, np.int64), np.arange(max_num_batched_tokens)
         self.graphs = None              # runtime.cuda_graph.graph_runner (FULL, TR_HYBRID), when captured
         self.use_forward(self.model, static_shapes=False)
@@ -83,12 +75,9 @@ class ModelRunner:
         self.cache = None
         self.cache = KVCache(self.geo, num_pages, num_slots, num_images, self.device, self.tail_staging)
         self.state = StateTransfer(self.cache, transfer)
-        # host mirror of each slot's request after its last commit: (seq_id, committed position,
-        # encoder floor, first written row, tail start) and its Engram history; a decode step
-        # reads it instead of each request's tokens and fields (`decode_rows`)
-        self.slot_meta = np.full((num_slots, 5), -1, np.int64)
-        self.slot_hist = np.zeros((num_slots, self.m), np.int64)
-        self._rotation = (np.arange(self.W)[:, None] + np.arange(self.W)) % self.W    # [r, j]: (r + j) % W
+        # each step's rows, and each slot's host mirror (a decode step reads it instead of
+        # each request's tokens and fields)
+        self.step_rows = StepRows(self.cfg, self.cache, self.page, self.token_map, self.max_seqs)
 
     def use_forward(self, forward, *, static_shapes: bool) -> None:
         """The step's forward: the eager model, or a compiled one (runtime.compile.compile_runner
@@ -124,12 +113,14 @@ class ModelRunner:
             raise ValueError(f"step of {T} tokens / {B} requests does not fit running width "
                              f"{Tr}/{Br} (capacity {self.max_tokens}/{self.max_seqs})")
         self.resume(sb, host)
-        got = (self.decode_rows(sb, host) if self.decode_fast_path and sb.decode and not sb.resumes
+        got = (self.step_rows.decode(sb, host) if self.decode_fast_path and sb.decode and not sb.resumes
                and not sb.captures else None)
         fast = got is not None
         self.fast_steps += fast
-        fields, meta, known, tail_ids = got if fast else self.general_rows(sb, host, n, T)
+        fields, meta, known, tail_ids = got if fast else self.step_rows.general(sb, host, n, T)
         starts, tails, slots = meta[:, 1], meta[:, 4], sb.slots
+        if not fast:
+            fields["image_dest"] = self.plan_captures(sb, starts, np.cumsum(n) - n, T, host)
         if sb.spec:
             self.spec.stage(sb, fields, starts, n)
         for k, a in fields.items():
@@ -186,107 +177,6 @@ class ModelRunner:
         self.rows_run["encoder"] += T
         return batch
 
-    def general_rows(self, sb: ScheduledBatch, host: dict, n: np.ndarray, T: int):
-        """Any step's per-row fields, without a Python loop over tokens. Returns (fields,
-        starts, tail starts, known tokens, each request's Engram history after the step)."""
-        seqs, B = sb.seqs, len(sb.seqs)
-        m, W, S = self.m, self.W, self.cache.num_slots
-        # per request, in one pass: first position, encoder floor, first written row, tail
-        # start, known tokens
-        cols = np.array([(s.seq_id, s.num_computed, s.swa_floor, s.write_from, s.decoder_start or 0,
-                          len(s.token_ids)) for s in seqs], dtype=np.int64).reshape(B, 6)
-        meta, known = cols[:, :5], cols[:, 5] + [len(d) for d in sb.drafts]
-        starts, floor_r, write_r = meta[:, 1], meta[:, 2], meta[:, 3]
-        slots = sb.slots
-        # the tokens of the step and the m before each request's first (its Engram history)
-        hl = np.minimum(starts, m)
-        # a verify request's rows: its anchor, then its drafts (never in token_ids)
-        toks = [chain(s.token_ids[a - h:a + k], d) for s, a, h, k, d in zip(seqs, starts.tolist(), hl.tolist(),
-                                                                           sb.num_new, sb.drafts)]
-        flat = np.fromiter(chain.from_iterable(toks), dtype=np.int64, count=int(hl.sum()) + T)
-        src0 = np.cumsum(hl + n) - (hl + n)                          # each request's chunk in `flat`
-        first = np.repeat(np.cumsum(n) - n, n)                      # row of each request's first token
-        within = np.arange(T) - first
-        ids = flat[np.repeat(src0 + hl, n) + within]
-        bid = np.repeat(np.arange(B), n)
-        pos = np.repeat(starts, n) + within
-        start_t, slot_t = np.repeat(starts, n), np.repeat(slots, n)
-        end_t = start_t + np.repeat(n, n)
-        # window: positions p-W+1 .. p, oldest first; this step's rows where computed now
-        q = pos[:, None] - (W - 1) + np.arange(W)
-        row = np.where(q >= start_t[:, None], S * W + np.arange(T)[:, None] - (pos[:, None] - q),
-                       slot_t[:, None] * W + q % W)
-        win = np.where(q >= np.repeat(floor_r, n)[:, None], row, -1)   # encoder replay: no window below the floor
-        dest = self.owner_dest(sb.block_tables[bid, pos // self.page], pos, np.repeat(write_r, n))
-        fields = dict(input_ids=ids, positions=pos, batch_ids=bid, win_idx=win,
-                      ring_dest=np.where(pos >= end_t - W, slot_t * W + pos % W, -1),
-                      tail_src=np.where((pos % 2 == 1) & (pos == start_t), slot_t, -1),
-                      tail_dst=np.where((pos == end_t - 1) & (pos % 2 == 0), slot_t, -1),
-                      dest1=dest[1], dest2=dest[2],
-                      image_dest=self.plan_captures(sb, starts, np.cumsum(n) - n, T, host))
-        return fields, meta, known, self.engram_ids(flat, src0, hl, n, starts, slots, T, host)
-
-    def decode_rows(self, sb: ScheduledBatch, host: dict):
-        """`general_rows` for a decode step (ScheduledBatch.decode: one final row per request;
-        no resume or capture): each request's fields and Engram history come from its slot's
-        mirror, so the only pass over the requests reads (seq_id, position, last token).
-        None when a mirror is not the request's at that position, or a row is below its tail
-        start (decoder replay)."""
-        seqs, B = sb.seqs, len(sb.seqs)
-        m, W, S, P = self.m, self.W, self.cache.num_slots, self.page
-        slots = sb.slots
-        meta = self.slot_meta[slots]
-        pos, floor_r, write_r = meta[:, 1], meta[:, 2], meta[:, 3]
-        if sb.steady and not self.verify_history:
-            # the step before's requests (Scheduler._next_decode), whose slots' mirrors are
-            # theirs if the step before committed: the positions tell
-            if not (pos == sb.positions).all():
-                return None
-            ids = np.fromiter([s.token_ids[-1] for s in seqs], np.int64, B)
-        else:
-            got = np.fromiter(chain.from_iterable([(s.seq_id, s.num_computed, s.token_ids[-1]) for s in seqs]),
-                              np.int64, 3 * B).reshape(B, 3)
-            if not (meta[:, :2] == got[:, :2]).all():
-                return None
-            ids = got[:, 2]
-        if not (pos >= meta[:, 4]).all():
-            return None
-        bid = np.arange(B)
-        # window rows p-W+1 .. p: ring rows (slot*W + q % W, q % W read from a rotation table),
-        # the last one this step's row; rows below the floor (or position 0) read nothing
-        win = host["win_idx"][:B]
-        np.add(self._rotation[(pos + 1) % W], (slots * W)[:, None], out=win)
-        win[:, -1] = S * W + bid
-        low = np.flatnonzero(pos - (W - 1) < floor_r)
-        if low.size:
-            q = pos[low, None] - (W - 1) + np.arange(W)
-            win[low] = np.where(q >= floor_r[low, None], win[low], -1)
-        off = pos % P
-        d1 = sb.block_tables[bid, pos // P] * P + off      # owner row of ratio 1; ratio 2: d1 // 2
-        odd = (off & 1) == 1
-        cached = pos < write_r
-        fields = dict(input_ids=ids, positions=pos, batch_ids=bid, win_idx=win,
-                      ring_dest=slots * W + pos % W, tail_src=np.where(odd, slots, -1),
-                      tail_dst=np.where(odd, -1, slots), dest1=np.where(cached, -1, d1),
-                      dest2=np.where(odd & ~cached, d1 >> 1, -1), image_dest=self._no_image[:B])
-        hist = self.slot_hist[slots]
-        if self.verify_history:
-            self.check_history(hist, pos, slots)
-        look = np.empty((B, m + 1), np.int64)          # look[t, k]: compressed id at position p - k
-        look[:, 0] = self.token_map[ids]
-        look[:, 1:] = hist[:, ::-1]
-        self.hash_layers(look, host)
-        return fields, meta, pos + 1, np.concatenate([hist[:, 1:], look[:, :1]], 1)
-
-    def owner_dest(self, page: np.ndarray, pos: np.ndarray, write_from: np.ndarray) -> dict:
-        """Owner plane row of the group each row completes, per ratio (-1: none, or cached)."""
-        dest = {}
-        for r in (1, 2):
-            rpp = self.page // r
-            # a group is written by the row completing it, unless the prefix cache holds it
-            dest[r] = np.where((pos % r == r - 1) & (pos >= write_from), page * rpp + (pos // r) % rpp, -1)
-        return dest
-
     def padding_batch(self, tokens: int) -> Batch:
         """A step of `tokens` padding rows and no request: reads and writes nothing; it traces,
         warms and captures the compiled forward (runtime.compile, runtime.cuda_graph)."""
@@ -320,19 +210,12 @@ class ModelRunner:
             if kind == "image":
                 self.state.restore(arg[0], slot)
             else:
-                cur.append((slot, self.cursor_at(seq.token_ids, seq.num_computed)))
+                cur.append((slot, self.step_rows.cursor_at(seq.token_ids, seq.num_computed)))
         if cur:
             host["resume_slots"][:len(cur)] = [c[0] for c in cur]
             host["resume_cursor"][:len(cur)] = [c[1] for c in cur]
             d = self.bufs.publish({"resume_slots": len(cur), "resume_cursor": len(cur)})
             self.cache.cursor.index_copy_(0, d["resume_slots"], d["resume_cursor"])
-
-    def cursor_at(self, token_ids, position: int, base: int = 0) -> list[int]:
-        """[position, compressed ids of the m tokens before it (DEAD before 0)]; token_ids[i] is
-        the token at position base + i."""
-        m = self.m
-        hist = [int(self.token_map[token_ids[p - base]]) if p >= 0 else DEAD for p in range(position - m, position)]
-        return [position] + hist
 
     def plan_captures(self, sb: ScheduledBatch, starts, offsets, T, host) -> np.ndarray:
         """Copy mode: image rows of each boundary a request's forward crosses, [T] destinations
@@ -348,41 +231,12 @@ class ModelRunner:
                 else:
                     c.image_ring[:, img * W + p % W] = c.ring[:, slot * W + p % W]
             host["image_ids"][j] = img
-            host["image_cursor"][j] = self.cursor_at(seq.token_ids, end)
+            host["image_cursor"][j] = self.step_rows.cursor_at(seq.token_ids, end)
         if sb.captures:
             k = len(sb.captures)
             d = self.bufs.publish({"image_ids": k, "image_cursor": k})
             c.image_cursor.index_copy_(0, d["image_ids"], d["image_cursor"])
         return dest
-
-    def engram_ids(self, flat, src0, hl, n, starts, slots, T, host) -> np.ndarray:
-        """Hash ids of every Engram layer into the host mirrors, from the step's tokens and the
-        m tokens before each request's first (`flat`, `hl` of them; DEAD before position 0).
-        Returns each request's last m compressed ids, its history after the step."""
-        m, B = self.m, len(n)
-        comp = self.token_map[flat]
-        # per request: [history (m ids, oldest first), this step's compressed ids]
-        ext_len = n + m
-        base = np.cumsum(ext_len) - ext_len
-        ext = np.full(int(ext_len.sum()), DEAD, dtype=np.int64)
-        ext[np.repeat(base + m - hl - src0, hl + n) + np.arange(len(flat))] = comp
-        if self.verify_history:
-            self.check_history(ext[base[:, None] + np.arange(m)], starts, slots)
-        first = np.repeat(np.cumsum(n) - n, n)
-        tok_ext = np.repeat(base + m, n) + (np.arange(T) - first)
-        look = ext[tok_ext[:, None] - np.arange(m + 1)]
-        self.hash_layers(look, host)
-        return ext[(base + ext_len)[:, None] - m + np.arange(m)].reshape(B, m)
-
-    def check_history(self, hist, starts, slots) -> None:
-        """Tests (`verify_history`): the history taken from the host's tokens equals the STATE
-        cursor's, and its position the request's first (positions before 0 are DEAD; a slot
-        starting at 0 holds whatever its last request left). Reads the device."""
-        dev = self.cache.cursor[torch.as_tensor(slots, device=self.device)].cpu().numpy()
-        want = np.where(starts[:, None] - self.m + np.arange(self.m) >= 0, dev[:, 1:], DEAD)
-        if not (np.array_equal(want, hist) and np.array_equal(np.where(starts > 0, dev[:, 0], 0), starts)):
-            raise AssertionError(f"Engram history on the host {hist.tolist()} / starts {starts.tolist()} "
-                                 f"differs from the STATE cursor {dev.tolist()}")
 
     def gather_engram(self, dev: dict, T: int) -> None:
         """Every Engram layer's table rows of the first T rows (`engram_buf`): from the published ids
@@ -439,13 +293,10 @@ class ModelRunner:
         last three compressed ids), copied by `prepare`; the slots' host mirror follows."""
         if sb.seqs:
             self.cache.cursor.index_copy_(0, *self._commit)
-            slots, meta, ends, hist = self._mirror
-            self.slot_meta[slots] = meta
-            self.slot_meta[slots, 1] = ends
-            self.slot_hist[slots] = hist
+            self.step_rows.commit(*self._mirror)
 
     def set_cursors(self, slots: np.ndarray, cursors: np.ndarray) -> None:
-        """Slots' cursors, rows of `cursor_at` (DSpark's commit of accepted tokens), through the
-        step buffers (runtime.spec_step.step_fields)."""
+        """Slots' cursors, rows of StepRows.cursor_at (DSpark's commit of accepted tokens), through
+        the step buffers (runtime.spec_step.step_fields)."""
         self.cache.cursor[self.bufs.put("spec_cursor_slots", slots)] = self.bufs.put("spec_cursors", cursors)
-        self.slot_meta[slots, 1], self.slot_hist[slots] = cursors[:, 0], cursors[:, 1:]
+        self.step_rows.set_cursors(slots, cursors)

@@ -265,7 +265,7 @@ class SpecStep:
                     o.tail_g.index_copy_(0, dst, o.tail_g.index_select(0, src))
         # the scheduler appended the accepted drafts and the next token: positions below last + 1
         # hold the tokens the cursor reads
-        runner.set_cursors(slots, np.array([runner.cursor_at(sb.seqs[i].token_ids, p)
+        runner.set_cursors(slots, np.array([runner.step_rows.cursor_at(sb.seqs[i].token_ids, p)
                                             for i, p in zip(got.tolist(), (last + 1).tolist())], np.int64))
 
     # ---- the next drafts --------------------------------------------------------------------

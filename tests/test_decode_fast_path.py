@@ -1,6 +1,6 @@
-"""The decode fast paths give what the general paths give on the same step: the runner's
-`decode_rows` (per-slot mirrors) against `general_rows` (every host field, Engram ids and
-commit cursor), and the sampler's per-slot SamplingTable against a build from the requests.
+"""The decode fast paths give what the general paths give on the same step: the step rows
+from per-slot mirrors (`StepRows.decode`) against `StepRows.general` (every host field, Engram ids
+and commit cursor), and the sampler's per-slot SamplingTable against a build from the requests.
 Runs with a stub forward, so every step of chunked prefill, decode, preemption, slot reuse,
 prefix hits and decoder replay is compared fast."""
 import dataclasses
@@ -79,12 +79,12 @@ def seeded(i):
                                     {"decoder_swa_bounded_replay": False, "max_prefill_chunk": 9},
                                     {"enable_prefix_caching": True},
                                     {"enable_prefix_caching": True, "encoder_swa_bounded_replay": True}])
-def test_decode_rows_equal_general_rows(toy_weights, engine):
+def test_fast_decode_rows_equal_general_rows(toy_weights, engine):
     reqs = H.prompts((3, 21, 40, 1, 17, 2), seed=5)
     if engine.get("enable_prefix_caching"):
         reqs = reqs + [reqs[2][:35] + [7, 8]]
     eng, seen = compared_engine(toy_weights, **engine)
-    eng.runner.verify_history = True
+    eng.runner.step_rows.verify_history = True
     drive(eng, reqs, seeded, arrivals=[0, 0, 2, 5, 9, 9, 14][:len(reqs)])
     assert any(fast for _, fast in seen), "the fast path never ran"
     assert all(d or not f for d, f in seen), "the fast path ran on a step that is not pure decode"
@@ -92,7 +92,7 @@ def test_decode_rows_equal_general_rows(toy_weights, engine):
 
 
 def test_decode_rows_around_preemption(toy_weights):
-    """A preempted request recomputes from 0 through general_rows; the decode steps around
+    """A preempted request recomputes from 0 through StepRows.general; the decode steps around
     it still agree."""
     def preempt(eng, step):
         if step in (6, 9) and eng.scheduler.running:
@@ -105,7 +105,7 @@ def test_decode_rows_around_preemption(toy_weights):
 
 def test_mirror_of_another_request_is_not_used(toy_weights):
     """A decode row whose slot mirror holds another request (or another position) is
-    refused by decode_rows."""
+    refused by StepRows.decode."""
     eng = H.make_engine(toy_weights, max_num_seqs=2)
     eng.add_request([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
     for _ in range(3):
@@ -114,15 +114,15 @@ def test_mirror_of_another_request_is_not_used(toy_weights):
     assert steady.decode and steady.steady         # the step before's requests: positions checked
     sb = dataclasses.replace(steady, positions=None)  # a batch scheduled afresh: ids and positions
     host = eng.runner.bufs.begin()
-    assert eng.runner.decode_rows(sb, host) is not None and eng.runner.decode_rows(steady, host) is not None
+    assert eng.runner.step_rows.decode(sb, host) is not None and eng.runner.step_rows.decode(steady, host) is not None
     slot = int(sb.slots[0])
-    eng.runner.slot_meta[slot, 0] += 1                        # another request's mirror
-    assert eng.runner.decode_rows(sb, host) is None
-    eng.runner.slot_meta[slot, 0] -= 1
-    eng.runner.slot_meta[slot, 1] -= 1                        # an older position
-    assert eng.runner.decode_rows(sb, host) is None and eng.runner.decode_rows(steady, host) is None
-    eng.runner.slot_meta[slot, 1] += 2                        # the step run already (a rerun of it)
-    assert eng.runner.decode_rows(steady, host) is None
+    eng.runner.step_rows.slot_meta[slot, 0] += 1                        # another request's mirror
+    assert eng.runner.step_rows.decode(sb, host) is None
+    eng.runner.step_rows.slot_meta[slot, 0] -= 1
+    eng.runner.step_rows.slot_meta[slot, 1] -= 1                        # an older position
+    assert eng.runner.step_rows.decode(sb, host) is None and eng.runner.step_rows.decode(steady, host) is None
+    eng.runner.step_rows.slot_meta[slot, 1] += 2                        # the step run already (a rerun of it)
+    assert eng.runner.step_rows.decode(steady, host) is None
 
 
 def test_sampling_table_equals_build_from_the_requests():

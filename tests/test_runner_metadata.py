@@ -71,7 +71,7 @@ def expected_engram(runner, sb, layer_index: int, layer: int) -> torch.Tensor:
     out = []
     for seq, n in zip(sb.seqs, sb.num_new):
         comp = runner.token_map[np.asarray(seq.token_ids[: seq.num_computed + n])]
-        hids = hash_ids(comp, runner.layout, layer_index)[seq.num_computed:]
+        hids = hash_ids(comp, runner.step_rows.layout, layer_index)[seq.num_computed:]
         out.append(Q.dequant_fp8_rows(table[hids], scale[hids], torch.float64).reshape(n, -1))
     return torch.cat(out).to(runner.dtype)
 
@@ -295,6 +295,6 @@ def test_cursor_at_pads_history_before_the_first_token(toy_weights):
     runner = H.make_engine(toy_weights).runner
     ids = [11, 12, 13, 14, 15]
     c = [int(runner.token_map[t]) for t in ids]
-    assert runner.cursor_at(ids, 0) == [0, DEAD, DEAD, DEAD]
-    assert runner.cursor_at(ids, 2) == [2, DEAD, c[0], c[1]]
-    assert runner.cursor_at(ids, 5) == [5, c[2], c[3], c[4]]
+    assert runner.step_rows.cursor_at(ids, 0) == [0, DEAD, DEAD, DEAD]
+    assert runner.step_rows.cursor_at(ids, 2) == [2, DEAD, c[0], c[1]]
+    assert runner.step_rows.cursor_at(ids, 5) == [5, c[2], c[3], c[4]]

@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from runtime.model_runner import ModelRunner
+from runtime.step_rows import StepRows
 from runtime.sequence import SamplingParams
 from tests import harness as H
 
@@ -112,7 +112,7 @@ def test_the_counter_sees_the_old_reads():
 def test_the_counter_sees_a_cursor_read(toy_weights, monkeypatch):
     """The read this issue removed (the STATE cursor read back for the Engram history; here the
     test-only check that still does it) is seen in every step that runs a forward."""
-    monkeypatch.setattr(ModelRunner, "verify_history", True)
+    monkeypatch.setattr(StepRows, "verify_history", True)
     eng = H.make_engine(toy_weights, dtype="float32")
     per_step = counted_steps(eng, lambda e, s: s == 0 and e.add_request(
         H.prompts((9,))[0], SamplingParams(max_tokens=3, ignore_eos=True)))
@@ -170,7 +170,7 @@ def test_host_history_equals_the_cursor(toy_weights, monkeypatch, sc):
     """The Engram history the runner takes from the host's tokens equals the STATE cursor's in
     every state a request reaches: fresh and reused slots, chunks, preemption, cancellation,
     replay resumes, image restores and captures (`verify_history` raises on a difference)."""
-    monkeypatch.setattr(ModelRunner, "verify_history", True)
+    monkeypatch.setattr(StepRows, "verify_history", True)
     reqs = H.forks() if sc.arrival_steps else H.prompts((5, 16, 17, 33, 9, 64), seed=2)
     H.run(toy_weights, reqs, max_tokens=4, scenario=sc, dtype="float32")
 
