@@ -67,11 +67,9 @@ def generate(eng, reqs, n) -> list[list[int]]:
     return out
 
 
-def greedy(oracle, cfg, p, n, **hook):
-    ids = list(p)
-    for _ in range(n):
-        ids.append(int(oracle.forward(ids, window_start=bounded_replay(cfg, len(p), **hook))[-1].argmax()))
-    return ids[len(p):]
+def greedy_after(oracle, cfg, p, tokens, **hook):
+    """The truncating oracle's greedy tokens after `p`, checked against `tokens` (Oracle.greedy_after)."""
+    return oracle.greedy_after(p, tokens, window_start=bounded_replay(cfg, len(p), **hook))
 
 
 def test_mixed_steps_and_preemption(toy_cfg, toy_weights, oracle):
@@ -82,7 +80,7 @@ def test_mixed_steps_and_preemption(toy_cfg, toy_weights, oracle):
                     arrival_steps=[0, 3, 5], hook=H.preempt_randomly(0.3, "decode"), seed=3)
     out = H.run(toy_weights, reqs, max_tokens=5, scenario=sc)
     for i, p in enumerate(reqs):
-        assert out[i] == greedy(oracle, toy_cfg, p, 5), i
+        assert len(out[i]) == 5 and out[i] == greedy_after(oracle, toy_cfg, p, out[i]), i
 
 
 def test_replay_off_runs_every_row(toy_cfg, toy_weights, oracle):
@@ -122,7 +120,8 @@ def test_copy_mode_hits_resume_at_or_below_the_tail(toy_cfg, toy_weights, oracle
     eng.scheduler.postprocess(sb, {seq.seq_id: int(eng.runner.run(sb)[0].argmax())})
     while eng.has_unfinished():
         eng.step()
-    assert seq.completion_token_ids == greedy(oracle, toy_cfg, p, 4)
+    out = seq.completion_token_ids
+    assert len(out) == 4 and out == greedy_after(oracle, toy_cfg, p, out)
 
 
 @pytest.mark.parametrize("suffix", [3, 30])
@@ -136,12 +135,8 @@ def test_encoder_replay_hits(toy_cfg, toy_weights, oracle, suffix):
     out = generate(eng, [p], 4)[0]
     oracle.forward(p[:96])
     cold = oracle.last
-    ids = list(p)
-    for _ in range(4):
-        lg = oracle.forward(ids, window_start=bounded_replay(toy_cfg, len(p), encoder_start=96 - H.PAGE),
-                            cached=(96, cold))
-        ids.append(int(lg[-1].argmax()))
-    assert out == ids[len(p):]
+    assert len(out) == 4 and out == oracle.greedy_after(
+        p, out, window_start=bounded_replay(toy_cfg, len(p), encoder_start=96 - H.PAGE), cached=(96, cold))
 
 
 def test_a_chunk_below_the_tail_runs_no_decoder(toy_cfg, toy_weights):

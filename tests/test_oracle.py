@@ -356,6 +356,22 @@ def test_causality(oracle, ids, run64):
         assert torch.allclose(part, full[:k], rtol=1e-10, atol=1e-10), k
 
 
+def test_greedy_after_is_greedy_decoding(cfg, oracle, ids):
+    """Oracle.greedy_after (one teacher-forced forward) gives the tokens of greedy decoding with
+    one forward per token, truncated windows included, and flags a wrong continuation at its
+    first wrong token."""
+    prompt, n = ids[:21].tolist(), 6
+    kw = dict(window_start=replay_window(len(prompt) - cfg.sliding_window, cfg.topology.boundary))
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(oracle.forward(torch.tensor(seq), **kw)[-1].argmax()))
+    greedy = seq[len(prompt):]
+    assert oracle.greedy_after(prompt, greedy, **kw) == greedy
+    wrong = greedy[:2] + [(greedy[2] + 1) % cfg.vocab_size] + greedy[3:]
+    got = oracle.greedy_after(prompt, wrong, **kw)
+    assert got[:3] == greedy[:3] and got != wrong
+
+
 def test_replay_window_hook(cfg, oracle, ids, run64):
     full, st_full, _ = run64
     tail = SEQ - cfg.sliding_window

@@ -273,6 +273,14 @@ class Oracle:
     def rope(self, ratio: int, positions: torch.Tensor):
         return rope_table(self.freqs[1 if ratio else 0], positions)
 
+    def greedy_after(self, prompt, continuation, **kw) -> list[int]:
+        """The argmax token after prompt + continuation[:i] for each i < len(continuation), from
+        one forward over prompt + continuation[:-1] (`kw`: forward's). The oracle is causal
+        (tests/test_oracle.py test_causality), so this equals `continuation` exactly when greedy
+        decoding after `prompt`, one forward per token, gives `continuation`."""
+        ids = torch.as_tensor([*prompt, *continuation[:-1]], dtype=torch.int64)
+        return self.forward(ids, **kw)[len(prompt) - 1:].argmax(-1).tolist()
+
     # ---- §3.0 top level ----
     def forward(self, token_ids, start: int = 0, window_start: Callable | None = None,
                 engram_history=None, cached: tuple | None = None) -> torch.Tensor:
