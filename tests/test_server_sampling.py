@@ -1,6 +1,6 @@
 """The sampling surface through the official `openai` client: presence/frequency penalties and
 logit_bias as client arguments, repetition_penalty/min_p/min_tokens in extra_body. Each answer
-equals an offline run of the same SamplingParams (float64 toy, one thread: see test_server.py);
+equals an offline run of the same SamplingParams (float64 toy, one thread: see tests/server_helpers.py);
 out-of-range values are 400s naming the parameter."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from runtime.sequence import SamplingParams  # noqa: E402
-from tests.test_server import KEY, Reference, extra, start_server, stop_server  # noqa: E402
+from tests.server_helpers import KEY, Reference, extra, start_server, stop_server  # noqa: E402
 
 PROMPT = "The window ring"
 
