@@ -31,3 +31,10 @@ def toy_weights(toy_cfg):
 def toy_token_map(toy_cfg):
     from v41.tokenizer import load_tokenizer
     return load_tokenizer("toy", toy_cfg)[1]
+
+
+@pytest.fixture
+def g(request):
+    """A CPU generator seeded per test (tests/kernel_cases.seeded_generator; V41_TEST_SEED pins the run)."""
+    from tests.kernel_cases import seeded_generator
+    return seeded_generator(request)

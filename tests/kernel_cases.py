@@ -1,4 +1,5 @@
-"""Random inputs for the kernel tests (tests/test_kernels_cpu.py, tests/test_kernels_gpu.py):
+"""Random inputs for the kernel tests (tests/test_kernels_cpu.py, tests/test_kernels_gpu.py), the
+seed every kernel and fused-op test draws them from, and the relative error they bound:
 a ragged step laid out the way runtime/model_runner.py lays it out (flat tokens, padding rows
 with batch id -1, zero-length padding requests, window rows from the ring or this batch, block
 tables of distinct pages), plus per-op tensors. Imports no triton."""
@@ -13,6 +14,23 @@ import pytest
 import torch
 
 from v41 import quant
+
+
+SEED = int(os.environ.get("V41_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+
+
+def seeded_generator(request, device="cpu") -> torch.Generator:
+    """The generator of the `g` fixture (tests/conftest.py): V41_TEST_SEED (random when unset)
+    plus the test's name, printed and kept in the report so that a failure can be replayed."""
+    seed = SEED + sum(map(ord, request.node.name))
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed {seed} (V41_TEST_SEED={SEED})")
+    return torch.Generator(device).manual_seed(seed)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in float64."""
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
 def require_compiled_kernels() -> None:

@@ -1,23 +1,17 @@
-"""The fused ops the compile passes lower the model to (custom_ops/norm.py, rope.py, attn_out.py,
-mhc.py, moe.py, engram.py), on the CPU.
+"""The Triton impls of the fused ops (custom_ops/triton) under the Triton interpreter, FP32 and
+tiny shapes, against the reference impls (tests/test_fused_ops_reference.py checks those against
+the eager model): outputs poisoned first (every element must be written), fresh random inputs
+every run, ‖out−ref‖/‖ref‖ < 1e-5, routing ids exact. An FP8 QAT may round differently where its
+input sits within a few FP32 ulps (1e-6 relative) of a grid midpoint (or its group amax/448 of a
+power of two): the two impls sum in different orders, so their FP32 inputs to the quantizer can
+differ by an ulp. Such elements (tokens, for the experts) are identified from the reference's own
+pre-quant values and excluded from the 1e-5 check; everything else must meet it. Routing
+near-ties (distinct biased scores within 1e-5) are excluded likewise; exact ties (duplicated
+router rows) must resolve to the smaller id.
 
-(a) Each reference impl equals the eager model's own composition bitwise, in float64, float32
-    and bfloat16, on fresh random inputs (seed printed; V41_TEST_SEED pins one).
-(b) Each Triton impl (custom_ops/triton) under the Triton interpreter, FP32 and tiny shapes,
-    against the reference impl: outputs poisoned first (every element must be written), fresh
-    random inputs every run, ‖out−ref‖/‖ref‖ < 1e-5, routing ids exact. An FP8 QAT may round
-    differently where its input sits within a few FP32 ulps (1e-6 relative) of a grid midpoint
-    (or its group amax/448 of a power of two): the two impls sum in different orders, so their
-    FP32 inputs to the quantizer can differ by an ulp. Such elements (tokens, for the experts)
-    are identified from the reference's own pre-quant values and excluded from the 1e-5 check;
-    everything else must meet it. Routing near-ties (distinct biased scores within 1e-5) are
-    excluded likewise; exact ties (duplicated router rows) must resolve to the smaller id.
-(c) torch.library.opcheck passes for every fused op (and the two existing ops given Triton
-    impls here: moe_experts, engram_gather).
-
-TRITON_INTERPRET must be set before triton is imported, so (b) runs in a subprocess with it set
+TRITON_INTERPRET must be set before triton is imported, so these run in a subprocess with it set
 (as tests/test_kernels_cpu.py does), once with the grid's programs in order and once reversed
-(tests/program_order.py); in that subprocess this module defines only the (b) tests.
+(tests/program_order.py); in that subprocess this module defines only the interpreted tests.
 """
 from __future__ import annotations
 
@@ -35,235 +29,13 @@ from custom_ops import mhc as ref_mhc
 from custom_ops import moe as ref_moe
 from custom_ops import norm as ref_norm
 from custom_ops import rope as ref_rope
-from tests.kernel_cases import run_under_interpreter
+from tests.fused_op_cases import assert_qat_close, fp8_near_boundary, rnd, rope_table
+from tests.kernel_cases import SEED, rel, run_under_interpreter
 from v41 import quant
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-SEED = int(os.environ.get("V41_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-YARN = {"original_max_position_embeddings": 256, "factor": 16, "beta_fast": 32, "beta_slow": 1}
-ops = torch.ops.v41
-
-
-@pytest.fixture
-def g(request):
-    seed = SEED + sum(map(ord, request.node.name))
-    print(f"seed {seed} (V41_TEST_SEED={SEED})")
-    return torch.Generator().manual_seed(seed)
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
-
-
-def acc_of(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def rnd(g, *shape, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
-
-
-def rope_table(rot=16, max_pos=512, yarn=True):
-    from v41.layers import Rope
-    return Rope(rot, 160000.0 if yarn else 10000.0, YARN if yarn else None, max_pos)
-
-
-def fp8_near_boundary(pre: torch.Tensor, tol=1e-6) -> torch.Tensor:
-    """Elements of `pre` ([..., D], D a multiple of 32) whose FP8 QAT (group 32) could change
-    under a relative perturbation of `tol` (a float, or a tensor of per-element tolerances shaped
-    like `pre`): the value is within tol of a rounding midpoint of its group's grid, or the
-    group's amax/448 is within tol of a power of two (a scale step)."""
-    w = pre.double().unflatten(-1, (-1, 32))
-    tw = torch.as_tensor(tol, dtype=torch.float64).expand_as(pre).unflatten(-1, (-1, 32))
-    r = w.abs().amax(-1, keepdim=True).clamp(min=quant.FP8_AMAX_FLOOR) / quant.E4M3_MAX
-    lg = torch.log2(r)
-    scale_near = (lg - lg.round()).abs() < 2 * tw.amax(-1, keepdim=True)
-    s = torch.exp2(torch.ceil(lg))
-    v = (w / s).abs().clamp(max=quant.E4M3_MAX)
-    e = torch.floor(torch.log2(v.clamp(min=2.0**-30))).clamp(min=-6)
-    quantum = torch.exp2(e - 3)
-    u = v / quantum
-    mid_near = ((u - torch.floor(u)) - 0.5).abs() <= 2 * tw * u + 1e-9
-    return (mid_near | scale_near).flatten(-2)
-
-
-def assert_qat_close(out, ref, pre, tol=1e-5):
-    """out == ref to `tol` except at the FP8 rounding boundaries of the reference's pre-quant
-    values (within 1e-6 relative: a few FP32 ulps), where the neighbouring grid value is allowed
-    too."""
-    near = fp8_near_boundary(pre)
-    ok = torch.isclose(out.double(), ref.double(), rtol=tol, atol=0) | near
-    assert ok.all(), (out[~ok][:8], ref[~ok][:8])
-    assert rel(out[~near], ref[~near]) < tol
-
 
 if not INTERPRETED:
-    from v41 import layers
-    from v41.engram.device import Engram
-    from v41.model import MHC, collapse, expand
-    from v41.moe import MoE
-
-    DTYPES = [torch.float64, torch.float32, torch.bfloat16]
-
-    # ---- (a) reference == eager composition, bitwise ------------------------------------------
-    @pytest.mark.parametrize("dtype", DTYPES)
-    @pytest.mark.parametrize("shape", [(7, 96), (5, 3, 64)])
-    def test_rms_norm_reference(g, dtype, shape):
-        x = rnd(g, *shape, dtype=dtype, scale=3.0)
-        w = rnd(g, shape[-1], dtype=dtype)
-        eps = 1e-6
-        out = torch.empty_like(x)
-        ops.rms_norm(x, w, eps, out)
-        assert torch.equal(out, layers.RMSNorm(w, eps)(x))
-        ops.rms_norm_fp8(x, w, eps, out)
-        assert torch.equal(out, quant.fp8_qat(layers.RMSNorm(w, eps)(x), 32))
-        # what the eager model computes next: the FP8 Linear of the normed input (its GEMM is
-        # quant.matmul's, which a plain CPU bf16 `@` matches on some seeds only: AVX2 hosts)
-        W = rnd(g, 40, shape[-1], dtype=dtype)
-        assert torch.equal(quant.matmul(out, W.T), layers.Linear(W, "fp8")(layers.RMSNorm(w, eps)(x)))
-
-    @pytest.mark.parametrize("dtype", DTYPES)
-    @pytest.mark.parametrize("yarn", [False, True])
-    def test_rope_reference(g, dtype, yarn):
-        rope = rope_table(yarn=yarn)
-        T = 9
-        pos = torch.randint(0, 512, (T,), generator=g)
-        for shape in ((T, 4, 64), (T, 96)):
-            x = rnd(g, *shape, dtype=dtype)
-            out = torch.empty_like(x)
-            for inverse in (False, True):
-                ops.rope(x, rope.cos, rope.sin, pos, inverse, out)
-                assert torch.equal(out, rope(x, pos, inverse=inverse))
-        # the window KV path: kv_norm -> RoPE -> FP8 QAT
-        kv = layers.RMSNorm(rnd(g, 96, dtype=dtype), 1e-6)(rnd(g, T, 96, dtype=dtype))
-        out = torch.empty_like(kv)
-        ops.rope_fp8_qat(kv, rope.cos, rope.sin, pos, False, out)
-        assert torch.equal(out, quant.fp8_qat(rope(kv, pos)))
-
-    @pytest.mark.parametrize("dtype", DTYPES)
-    def test_inv_rope_wo_a_reference(g, dtype):
-        rope = rope_table()
-        T, H, d, G, R = 6, 4, 64, 2, 24
-        o = rnd(g, T, H, d, dtype=dtype)
-        wo_a = rnd(g, G * R, H * d // G, dtype=dtype, scale=0.1).view(G, R, -1)
-        pos = torch.randint(0, 512, (T,), generator=g)
-        out = torch.empty(T, G * R, dtype=dtype)
-        ops.inv_rope_wo_a(o, rope.cos, rope.sin, pos, wo_a, out)
-        # the end of Attention.forward (quant.einsum: bf16 operands summed as the FP32 GEMM)
-        z = quant.einsum("tgi,goi->tgo", rope(o, pos, inverse=True).view(T, G, -1), wo_a).flatten(1)
-        assert torch.equal(out, z)
-
-    @pytest.mark.parametrize("dtype", DTYPES)
-    def test_mhc_reference(g, dtype):
-        T, hc, D = 7, 4, 32
-        acc = acc_of(dtype)
-        X = rnd(g, T, hc, D, dtype=dtype)
-        fn = rnd(g, hc * (hc + 2), hc * D, dtype=acc, scale=0.1)
-        base, scale = rnd(g, hc * (hc + 2), dtype=acc), rnd(g, 3, dtype=acc).abs()
-        pre, post = torch.empty(T, hc, dtype=acc), torch.empty(T, hc, dtype=acc)
-        comb = torch.empty(T, hc, hc, dtype=acc)
-        ops.mhc_mix(X, fn, base, scale, 20, 1e-6, 1e-20, pre, post, comb)
-        p, q, c = MHC(fn, base, scale, hc, 20, 1e-6, 1e-20)(X)
-        assert torch.equal(pre, p) and torch.equal(post, q) and torch.equal(comb, c)
-        out = torch.empty(T, D, dtype=dtype)
-        ops.hc_collapse(X, pre, out)
-        assert torch.equal(out, collapse(X, pre))
-        f = rnd(g, T, D, dtype=dtype)
-        Y = torch.empty_like(X)
-        ops.hc_expand(f, X, post, comb, Y)
-        assert torch.equal(Y, expand(f, X, post, comb))
-
-    def _moe(g, dtype, E, D, I, top_k, dup=False):
-        acc = acc_of(dtype)
-        gate = rnd(g, E, D, dtype=acc, scale=0.2)
-        bias = rnd(g, E, dtype=acc, scale=0.1)
-        if dup:   # exact ties: pairs of identical router rows with identical biases
-            gate = (torch.randint(-8, 9, (E // 2, D), generator=g) / 64).to(acc).repeat_interleave(2, 0)
-            bias = (torch.randint(-2, 3, (E // 2,), generator=g) / 4).to(acc).repeat_interleave(2, 0)
-        w = {"gate": gate, "gate.bias": bias,
-             "experts.w1": rnd(g, E, I, D, dtype=dtype, scale=0.2),
-             "experts.w3": rnd(g, E, I, D, dtype=dtype, scale=0.2),
-             "experts.w2": rnd(g, E, D, I, dtype=dtype, scale=0.2),
-             "shared_experts.w1": rnd(g, I, D, dtype=dtype), "shared_experts.w3": rnd(g, I, D, dtype=dtype),
-             "shared_experts.w2": rnd(g, D, I, dtype=dtype)}
-        return MoE(w, top_k, 1.5, 10.0)
-
-    @pytest.mark.parametrize("dtype", DTYPES)
-    @pytest.mark.parametrize("dup", [False, True])
-    def test_moe_route_reference(g, dtype, dup):
-        T, E, D, k = 11, 8, 32, 3
-        moe = _moe(g, dtype, E, D, 32, k, dup)
-        x = rnd(g, T, D, dtype=dtype)
-        if dup:
-            x = (torch.randint(-8, 9, (T, D), generator=g) / 8).to(dtype)
-        ids = torch.empty(T, k, dtype=torch.long)
-        w = torch.empty(T, k, dtype=acc_of(dtype))
-        ops.moe_route(x, moe.gate, moe.bias, k, 1.5, ids, w)
-        ri, rw = moe.route(x)
-        assert torch.equal(ids, ri) and torch.equal(w, rw)
-
-    @pytest.mark.parametrize("dtype", DTYPES)
-    def test_engram_gate_reference(g, dtype):
-        T, hc, D, width = 5, 4, 32, 96
-        w = {"engram.wkv": rnd(g, (hc + 1) * D, width, dtype=dtype, scale=0.2),
-             "engram.q_weight": rnd(g, hc, D, dtype=dtype), "engram.k_weight": rnd(g, hc, D, dtype=dtype)}
-        eng = Engram(w, hc, 1e-6)
-        X, rows = rnd(g, T, hc, D, dtype=dtype), rnd(g, T, width, dtype=dtype)
-        X[0] = 0                                   # dot = +0: the gate's copysign branch
-        out = torch.empty_like(X)
-        ops.engram_gate(X, eng.wkv(rows), eng.wqk, 1e-6, out)
-        assert torch.equal(out, eng(X, rows))
-
-    # ---- (c) opcheck --------------------------------------------------------------------------
-    def _opcheck_cases(g):
-        rope = rope_table()
-        T, hc, D = 4, 4, 32
-        x = rnd(g, T, 64)
-        pos = torch.randint(0, 512, (T,), generator=g)
-        X = rnd(g, T, hc, D)
-        fn, base, scale = rnd(g, 24, hc * D, scale=0.1), rnd(g, 24), rnd(g, 3).abs()
-        E, I, k = 4, 32, 2
-        ids = torch.tensor([[0, 2], [1, -1], [3, 0], [2, 1]])
-        # raw bytes (the op reads the FP8 / E8M0 planes as uint8; opcheck's schema check cannot
-        # compare float8 tensors)
-        table = torch.randint(0, 126, (10, 64), generator=g, dtype=torch.uint8)
-        tscale = torch.randint(120, 130, (10, 2), generator=g, dtype=torch.uint8)
-        return {
-            "rms_norm": (x, rnd(g, 64), 1e-6, torch.empty(T, 64)),
-            "rms_norm_fp8": (x, rnd(g, 64), 1e-6, torch.empty(T, 64)),
-            "rope": (rnd(g, T, 2, 64), rope.cos, rope.sin, pos, True, torch.empty(T, 2, 64)),
-            "rope_fp8_qat": (x, rope.cos, rope.sin, pos, False, torch.empty(T, 64)),
-            "inv_rope_wo_a": (rnd(g, T, 2, 64), rope.cos, rope.sin, pos, rnd(g, 2, 16, 64),
-                              torch.empty(T, 32)),
-            "mhc_mix": (X, fn, base, scale, 20, 1e-6, 1e-20, torch.empty(T, hc), torch.empty(T, hc),
-                        torch.empty(T, hc, hc)),
-            "hc_collapse": (X, torch.rand(T, hc, generator=g), torch.empty(T, D)),
-            "hc_expand": (rnd(g, T, D), X, torch.rand(T, hc, generator=g),
-                          torch.rand(T, hc, hc, generator=g), torch.empty(T, hc, D)),
-            "moe_route": (rnd(g, T, D), rnd(g, E, D), rnd(g, E), k, 1.5,
-                          torch.empty(T, k, dtype=torch.long), torch.empty(T, k)),
-            "moe_experts": (rnd(g, T, D), ids, torch.rand(T, k, generator=g), rnd(g, E, I, D),
-                            rnd(g, E, I, D), rnd(g, E, D, I), 10.0, torch.empty(T, D)),
-            "engram_gate": (X, rnd(g, T, (hc + 1) * D), rnd(g, hc, D), 1e-6, torch.empty(T, hc, D)),
-            "engram_gather": (table, tscale, torch.randint(0, 10, (T, 3), generator=g),
-                              torch.empty(T, 3 * 64)),
-        }
-
-    OPCHECK_OPS = ["rms_norm", "rms_norm_fp8", "rope", "rope_fp8_qat", "inv_rope_wo_a", "mhc_mix",
-                   "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate",
-                   "engram_gather"]
-
-    @pytest.mark.parametrize("name", OPCHECK_OPS)
-    def test_opcheck(g, name):
-        args = _opcheck_cases(g)[name]
-        torch.library.opcheck(getattr(ops, name).default, args)
-
-    def test_fused_ops_defined():
-        defined = custom_ops.defined()
-        for name in OPCHECK_OPS:
-            assert f"v41::{name}" in defined
-
-    # ---- (b) in a subprocess under the interpreter ----------------------------------------------
     @pytest.mark.parametrize("order", ["forward", "reversed"])
     def test_fused_kernels_under_triton_interpreter(order):
         pytest.importorskip("triton")
@@ -524,45 +296,3 @@ else:
                      "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate",
                      "engram_gather"):
             assert sel[f"v41::{name}"] == {"cpu": "reference", "cuda": "triton"}, name
-
-
-def test_engram_gather_forgets_a_freed_table():
-    """The reference gather decodes a small table once and keys it by address and version. A
-    second table of the same shape (another checkpoint of the preset, in one process) can land
-    at a freed table's address with version 0: its gather must read its own rows. The cache
-    entry goes with its table (deterministic check), and gathers right after a free, tried until
-    the allocator reuses the address or 200 times, equal the rows decoded directly."""
-    import gc
-    ids = torch.arange(20).view(10, 2)
-
-    def make(seed):
-        g = torch.Generator().manual_seed(seed)
-        t = torch.randint(0, 127, (630, 32), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
-        s = torch.randint(120, 130, (630, 1), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
-        return t, s
-
-    def gathered(t, s):
-        out = torch.empty(10, 64)
-        torch.ops.v41.engram_gather(t, s, ids, out)
-        return out
-
-    def direct(t, s):
-        rows = t.float()[ids.reshape(-1)].unflatten(-1, (-1, 32)) * s.float()[ids.reshape(-1)][..., None]
-        return rows.flatten(-2).reshape(10, 64)
-
-    t, s = make(1)
-    gathered(t, s)
-    ptr = t.data_ptr()
-    assert any(k[0] == ptr for k in ref_engram._decoded)
-    del t, s
-    gc.collect()
-    assert not any(k[0] == ptr for k in ref_engram._decoded)
-    for trial in range(200):
-        t1, s1 = make(2 * trial)
-        gathered(t1, s1)
-        ptr = t1.data_ptr()
-        del t1, s1
-        t2, s2 = make(2 * trial + 1)
-        assert torch.equal(gathered(t2, s2), direct(t2, s2))
-        if t2.data_ptr() == ptr:
-            break

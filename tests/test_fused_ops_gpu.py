@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernel_cases import require_compiled_kernels
+from tests.kernel_cases import rel, require_compiled_kernels, seeded_generator
 
 pytestmark = pytest.mark.gpu
 
@@ -49,15 +49,12 @@ EPS = 1e-20
 T_ALL = [1, 5, 64, 4096]
 YARN = {"original_max_position_embeddings": 65536, "factor": 16, "beta_fast": 32, "beta_slow": 1}
 MAX_POS = 1 << 17
-SEED = int(os.environ.get("V41_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
 ops = torch.ops.v41
 
 
 @pytest.fixture
 def g(request):
-    seed = SEED + sum(map(ord, request.node.name))
-    print(f"seed {seed} (V41_TEST_SEED={SEED})")
-    return torch.Generator(DEV).manual_seed(seed)
+    return seeded_generator(request, DEV)
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +64,6 @@ def rope():
 
 def rnd(g, *shape, dtype=BF, scale=1.0):
     return (torch.randn(*shape, generator=g, device=DEV) * scale).to(dtype)
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
 def positions(g, T):

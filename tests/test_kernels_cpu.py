@@ -40,20 +40,7 @@ else:
     from custom_ops.triton import (triton_compress_pool, triton_index_topk, triton_scatter_rows,
                                    triton_sparse_attn)
     from tests.kernel_cases import (flash_width_case, index_plane, make_step, random_candidates,
-                                    random_topk, rne_bf16_casts)
-
-    SEED = int(os.environ.get("V41_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-
-    @pytest.fixture
-    def g(request):
-        seed = SEED + sum(map(ord, request.node.name))
-        gen = torch.Generator().manual_seed(seed)
-        request.node.user_properties.append(("seed", seed))
-        print(f"seed {seed} (V41_TEST_SEED={SEED})")
-        return gen
-
-    def rel(a, b):
-        return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+                                    random_topk, rel, rne_bf16_casts)
 
     # ---- sparse_attn -----------------------------------------------------------------------
     def test_sparse_attn_split_choice(monkeypatch):

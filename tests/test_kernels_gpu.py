@@ -11,8 +11,6 @@ almost every selected row must be the same.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -31,7 +29,7 @@ from custom_ops import index as ref_index  # noqa: E402
 from custom_ops import registry  # noqa: E402
 from custom_ops.triton.attention import triton_sparse_attn  # noqa: E402
 from tests.kernel_cases import (device_generator, index_plane, make_step,  # noqa: E402
-                                random_candidates, random_topk)
+                                random_candidates, random_topk, rel)
 
 DEV = "cuda"
 H, D, W, K, PAGE = 64, 512, 128, 512, 128
@@ -40,18 +38,6 @@ DECODE_T = [1, 2, 5, 16, 64]
 PREFILL_T = 4096
 PREFILL_NEW = [1500, 1000, 1024, 565]         # + padding rows up to PREFILL_T
 DECODE_MAX_START, PREFILL_MAX_START = 24000, 20000
-SEED = int(os.environ.get("V41_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-
-
-@pytest.fixture
-def g(request):
-    seed = SEED + sum(map(ord, request.node.name))
-    print(f"seed {seed} (V41_TEST_SEED={SEED})")
-    return torch.Generator().manual_seed(seed)
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
 def _step(g, T, decode):

@@ -88,14 +88,7 @@ else:
     from tests.kernel_cases import fp8_gemm_case, fp8_grouped_case, rne_bf16_casts, w4a8_case
     from v41 import quant
 
-    SEED = int(os.environ.get("V41_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
     U = 2.0**-24
-
-    @pytest.fixture
-    def g(request):
-        seed = SEED + sum(map(ord, request.node.name))
-        print(f"seed {seed} (V41_TEST_SEED={SEED})")
-        return torch.Generator().manual_seed(seed)
 
     def gamma(k: int) -> float:
         return k * U / (1 - k * U)
