@@ -113,3 +113,20 @@ def test_fp4_gemvs_build_for_hopper(warps):
                                                    "stride_se", "stride_sn", "stride_ps"), "i32"),
             **dict.fromkeys(tiles, "constexpr")}
     assert 0 < registers(build(_fp4_down_gemv, down, tiles, num_warps=warps)) <= 255
+
+
+@pytest.mark.parametrize("map_cand", [False, True])
+def test_index_select_kernels_build_for_hopper(map_cand):
+    """The top-k selection's count and write kernels (index.py), which share the threshold
+    comparison as a jit helper."""
+    from custom_ops.triton.index import SELECT_BLOCK, _select_count_kernel, _select_write_kernel
+    count = {"score_ptr": "*fp32", "thr_ptr": "*fp32", "cnt_ptr": "*i32",
+             **dict.fromkeys(("width", "n_chunks", "stride_s"), "i32"), "BLOCK": "constexpr"}
+    assert 0 < registers(build(_select_count_kernel, count, {"BLOCK": SELECT_BLOCK})) <= 255
+    write = {"score_ptr": "*fp32", "thr_ptr": "*fp32", **dict.fromkeys(("need_ptr", "eq_before_ptr",
+                                                                         "taken_before_ptr"), "*i32"),
+             "out_ptr": "*i64", "cand_ptr": "*i64",
+             **dict.fromkeys(("width", "n_chunks", "cand_block", "n_cand", "stride_s", "stride_o", "stride_cand"),
+                             "i32"), **dict.fromkeys(("MAP_CAND", "BLOCK"), "constexpr")}
+    k = build(_select_write_kernel, write, {"MAP_CAND": map_cand, "BLOCK": SELECT_BLOCK})
+    assert 0 < registers(k) <= 255

@@ -128,17 +128,23 @@ def _index_score_kernel(
 
 
 @triton.jit
+def _against_threshold(score_ptr, thr_ptr, i, c, width, stride_s, BLOCK: tl.constexpr):
+    """Row i's chunk c of columns: (columns, finite scores above the row's threshold, finite
+    scores equal to it)."""
+    cols = c * BLOCK + tl.arange(0, BLOCK)
+    s = tl.load(score_ptr + i * stride_s + cols, mask=cols < width, other=float("-inf"))
+    thr = tl.load(thr_ptr + i)
+    fin = s > float("-inf")
+    return cols, (s > thr) & fin, (s == thr) & fin
+
+
+@triton.jit
 def _select_count_kernel(score_ptr, thr_ptr, cnt_ptr, width, n_chunks, stride_s, BLOCK: tl.constexpr):
     """Per (row, chunk of columns): how many finite scores are above / equal to the row's
     threshold."""
     i = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    cols = c * BLOCK + tl.arange(0, BLOCK)
-    s = tl.load(score_ptr + i * stride_s + cols, mask=cols < width, other=float("-inf"))
-    thr = tl.load(thr_ptr + i)
-    fin = s > float("-inf")
-    gt = (s > thr) & fin
-    eq = (s == thr) & fin
+    _, gt, eq = _against_threshold(score_ptr, thr_ptr, i, c, width, stride_s, BLOCK)
     base = (i * n_chunks + c) * 2
     tl.store(cnt_ptr + base, tl.sum(gt.to(tl.int32), 0))
     tl.store(cnt_ptr + base + 1, tl.sum(eq.to(tl.int32), 0))
@@ -153,12 +159,7 @@ def _select_write_kernel(score_ptr, thr_ptr, need_ptr, eq_before_ptr, taken_befo
     columns. The value written is the column (or, MAP_CAND, the candidate row it stands for)."""
     i = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    cols = c * BLOCK + tl.arange(0, BLOCK)
-    s = tl.load(score_ptr + i * stride_s + cols, mask=cols < width, other=float("-inf"))
-    thr = tl.load(thr_ptr + i)
-    fin = s > float("-inf")
-    gt = (s > thr) & fin
-    eq = (s == thr) & fin
+    cols, gt, eq = _against_threshold(score_ptr, thr_ptr, i, c, width, stride_s, BLOCK)
     at = i * n_chunks + c
     eq_rank = tl.load(eq_before_ptr + at) + tl.cumsum(eq.to(tl.int32), 0)
     take = gt | (eq & (eq_rank <= tl.load(need_ptr + i)))
