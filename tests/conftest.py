@@ -38,3 +38,31 @@ def g(request):
     """A CPU generator seeded per test (tests/kernel_cases.seeded_generator; V41_TEST_SEED pins the run)."""
     from tests.kernel_cases import seeded_generator
     return seeded_generator(request)
+
+
+# ---- the toy server (tests/test_server*.py) ------------------------------------------------
+
+@pytest.fixture(scope="session")
+def server():
+    """A `python -m v41.serve` subprocess of the toy (tests/server_helpers.py), one per worker;
+    its log must hold no traceback when it stops."""
+    from tests.server_helpers import start_server, stop_server
+    s = start_server()
+    yield s
+    log = stop_server(s)
+    assert "Traceback" not in log, log[-4000:]
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+
+    from tests.server_helpers import KEY
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=300, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def ref():
+    """Isolated greedy runs of the server's model in this process."""
+    from tests.server_helpers import Reference
+    return Reference()
