@@ -105,7 +105,7 @@ class ModelRunner:
         `decoder_buckets`: the decoder's rows run padded to one of them (TR_HYBRID); `gather`
         False: the FULL graph the step replays gathers its Engram rows (`graph_forward`)."""
         host = self.bufs.begin()
-        seqs, B = sb.seqs, len(sb.seqs)
+        B = len(sb.seqs)
         # a decode step: one row per request (its last), the rows' numbers known already
         n, T = (self._ones[:B], B) if sb.decode else (np.asarray(sb.num_new, dtype=np.int64), sum(sb.num_new))
         Tr, Br = running_tokens or T, running_bs or B
