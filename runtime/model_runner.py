@@ -58,6 +58,7 @@ class ModelRunner:
         width = cfg.engram_width
         self.engram_buf = {l: torch.zeros(T, width, dtype=dtype, device=self.device)
                            for l in cfg.engram_layer_ids}
+        self.engram_ids = {l: f"engram_ids.{l}" for l in cfg.engram_layer_ids}    # layer -> its ids' field
         self.rows_run = {"encoder": 0, "decoder": 0}    # rows each part of the model has run
         self.fast_steps = 0             # steps StepRows.decode prepared
         self._table = None              # (block tables, rows) on the device's block_table buffer
@@ -153,7 +154,7 @@ class ModelRunner:
                            sampled, self.W, self.cache.num_slots)
                if self.decoder_replay and not fast else None)
         rows = ({k: Tr for k in fields} | {"commit_slots": B, "commit_cursor": B}
-                | {f"engram_ids.{l}": T for l in self.cfg.engram_layer_ids} | ({"block_table": hi} if written else {}))
+                | dict.fromkeys(self.engram_ids.values(), T) | ({"block_table": hi} if written else {}))
         # the rows that sample: each request's last row; of those, the final chunks' (and
         # which requests they are). A fast decode step samples row i for request i: none needed
         F = int(final.sum())
@@ -241,10 +242,10 @@ class ModelRunner:
     def gather_engram(self, dev: dict, T: int) -> None:
         """Every Engram layer's table rows of the first T rows (`engram_buf`): from the published ids
         (`dev`) on the device, or from mapped tables on the host (EngramStager, pinned staging)."""
-        keys = {l: f"engram_ids.{l}" for l in self.cfg.engram_layer_ids}
         if self.engram_stager is not None:
-            return self.engram_stager.gather({l: self.bufs.host[k][:T] for l, k in keys.items()}, self.engram_buf)
-        for l, k in keys.items():
+            return self.engram_stager.gather({l: self.bufs.host[k][:T] for l, k in self.engram_ids.items()},
+                                             self.engram_buf)
+        for l, k in self.engram_ids.items():
             ops.engram_gather(*self.engram_tables[l], dev[k][:T], self.engram_buf[l][:T])
 
     def graph_forward(self, batch: Batch, cache) -> torch.Tensor:
