@@ -43,6 +43,12 @@ from runtime.piece_check import METRICS, by_piece, compare_pieces
 from runtime.sequence import SamplingParams
 
 
+# tokens a decode request may make beyond the measured steps: a batch's prompts prefill in
+# chunks (64 x 1,024 tokens: eight steps at 8,192 a step), and the first ones decode meanwhile;
+# a request that finished inside the measured steps would shrink the batch they measure
+DECODE_MARGIN = 64
+
+
 def timed(fn) -> float:
     if not torch.cuda.is_available():      # --dry-run on the CPU: the code path, host time
         t = time.perf_counter()
@@ -62,7 +68,7 @@ def decode_ms(eng, bs: int, ctx: int, steps: int) -> tuple[float, float, dict, d
     replayed, graph_ms}) of decode steps at batch `bs`."""
     g = torch.Generator().manual_seed(bs)
     seqs = [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (ctx,), generator=g).tolist(),
-                            SamplingParams(max_tokens=steps + 5, ignore_eos=True)) for _ in range(bs)]
+                            SamplingParams(max_tokens=steps + DECODE_MARGIN, ignore_eos=True)) for _ in range(bs)]
     while any(s.num_computed < s.num_prompt_tokens for s in seqs):
         eng.step()
     graphs = eng.runner.graphs
@@ -71,6 +77,8 @@ def decode_ms(eng, bs: int, ctx: int, steps: int) -> tuple[float, float, dict, d
         ts = [timed(eng.step) for _ in range(steps)]
     timed_end = graphs.replays if graphs is not None else 0
     profiled = [kernel_time(eng.step) for _ in range(3)]
+    if any(s.is_finished for s in seqs):
+        raise RuntimeError(f"decode at batch {bs}: a request finished inside the measured steps")
     dev = statistics.median(ms for ms, _ in profiled)
     extra = {"kernels": statistics.median(n for _, n in profiled)}
     if graphs is not None:
@@ -114,7 +122,7 @@ def profile(eng, kind: str, path: str, title: str, n: int = 1) -> None:
     g = torch.Generator().manual_seed(7)
     n, length = (n, 1024) if kind == "decode" else (1, 4096)
     seqs = [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (length,), generator=g).tolist(),
-                            SamplingParams(max_tokens=8, ignore_eos=True)) for _ in range(n)]
+                            SamplingParams(max_tokens=DECODE_MARGIN, ignore_eos=True)) for _ in range(n)]
     if kind == "decode":
         while any(s.num_computed < s.num_prompt_tokens for s in seqs):
             eng.step()
