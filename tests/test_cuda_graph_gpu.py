@@ -6,7 +6,8 @@ benchmarks/results/gpu-tests-h200.txt).
 The CPU versions, with a recording stand-in: tests/test_cuda_graph_cpu.py, test_token_graphs.py.
 
 - A replayed decode graph gives bitwise the logits of the same compiled forward run without
-  capture at the same running width (toy, float32), from the same cache state.
+  capture at the same running width (toy in float32, flash-slice in bf16), from the same cache
+  state.
 - The schedule-invariance harness gives the same greedy tokens with FULL and with TR_HYBRID as
   the same engine running the same steps at the same widths without graphs (the scenario run
   again on it, replay swapped for the compiled forward), and leaks no page or slot. (Not NONE's
@@ -78,6 +79,23 @@ def test_padding_rows_are_inert_under_replay(cuda_weights, traces):
     assert all(torch.equal(a, b) for a, b in zip(graphed, plain))
     assert any(a.any() for a in graphed)
 
+
+
+def test_flash_slice_replays_give_the_compiled_forward_bitwise():
+    """flash-slice in bf16 (random weights, ~62 GB, its own compile): one request replayed at
+    width 1, then three at width 4 (a padding row), each step bit for bit the logits and cache
+    of the same compiled forward without capture at that width. A small pool (num_pages) keeps
+    the cache snapshots small."""
+    eng = LLMEngine(EngineArgs(model="flash-slice", dtype="bfloat16", device="cuda", max_num_seqs=4,
+                               max_num_batched_tokens=256, max_model_len=512, num_pages=32, enforce_eager=False,
+                               cudagraph_mode="FULL", cudagraph_capture_sizes="1,4"))
+    assert eng.graph_report["sizes"] == [1, 4]
+    for n, width in ((1, 1), (3, 4)):
+        seqs = decoding(eng, n)
+        replay_equals_plain_forward(eng, width)
+        for s in seqs:
+            eng.abort(s.request_id)
+    assert eng.runner.graphs.replays >= 6
 
 SCENARIOS = [
     H.CHUNKS,

@@ -7,7 +7,8 @@
 #
 #   tools/gpu_checks.sh OUT tests       # the `-m gpu` kernel/compile modules, one log each, first failure's traceback kept
 #   tools/gpu_checks.sh OUT graphtests [K...]  # tests/test_cuda_graph_gpu.py but the harness, in six
-#                                     # processes grouped by compile (or a process per -k expression K)
+#                                     # processes grouped by compile (or a process per -k expression K;
+#                                     # flash_slice's 62 GB build and cold compile fit alone, ~5 min)
 #   tools/gpu_checks.sh OUT harness   # its schedule-invariance harness: a process per mode and scenario
 #   tools/gpu_checks.sh OUT graphs    # step_bench: eager / compiled / full, wall and kernel time, host
 #                                     # time by phase, FULL graphs' device span
@@ -61,7 +62,8 @@ graphtests|harness)
             "tr_hybrid_replays_equal and not cancellations"
             "tr_hybrid_replays_equal_the_compiled_forward_under_cancellations"
             "tr_hybrid_padding"
-            "dspark")
+            "dspark"
+            "flash_slice")
     [ $# -gt 2 ] && groups=("${@:3}")
   fi
   step "tests/test_cuda_graph_gpu.py ($PART)"
