@@ -1,6 +1,6 @@
 """Per-kernel timings on a GPU against the floor of the bytes each call must move (Flash shapes,
 bf16): v41::sparse_attn (decode 1/16/64 tokens, prefill 4096) and v41::index_topk (`--mhc`:
-v41::mhc_mix alone). Each call is
+v41::mhc_mix alone; `--wo-a`: v41::inv_rope_wo_a alone, split-K and tile variants). Each call is
 captured in a CUDA graph and replayed; CUDA events around 50 replays, median of 15 repeats.
 
     python benchmarks/kernel_bench.py --out benchmarks/results/kernels-h200.json
@@ -199,15 +199,43 @@ def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
             print(json.dumps(rows[-1]), flush=True)
 
 
+def bench_wo_a(rows: list, G: int = 8, R: int = 1024, I: int = 4096, d: int = 512, rot: int = 64) -> None:
+    """v41::inv_rope_wo_a (bf16, Flash's wo_a: 8 groups of 1024 x 4096) at decode widths: the
+    default (split-K by fp8_gemm.split_count) beside fixed split counts and other tiles, twice
+    in alternation; the floor is wo_a's bytes plus o's."""
+    from custom_ops.triton.attn_out import triton_inv_rope_wo_a
+    wo_a = (torch.randn(G, R, I, device="cuda") * 0.02).to(torch.bfloat16)
+    ang = torch.rand(8192, rot // 2, device="cuda") * 6.28
+    cos, sin = ang.cos(), ang.sin()
+    variants = ({}, {"split_k": 1}, {"split_k": 2}, {"split_k": 8}, {"block_k": 128},
+                {"block_k": 128, "num_stages": 4}, {"block_n": 32})
+    for T in (1, 6, 16, 64):
+        o = torch.randn(T, G * I // d, d, device="cuda").to(torch.bfloat16)
+        pos = torch.randint(0, 8192, (T,), device="cuda")
+        out = torch.empty(T, G * R, dtype=torch.bfloat16, device="cuda")
+        nbytes = wo_a.nbytes + o.nbytes
+        for rep in range(2):
+            for kw in variants:
+                us = time_graph(lambda: triton_inv_rope_wo_a(o, cos, sin, pos, wo_a, out, **kw))
+                rows.append({"kernel": "inv_rope_wo_a", "tokens": T, "knobs": kw or "default", "round": rep,
+                             "us": round(us, 2), "bytes": nbytes, "floor_us": round(floor_us(nbytes), 2),
+                             "TBps": round(nbytes / us / 1e6, 3)})
+                print(json.dumps(rows[-1]), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/kernels-h200.json")
     ap.add_argument("--sweep", action="store_true", help="also sweep sparse_attn decode launch options")
     ap.add_argument("--breakdown", action="store_true", help="only the decode sparse_attn breakdown")
     ap.add_argument("--mhc", action="store_true", help="only mhc_mix, splits summed one per load vs the default")
+    ap.add_argument("--wo-a", action="store_true", help="only inv_rope_wo_a at decode widths, split-K and tiles")
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
+    if a.wo_a:
+        bench_wo_a(rows)
+        return save(a.out, rows)
     if a.mhc:
         bench_mhc(rows)
         return save(a.out, rows)

@@ -100,8 +100,11 @@ else:
         assert not out.isnan().any()
         assert_qat_close(out, ref, ref_rope.apply_rope(x, rope.cos, rope.sin, pos, False))
 
-    @pytest.mark.parametrize("kw", [{}, {"block_m": 16, "block_n": 16, "block_k": 16}])
+    @pytest.mark.parametrize("kw", [{}, {"block_m": 16, "block_n": 16, "block_k": 16},
+                                    {"block_m": 16, "block_n": 16, "block_k": 16, "split_k": 4}])
     def test_inv_rope_wo_a(g, kw):
+        """Tiles of the default and of 16 (6 K steps of 96 columns, each head's 48 ending in
+        rotated columns), and those steps in 3 splits of 2 summed by the last to arrive."""
         rope = rope_table()
         T, H, d, G, R = 19, 4, 48, 2, 24
         o = rnd(g, T, H, d)

@@ -130,3 +130,18 @@ def test_index_select_kernels_build_for_hopper(map_cand):
                              "i32"), **dict.fromkeys(("MAP_CAND", "BLOCK"), "constexpr")}
     k = build(_select_write_kernel, write, {"MAP_CAND": map_cand, "BLOCK": SELECT_BLOCK})
     assert 0 < registers(k) <= 255
+
+
+@pytest.mark.parametrize("block_m,block_n,splits", [(16, 64, 1), (16, 64, 4), (128, 128, 1)])
+def test_inv_rope_wo_a_builds_for_hopper(block_m, block_n, splits):
+    """The attention output's grouped GEMM at the decode tile, with and without split-K, and at
+    the prefill tile."""
+    from custom_ops.triton.attn_out import _inv_rope_wo_a_kernel
+    sig = {"o_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "w_ptr": "*bf16",
+           "out_ptr": "*bf16", "p_ptr": "*fp32", "cnt_ptr": "*i32",
+           **dict.fromkeys(("T", "R", "I", "d", "tail0", "K_SPLIT", "stride_ot", "stride_og", "stride_cos",
+                            "stride_sin", "stride_wg", "stride_wr", "stride_zt", "stride_ps"), "i32"),
+           **dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLITS", "DOT_F32", "PREC"), "constexpr")}
+    k = build(_inv_rope_wo_a_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 64, "SPLITS": splits,
+                                           "DOT_F32": False, "PREC": "tf32"}, num_warps=8 if block_m >= 128 else 4)
+    assert 0 < registers(k) <= 255

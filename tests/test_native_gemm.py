@@ -214,15 +214,15 @@ else:
         waves over 132 SMs; a GEMM with tiles for every SM does not split; CPU never does."""
         from types import SimpleNamespace
 
-        from custom_ops.triton.fp8_gemm import _splits
+        from custom_ops.triton.fp8_gemm import split_count
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
         cuda = torch.device("cuda")
-        assert _splits(20, 160, 1, 5120, cuda) == 14 and _splits(20, 6, 1, 192, cuda) == 1
+        assert split_count(20, 160, 1, 5120, cuda) == 14 and split_count(20, 6, 1, 192, cuda) == 1
         # under 4 tiles per SM at least 4 splits (wq_b, 16384x4096 at M = 1), unless the FP32
         # partials would outweigh half the weight (wq_b at M = 64); 4 tiles per SM: no split
-        assert _splits(512, 40, 1, 1280, cuda) == 4 and _splits(256, 128, 1, 4096, cuda) == 4
-        assert _splits(512, 40, 64, 1280, cuda) == 1 and _splits(528, 160, 1, 5120, cuda) == 1
-        assert _splits(20, 160, 1, 5120, torch.device("cpu")) == 1
+        assert split_count(512, 40, 1, 1280, cuda) == 4 and split_count(256, 128, 1, 4096, cuda) == 4
+        assert split_count(512, 40, 64, 1280, cuda) == 1 and split_count(528, 160, 1, 5120, cuda) == 1
+        assert split_count(20, 160, 1, 5120, torch.device("cpu")) == 1
 
     def test_fp8_block_gemm_bf16_out(g, monkeypatch):
         """bf16 output (the activation dtype of the model): one RNE rounding past the FP32 bound."""

@@ -11,6 +11,11 @@ place. FP32 accumulation, one rounding to the output dtype (the reference's eins
 Tiles: BLOCK_M by token count (16 for decode up to 128 for prefill), BLOCK_N = 64 for decode
 (128 programs at T <= 16: the 64 MB wo_a read is the whole cost) and 128 for prefill, BLOCK_K =
 64 (with d = 512, rot = 64 only the last K step of each head rotates).
+
+Split-K (grid axis 2 holds G x splits) where the output tiles alone leave SMs idle, as
+fp8_gemm's: each split walks its share of I into FP32 partials [splits, T, G·R]; the split that
+arrives last at its tile (fp8_gemm.tile_counters) sums them in ascending split order and rounds
+once, in the same launch.
 """
 from __future__ import annotations
 
@@ -21,18 +26,22 @@ import triton.language as tl
 from custom_ops import attn_out as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, dot_precision
+from custom_ops.triton.fp8_gemm import split_count, tile_counters
 from custom_ops.triton.rope import rope_values
 
 
 @triton.jit
-def _inv_rope_wo_a_kernel(o_ptr, cos_ptr, sin_ptr, pos_ptr, w_ptr, out_ptr, T, R, I, d, tail0,
-                          stride_ot, stride_og, stride_cos, stride_sin,
-                          stride_wg, stride_wr, stride_zt,
+def _inv_rope_wo_a_kernel(o_ptr, cos_ptr, sin_ptr, pos_ptr, w_ptr, out_ptr, p_ptr, cnt_ptr, T, R, I, d, tail0,
+                          K_SPLIT, stride_ot, stride_og, stride_cos, stride_sin,
+                          stride_wg, stride_wr, stride_zt, stride_ps,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DOT_F32: tl.constexpr, PREC: tl.constexpr):
+                          SPLITS: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """Program (m, n, g·SPLITS + s): columns [s·K_SPLIT, (s+1)·K_SPLIT) of group g's I (K_SPLIT
+    a multiple of BLOCK_K)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    g = tl.program_id(2)
+    g = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -45,7 +54,7 @@ def _inv_rope_wo_a_kernel(o_ptr, cos_ptr, sin_ptr, pos_ptr, w_ptr, out_ptr, T, R
     a_base = o_ptr + rm64[:, None] * stride_ot + g.to(tl.int64) * stride_og
     w_base = w_ptr + g.to(tl.int64) * stride_wg + rn.to(tl.int64)[None, :] * stride_wr
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, I), BLOCK_K):
         ks = k0 + rk
         kmask = ks < I
         amask = mmask[:, None] & kmask[None, :]
@@ -60,8 +69,22 @@ def _inv_rope_wo_a_kernel(o_ptr, cos_ptr, sin_ptr, pos_ptr, w_ptr, out_ptr, T, R
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PREC)
-    z = out_ptr + rm64[:, None] * stride_zt + (g * R + rn)[None, :]
-    tl.store(z, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    cols = (g * R + rn)[None, :]
+    omask = mmask[:, None] & nmask[None, :]
+    z = out_ptr + rm64[:, None] * stride_zt + cols
+    if SPLITS > 1:
+        p_tile = p_ptr + rm64[:, None] * (R * tl.num_programs(2) // SPLITS) + cols
+        tl.store(p_tile + split.to(tl.int64) * stride_ps, acc, mask=omask)
+        counter = cnt_ptr + (pid_m * tl.num_programs(1) + pid_n) * (tl.num_programs(2) // SPLITS) + g
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+            tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(SPLITS):
+                # .cg: from L2, where the other splits' stores are (not a stale L1 line)
+                tot += tl.load(p_tile + s * stride_ps, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.store(z, tot.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(counter, 0)
+    else:
+        tl.store(z, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 def _block_m(T: int) -> int:
@@ -69,8 +92,11 @@ def _block_m(T: int) -> int:
 
 
 def triton_inv_rope_wo_a(o, cos, sin, positions, wo_a, out, *, block_m: int | None = None,
-                         block_n: int | None = None, block_k: int | None = None) -> None:
-    """`v41::inv_rope_wo_a` (same signature); keyword knobs: tile sizes."""
+                         block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+                         num_stages: int | None = None, num_warps: int | None = None) -> None:
+    """`v41::inv_rope_wo_a` (same signature); keyword knobs: tile sizes, the split-K count (None:
+    fp8_gemm.split_count's rule, one split off CUDA), stages and warps (None: Triton's and the
+    tile's)."""
     T, H, d = o.shape
     G, R, I = wo_a.shape
     rot = 2 * cos.shape[-1]
@@ -100,13 +126,19 @@ def triton_inv_rope_wo_a(o, cos, sin, positions, wo_a, out, *, block_m: int | No
     bn = block_n or min(128 if bm >= 64 else 64, max(16, triton.next_power_of_2(R)))
     bk = block_k or min(64, max(16, triton.next_power_of_2(I)))
     interp = o.device.type == "cpu"
-    grid = (triton.cdiv(T, bm), triton.cdiv(R, bn), G)
-    _inv_rope_wo_a_kernel[grid](o3, cos, sin, positions, w, dst, T, R, I, d, d - rot,
-                                o3.stride(0), o3.stride(1), cos.stride(0), sin.stride(0),
-                                w.stride(0), w.stride(1), dst.stride(0),
-                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                DOT_F32=interp and o.dtype != torch.float32, PREC=dot_precision(o),
-                                num_warps=8 if bm >= 128 else 4)
+    grid_m, grid_n, steps = triton.cdiv(T, bm), triton.cdiv(R, bn), triton.cdiv(I, bk)
+    splits = min(steps, split_k or split_count(grid_m * grid_n * G, I // 32, T, I, o.device))
+    per = triton.cdiv(steps, splits)
+    splits = triton.cdiv(steps, per)                  # no empty split
+    part = dst if splits == 1 else torch.empty(splits, T, G * R, dtype=torch.float32, device=o.device)
+    counters = tile_counters(o.device, grid_m * grid_n * G if splits > 1 else 0)
+    kw = {} if num_stages is None else {"num_stages": num_stages}
+    _inv_rope_wo_a_kernel[(grid_m, grid_n, G * splits)](
+        o3, cos, sin, positions, w, dst, part, counters, T, R, I, d, d - rot, per * bk,
+        o3.stride(0), o3.stride(1), cos.stride(0), sin.stride(0), w.stride(0), w.stride(1), dst.stride(0),
+        part.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLITS=splits,
+        DOT_F32=interp and o.dtype != torch.float32, PREC=dot_precision(o),
+        num_warps=num_warps or (8 if bm >= 128 else 4), **kw)
     if z is None:
         out.copy_(dst.view(out.shape))
 

@@ -165,7 +165,7 @@ def _block_m(M: int) -> int:
     return min(BLOCK_M_MAX, max(16, triton.next_power_of_2(M)))
 
 
-def _splits(tiles: int, KB: int, M: int, K: int, device) -> int:
+def split_count(tiles: int, KB: int, M: int, K: int, device) -> int:
     """Split-K count: enough programs for two waves over the SMs when the output tiles alone
     leave them idle (a decode GEMM at N = 1280 is 20 tiles on 132 SMs), each split keeping at
     least 4 K blocks; under 4 tiles per SM, at least 4 splits where their FP32 partials
@@ -204,7 +204,7 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, block_m: int
           block_n: int | None = None, split_k: int | None = None, unroll: int | None = None,
           num_warps: int = 4, num_stages: int | None = None) -> bool:
     """Launch `_fp8_gemm_kernel`, or False where it does not apply. Knobs: tile sizes, split-K
-    count (None: `_splits`), K blocks per iteration and stages (None: `_tiles`, one block per
+    count (None: `split_count`), K blocks per iteration and stages (None: `_tiles`, one block per
     iteration where its count does not divide K), warps. Split-K sums FP32 partials in a fixed
     order: deterministic, and only the order of the FP32 sums differs from one split."""
     K, R = _ref.gemm_group_shape(x, w, groups)
@@ -221,7 +221,7 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, block_m: int
     if KB % unroll:
         raise ValueError(f"unroll={unroll} does not divide the {KB} K blocks of 32")
     grid_m, grid_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
-    splits = min(KB // unroll, split_k or _splits(grid_m * grid_n, KB, M, K, out.device))
+    splits = min(KB // unroll, split_k or split_count(grid_m * grid_n, KB, M, K, out.device))
     per = triton.cdiv(KB // unroll, splits) * unroll
     splits = triton.cdiv(KB, per)                   # no empty split
     wsc = ws.view(torch.uint8)
