@@ -11,12 +11,13 @@
 #                                     # flash_slice's 62 GB build and cold compile fit alone, ~5 min)
 #   tools/gpu_checks.sh OUT harness   # its schedule-invariance harness: a process per mode and scenario
 #   tools/gpu_checks.sh OUT graphs    # step_bench: eager / compiled / full, wall and kernel time, host
-#                                     # time by phase, FULL graphs' device span
+#                                     # time by phase, FULL graphs' device span (PROFILE=1: profiles too)
 #   tools/gpu_checks.sh OUT hybrid    # step_bench: compiled / full / tr_hybrid (after graphs: warm compile cache)
 #   tools/gpu_checks.sh OUT dspark [V]  # dspark_bench at acceptance length 3.51, compiled + FULL, variants V
 #                                     # (default plain,dspark), a profiled step per case (dspark-eager: eager)
 #   tools/gpu_checks.sh OUT native    # step_bench --weight-format native (FULL graphs), profiled
 #   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
+#   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles
 #   tools/gpu_checks.sh OUT formats   # weight_formats_bench: bf16 and native engines in one run, alternating
 #   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
 #   tools/gpu_checks.sh OUT serve     # flash-slice server + serve_bench on chat text prompts
@@ -80,9 +81,11 @@ graphtests|harness)
   grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed|s call |^rc=" "$OUT"/$PART-*.log | head -80 ;;
 graphs)
   step "step_bench eager,compiled,full"
-  # no --profile: a cold compile and the profiles ran past 560 s (2026-12-04)
+  # PROFILE=1 adds --profile (per-variant profiler tables of decode b1/b64 and a prefill): only with
+  # a warm compile cache, since a cold compile and the profiles ran past 560 s (2026-12-04)
+  prof=(); [ "${PROFILE:-0}" = 1 ] && prof=(--profile "$OUT/graphs-profiles.txt")
   timeout 560 $py benchmarks/step_bench.py --variants eager,compiled,full --no-agreement \
-    --out "$OUT/graphs-flash-slice-h200.json" > "$OUT/graphs.log" 2>&1
+    ${prof[@]+"${prof[@]}"} --out "$OUT/graphs-flash-slice-h200.json" > "$OUT/graphs.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|^graphs:|Error' "$OUT/graphs.log" | tail -20 ;;
 hybrid)
   step "step_bench compiled,full,tr_hybrid"
@@ -116,6 +119,10 @@ formats)
   timeout 570 $py benchmarks/weight_formats_bench.py --out "$OUT/native-weights-flash-slice-h200.json" \
     > "$OUT/formats.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/formats.log" | cut -c1-200 | tail -12 ;;
+wo-a)
+  step "kernel_bench --wo-a"
+  timeout 240 $py benchmarks/kernel_bench.py --wo-a --out "$OUT/kernels-wo-a-h200.json" > "$OUT/wo-a.log" 2>&1
+  echo "rc=$?"; grep -E '"round": 1' "$OUT/wo-a.log" | cut -c1-160 ;;
 native-gemm)
   step "native_gemm_bench"
   timeout 300 $py benchmarks/native_gemm_bench.py --out "$OUT/native-gemm-h200.json" > "$OUT/native-gemm.log" 2>&1
@@ -145,7 +152,7 @@ serve)
   echo "rc=$?"; grep -E 'TTFT|TPOT|ITL|throughput' "$OUT/serve-bench.log"
   kill $pid; wait $pid 2> /dev/null ;;
 *)
-  echo "unknown part $PART: tests, graphtests, harness, graphs, hybrid, dspark, dspark-eager, native, native-gemm, formats, replay or serve" >&2; exit 2 ;;
+  echo "unknown part $PART: tests, graphtests, harness, graphs, hybrid, dspark, dspark-eager, native, native-gemm, wo-a, formats, replay or serve" >&2; exit 2 ;;
 esac
 if [ "${PACK_CACHE:-0}" = 1 ] && [ -d .cache/gpu-compile ]; then
   step "packing .cache/gpu-compile"
