@@ -26,7 +26,7 @@ import triton.language as tl
 from custom_ops import attn_out as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, dot_precision
-from custom_ops.triton.fp8_gemm import split_count, tile_counters
+from custom_ops.triton.fp8_gemm import split_count, sum_splits, tile_counters
 from custom_ops.triton.rope import rope_values
 
 
@@ -73,16 +73,10 @@ def _inv_rope_wo_a_kernel(o_ptr, cos_ptr, sin_ptr, pos_ptr, w_ptr, out_ptr, p_pt
     omask = mmask[:, None] & nmask[None, :]
     z = out_ptr + rm64[:, None] * stride_zt + cols
     if SPLITS > 1:
-        p_tile = p_ptr + rm64[:, None] * (R * tl.num_programs(2) // SPLITS) + cols
-        tl.store(p_tile + split.to(tl.int64) * stride_ps, acc, mask=omask)
-        counter = cnt_ptr + (pid_m * tl.num_programs(1) + pid_n) * (tl.num_programs(2) // SPLITS) + g
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
-            tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for s in range(SPLITS):
-                # .cg: from L2, where the other splits' stores are (not a stale L1 line)
-                tot += tl.load(p_tile + s * stride_ps, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.store(z, tot.to(out_ptr.dtype.element_ty), mask=omask)
-            tl.atomic_xchg(counter, 0)
+        G = tl.num_programs(2) // SPLITS
+        p_tile = p_ptr + rm64[:, None] * (G * R) + cols
+        counter = cnt_ptr + (pid_m * tl.num_programs(1) + pid_n) * G + g
+        sum_splits(acc, z, p_tile, stride_ps, split, SPLITS, counter, omask)
     else:
         tl.store(z, acc.to(out_ptr.dtype.element_ty), mask=omask)
 

@@ -147,18 +147,25 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
     o_ptrs = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     if SPLIT_K:
         p_tile = p_ptr + rm.to(tl.int64)[:, None] * stride_pm + rn[None, :]
-        tl.store(p_tile + split.to(tl.int64) * stride_ps, acc, mask=omask)
-        splits = tl.num_programs(2)
         counter = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
-            tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for s in range(splits):
-                # .cg: from L2, where the other splits' stores are (not a stale L1 line)
-                tot += tl.load(p_tile + s * stride_ps, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.store(o_ptrs, tot.to(o_ptr.dtype.element_ty), mask=omask)
-            tl.atomic_xchg(counter, 0)
+        sum_splits(acc, o_ptrs, p_tile, stride_ps, split, tl.num_programs(2), counter, omask)
     else:
         tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def sum_splits(acc, o_ptrs, p_tile, stride_ps, split, splits, counter, omask):
+    """Split-K's end of a program: its FP32 partial `acc` stored at p_tile + split·stride_ps and
+    counted in the tile's counter (acq_rel); the split that counts last sums the partials in
+    ascending split order, rounds once into o_ptrs and zeroes the counter for the next call."""
+    tl.store(p_tile + split.to(tl.int64) * stride_ps, acc, mask=omask)
+    if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+        tot = tl.zeros_like(acc)
+        for s in range(splits):
+            # .cg: from L2, where the other splits' stores are (not a stale L1 line)
+            tot += tl.load(p_tile + s * stride_ps, mask=omask, other=0.0, cache_modifier=".cg")
+        tl.store(o_ptrs, tot.to(o_ptrs.dtype.element_ty), mask=omask)
+        tl.atomic_xchg(counter, 0)
 
 
 def _block_m(M: int) -> int:
