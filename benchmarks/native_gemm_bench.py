@@ -41,8 +41,9 @@ TINY_EXPERTS = (6, 2, 64, 64)
 # tile variants timed beside the defaults (the "sweep" rows) at SWEEP_M and the first prefill width
 # (2026-12-03, native-gemm-h200.json: 64-wide tiles with one K block an iteration, and 256-wide
 # tiles, lost at every decode width and left the list; the rest ask whether more bytes in flight
-# a program (stages, narrower tiles, more splits, fewer warps) lift the one-row reads)
-DECODE_SWEEP = ({"block_n": 64, "unroll": 4, "num_stages": 3}, {"block_n": 128, "unroll": 1, "num_stages": 6},
+# a program (stages, narrower tiles, more splits, fewer warps) lift the one-row reads; the CPU
+# dry run takes the first, which runs at any K)
+DECODE_SWEEP = ({"block_n": 128, "unroll": 1, "num_stages": 6}, {"block_n": 64, "unroll": 4, "num_stages": 3},
                 {"block_n": 128, "unroll": 4, "num_stages": 3}, {"block_n": 128, "num_stages": 2}, {"split_k": 8},
                 {"block_n": 64, "unroll": 4, "num_stages": 5}, {"block_n": 32, "unroll": 4, "num_stages": 4},
                 {"block_n": 64, "unroll": 4, "split_k": 16}, {"block_n": 64, "unroll": 4, "num_warps": 2})
