@@ -53,10 +53,13 @@ def capturing(dev):
     report.update(seconds=round(time.perf_counter() - t0, 2), pool_bytes=torch.cuda.memory_reserved(dev) - before)
 
 
-# the compiled pieces (in call order) a new graph of a chain begins at: the first graph holds the
-# forward's head and one layer piece, and each graph is about three times the one before, so its
-# launch ends before the one before it has run
-CHAIN_CUTS = (1, 3, 9, 27)
+# the compiled pieces (in call order) a new graph of a chain begins at. Piece 0 is the forward's
+# head (embedding, mHC expand), then a piece a layer: the first graph holds the head and layer 0,
+# and each graph is about three times the one before, so its launch ends before the one before it
+# has run. (With the head alone in the first graph, flash-slice's replays idled 0.34-0.41 ms
+# between the head and layer 0 at every width, graphs-flash-slice-h200.json's graph_gaps:
+# the second graph's launch.)
+CHAIN_CUTS = (2, 4, 10, 28)
 
 
 class GraphChain:
