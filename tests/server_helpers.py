@@ -83,7 +83,7 @@ def start_server(extra=(), timeout=240.0):
             if httpx.get(url + "/health", timeout=5).status_code == 200:
                 return Server(proc, url, log_path)
         except httpx.HTTPError:
-            pass
+            pass                # not listening yet: poll again until healthy, dead or past the deadline
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"server not healthy:\n{Path(log_path).read_text()}")

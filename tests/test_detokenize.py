@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-pytest.importorskip("fastapi")          # runtime.server's package imports the app
+pytest.importorskip("fastapi", reason="runtime.server's package imports the app: the serve extra (fastapi) is not installed")
 
 
 def _feed_all(it, ids, sizes):
