@@ -138,6 +138,18 @@ class BlockManager:
             new.append((page, (i + 1) * P))
         return new
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix: the unreferenced cached pages and their images go back to
+        the free lists. False, and nothing forgotten, while a request holds pages (its pages'
+        hashes are what later steps register against)."""
+        if any(self.ref):
+            return False
+        for page in self.evictable:
+            self._uncache(page)
+            self.free_pages.append(page)
+        self.evictable.clear()
+        return True
+
     def _uncache(self, page: int) -> None:
         h, _ = self.page_key.pop(page)
         del self.cached[h]

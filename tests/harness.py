@@ -1,7 +1,7 @@
 """Schedule-invariance harness (the seeds' validate_runtime scenarios, no oracle): a fixed set of
 requests runs once uninterrupted, then under a perturbing scenario; greedy tokens must be equal
-and every page and slot free afterwards. Later issues add scenarios here (prefix forks,
-replay from a missing image, ...)."""
+and every page and slot free afterwards; also the prefix-caching prompts (forks, cross
+prefixes) and perturbations (missing or corrupt images) that the prefix-cache suites run."""
 from __future__ import annotations
 
 import random
@@ -145,6 +145,11 @@ def run_in_order(weights, reqs: list[list[int]], max_tokens: int = 8, **engine) 
 def fork_arrivals(n: int, after: int = 8) -> list[int]:
     """The root at step 0, every fork once the root has been prefilled."""
     return [0] + [after] * (n - 1)
+
+
+# the fork prompts arriving once the root is prefilled, with prefix caching: hits of 1-4 PAGEs
+FORKS = Scenario("forks", engine={"max_prefill_chunk": 48, "enable_prefix_caching": True},
+                 arrival_steps=fork_arrivals(len(forks())))
 
 
 def evict_images(keep_first: int = 1):

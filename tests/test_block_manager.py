@@ -204,6 +204,21 @@ def test_an_uncached_page_drops_its_image_when_freed():
     assert m.image_of == {} and list(m.free_images) == [0]
 
 
+def test_reset_prefix_cache_frees_cached_pages_and_images_only_when_nothing_is_held():
+    m = bm(pages=4, slots=2, images=2)
+    a = seq(range(9))
+    computed(m, a, 9)
+    m.take_image(a.pages[0])
+    assert not m.reset_prefix_cache()                      # a holds its pages: nothing forgotten
+    assert len(m.cached) == 2 and m.image_of == {0: 0}
+    m.free(a)
+    assert m.reset_prefix_cache()
+    assert m.cached == {} and m.page_key == {} and not m.evictable and m.image_of == {}
+    assert sorted(m.free_pages) == [0, 1, 2, 3] and sorted(m.free_images) == [0, 1]
+    assert m.match(seq(range(9))) == []
+    m.check([])
+
+
 def test_replay_resumes_one_hash_block_below_the_hit():
     assert bm().replay_start(12) == 8
 

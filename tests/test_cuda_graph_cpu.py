@@ -9,7 +9,8 @@ are still where they were, runs the forward on the captured objects again and co
 into the captured output. With the eager model under static shapes (what the compiled forward
 sees), the runtime's own CUDAGraphRunner, width selection and padding then run here, in float64:
 - a replayed step equals the plain forward at the same width, logits and cache, bit for bit;
-- requests decoded through replays get the tokens of the engine without graphs (no leaks);
+- requests decoded through replays get the tokens of the engine without graphs (no leaks),
+  prefix hits too;
 - padding rows of a replay write nothing: NaN-poisoned planes come back as a plain step's.
 The same checks on the H200 with real graphs: tests/test_cuda_graph_gpu.py.
 """
@@ -145,6 +146,21 @@ def test_decoding_through_replays_gives_the_tokens_without_graphs(toy_weights, c
     assert replays >= 9                 # every decode step after the prompts replayed
     eng.bm.check([])
     assert eng.bm.all_free
+
+
+@pytest.mark.parametrize("encoder_replay", [True, False], ids=["encoder-replay", "checkpoint-copy"])
+def test_prefix_hits_through_replays_give_the_tokens_without_graphs(toy_weights, cpu_graphs, monkeypatch,
+                                                                    encoder_replay):
+    """The fork prompts with prefix caching (hits of 1-4 PAGEs, on and off a PAGE boundary, under
+    either state transfer), decoded through replays: the tokens of the same settings without graphs."""
+    reqs = H.forks()
+    sc = H.Scenario("forks", engine={**H.FORKS.engine, "encoder_swa_bounded_replay": encoder_replay},
+                    arrival_steps=H.FORKS.arrival_steps)
+    want = H.run(toy_weights, reqs, max_tokens=6, scenario=sc)
+    eng = graphed(toy_weights, (1, 2, 4, 8), **sc.engine)
+    monkeypatch.setattr(H, "make_engine", lambda *a, **kw: eng)
+    assert H.run(toy_weights, reqs, max_tokens=6, scenario=sc) == want
+    assert eng.bm.stats["hit_tokens"] >= 10 * H.PAGE and eng.runner.graphs.replays > 0
 
 
 def test_padding_rows_of_a_replay_write_nothing(toy_weights, cpu_graphs):

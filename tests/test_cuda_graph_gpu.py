@@ -8,7 +8,8 @@ The CPU versions, with a recording stand-in: tests/test_cuda_graph_cpu.py, test_
 - A replayed decode graph gives bitwise the logits of the same compiled forward run without
   capture at the same running width (toy in float32, flash-slice in bf16), from the same cache
   state.
-- The schedule-invariance harness gives the same greedy tokens with FULL and with TR_HYBRID as
+- The schedule-invariance harness (chunks, preemption, cancellation, arrivals, prefix hits)
+  gives the same greedy tokens with FULL and with TR_HYBRID as
   the same engine running the same steps at the same widths without graphs (the scenario run
   again on it, replay swapped for the compiled forward), and leaks no page or slot. (Not NONE's
   tokens in float32: a step padded to a captured width runs the GEMMs at another row count,
@@ -102,20 +103,23 @@ SCENARIOS = [
     H.PREEMPT,
     H.CANCEL,
     H.Scenario("arrivals", arrival_steps=[0, 3, 3, 5, 9, 9, 12, 20]),
+    H.FORKS,
 ]
 
 
 def watching(hook, engines: list, replay: bool = True):
     """`hook` that also keeps the engine it sees in `engines`, with its replay count then (its
     capture and any earlier run replayed too), and, unless `replay`, swaps that engine's graph
-    replay for the compiled forward on the same published buffers (every step then runs at the
-    width it would replay, without graphs)."""
+    replay for the compiled function it captured, run on the same published buffers (every step
+    then runs at the width it would replay, without graphs). A FULL graph captured
+    `graph_forward`, which gathers the step's Engram rows that `prepare` then leaves out."""
     def watched(eng, live, step, rng):
         if not engines:
             engines.extend((eng, eng.runner.graphs.replays))
             if not replay:
                 r = eng.runner
-                r.graphs.replay = lambda width, batch, cache: r.forward(batch, cache)
+                captured = r.graph_forward if r.graphs.gathers_engram else r.forward
+                r.graphs.replay = lambda width, batch, cache: captured(batch, cache)
         return hook(eng, live, step, rng) if hook is not None else None
     return watched
 
@@ -125,8 +129,9 @@ def watching(hook, engines: list, replay: bool = True):
 def test_schedule_invariance_graphs_vs_the_same_widths_without(cuda_weights, traces, monkeypatch, sc, mode):
     """One engine runs the scenario twice: replaying its graphs, then with replay swapped for the
     compiled forward (a TR_HYBRID engine compiles its own pieces, which a second engine would
-    compile again: minutes on the H200). A run leaves every page and slot free (H.run checks)."""
-    reqs = H.prompts()
+    compile again: minutes on the H200). A run leaves every page and slot free (H.run checks).
+    The forks scenario's requests hit the prefix cache, which each run starts empty."""
+    reqs = H.forks() if sc is H.FORKS else H.prompts()
     cuda = {k: v for k, v in BASE.items() if k not in ("model", "dtype", "max_num_seqs")}
     engine = {**cuda, **sc.engine, "cudagraph_mode": mode}
     eng = H.make_engine(cuda_weights, "float32", **engine)
@@ -135,7 +140,10 @@ def test_schedule_invariance_graphs_vs_the_same_widths_without(cuda_weights, tra
     for name in engines:
         hook = watching(sc.hook, engines[name], replay=name == "graphs")
         scenario = H.Scenario(sc.name, engine=engine, arrival_steps=sc.arrival_steps, hook=hook, seed=sc.seed)
+        assert eng.bm.reset_prefix_cache()
+        hits = eng.bm.stats["hit_tokens"]
         got[name] = H.run(cuda_weights, reqs, max_tokens=8, scenario=scenario, dtype="float32")
+        assert (eng.bm.stats["hit_tokens"] > hits) == (sc is H.FORKS), name
     assert got["graphs"] == got["plain"]
     replayed = {name: e.runner.graphs.replays - at_start for name, (e, at_start) in engines.items()}
     assert replayed["graphs"] > 0 and replayed["plain"] == 0, replayed

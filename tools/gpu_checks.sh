@@ -9,7 +9,8 @@
 #   tools/gpu_checks.sh OUT graphtests [K...]  # tests/test_cuda_graph_gpu.py but the harness, in six
 #                                     # processes grouped by compile (or a process per -k expression K;
 #                                     # flash_slice's 62 GB build and cold compile fit alone, ~5 min)
-#   tools/gpu_checks.sh OUT harness   # its schedule-invariance harness: a process per mode and scenario
+#   tools/gpu_checks.sh OUT harness [MODE]  # its schedule-invariance harness: a process per mode and
+#                                     # scenario (MODE FULL or TR_HYBRID: one mode's five, which fit a call)
 #   tools/gpu_checks.sh OUT graphs    # step_bench: eager / compiled / full, wall and kernel time, host
 #                                     # time by phase, FULL graphs' device span (PROFILE=1: profiles too)
 #   tools/gpu_checks.sh OUT hybrid    # step_bench: compiled / full / tr_hybrid (after graphs: warm compile cache)
@@ -55,8 +56,8 @@ graphtests|harness)
   # test builds two engines with graphs (one replaying, one not): a process each.
   if [ "$PART" = harness ]; then
     groups=()
-    for m in FULL TR_HYBRID; do
-      for sc in chunks preempt cancel arrivals; do groups+=("schedule_invariance and $m-$sc"); done
+    for m in ${3:-FULL TR_HYBRID}; do
+      for sc in chunks preempt cancel arrivals forks; do groups+=("schedule_invariance and $m-$sc"); done
     done
   else
     groups=("replay_equals or inert_under_replay or does_not_synchronize"
