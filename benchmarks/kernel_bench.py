@@ -201,15 +201,15 @@ def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
 
 def bench_wo_a(rows: list, G: int = 8, R: int = 1024, I: int = 4096, d: int = 512, rot: int = 64) -> None:
     """v41::inv_rope_wo_a (bf16, Flash's wo_a: 8 groups of 1024 x 4096) at decode widths: the
-    default (split-K by fp8_gemm.split_count) beside fixed split counts and other tiles, twice
+    default (attn_out.split_for's split count) beside fixed counts and 128-wide K tiles, twice
     in alternation; the floor is wo_a's bytes plus o's."""
     from custom_ops.triton.attn_out import triton_inv_rope_wo_a
     wo_a = (torch.randn(G, R, I, device="cuda") * 0.02).to(torch.bfloat16)
     ang = torch.rand(8192, rot // 2, device="cuda") * 6.28
     cos, sin = ang.cos(), ang.sin()
-    variants = ({}, {"split_k": 1}, {"split_k": 2}, {"split_k": 8}, {"block_k": 128},
-                {"block_k": 128, "num_stages": 4}, {"block_n": 32})
-    for T in (1, 6, 16, 64):
+    variants = ({}, {"split_k": 1}, {"split_k": 2}, {"split_k": 4}, {"split_k": 8}, {"split_k": 16},
+                {"block_k": 128})
+    for T in (1, 6, 16, 32, 64):
         o = torch.randn(T, G * I // d, d, device="cuda").to(torch.bfloat16)
         pos = torch.randint(0, 8192, (T,), device="cuda")
         out = torch.empty(T, G * R, dtype=torch.bfloat16, device="cuda")

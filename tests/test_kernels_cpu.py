@@ -53,6 +53,20 @@ else:
         assert attention.split_for(64, 1, 20, cpu, split_k=5) == 5
         assert attention.split_for(1, 1, 1, cpu) == 1
 
+    def test_inv_rope_wo_a_split_choice(monkeypatch):
+        """Flash's wo_a (8 groups, R = 1024, I = 4096: 64 K steps) on 132 SMs: about four waves
+        of programs while the output tiles leave SMs idle (128 tiles at T <= 16: 4 splits; 64
+        at T = 64: 8), fewer where the FP32 partials would outweigh half the weight, none once
+        the tiles fill the SMs."""
+        from custom_ops.triton import attn_out
+        monkeypatch.setattr(attn_out, "num_sms", lambda device: 132)
+        cpu = torch.device("cpu")
+        assert [attn_out.split_for(128, 64, t, 4096, cpu) for t in (1, 6, 16)] == [4, 4, 4]
+        assert attn_out.split_for(64, 64, 64, 4096, cpu) == 8
+        assert attn_out.split_for(64, 64, 128, 4096, cpu) == 4          # partials: 4096 // (8 * 128)
+        assert attn_out.split_for(64, 8, 1, 512, cpu) == 2              # 4 K steps a split at least
+        assert attn_out.split_for(132, 64, 1, 4096, cpu) == attn_out.split_for(2048, 64, 4096, 4096, cpu) == 1
+
     @pytest.mark.parametrize("ratio", [0, 1, 2])
     @pytest.mark.parametrize("split_k,qk_split,block_h", [(1, 1, None), (3, 1, 16), (None, 2, 16)])
     def test_sparse_attn(g, ratio, split_k, qk_split, block_h):

@@ -12,10 +12,10 @@ Tiles: BLOCK_M by token count (16 for decode up to 128 for prefill), BLOCK_N = 6
 (128 programs at T <= 16: the 64 MB wo_a read is the whole cost) and 128 for prefill, BLOCK_K =
 64 (with d = 512, rot = 64 only the last K step of each head rotates).
 
-Split-K (grid axis 2 holds G x splits) where the output tiles alone leave SMs idle, as
-fp8_gemm's: each split walks its share of I into FP32 partials [splits, T, G·R]; the split that
-arrives last at its tile (fp8_gemm.tile_counters) sums them in ascending split order and rounds
-once, in the same launch.
+Split-K (grid axis 2 holds G x splits) where the output tiles alone leave SMs idle (`split_for`):
+each split walks its share of I into FP32 partials [splits, T, G·R]; the split that arrives last
+at its tile (fp8_gemm.tile_counters) sums them in ascending split order and rounds once, in the
+same launch.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import triton.language as tl
 
 from custom_ops import attn_out as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, dot_precision
-from custom_ops.triton.fp8_gemm import split_count, sum_splits, tile_counters
+from custom_ops.triton.common import TL_DTYPES, dot_precision, num_sms
+from custom_ops.triton.fp8_gemm import sum_splits, tile_counters
 from custom_ops.triton.rope import rope_values
 
 
@@ -85,12 +85,21 @@ def _block_m(T: int) -> int:
     return 16 if T <= 16 else 32 if T <= 32 else 64 if T <= 256 else 128
 
 
+def split_for(tiles: int, steps: int, T: int, I: int, device) -> int:
+    """Split-K count when the output tiles leave SMs idle: about four waves of programs, each
+    split at least 4 K steps, the FP32 partials (8·T·R bytes a split, written and read) under
+    the bf16 weight's 2·R·I. On the H200 (kernels-wo-a-h200.json) 128 tiles (T <= 16) took
+    25.9 µs at 4 splits, 28.1 at 8 and 35.3 at 2; 64 tiles (T = 64) 84.3 µs at 8 splits, where
+    5 (a ragged third wave) took 103.5 and 2 took 98.1."""
+    sms = num_sms(device)
+    return 1 if tiles >= sms else max(1, min(steps // 4, 4 * sms // tiles, I // (8 * T)))
+
+
 def triton_inv_rope_wo_a(o, cos, sin, positions, wo_a, out, *, block_m: int | None = None,
                          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                          num_stages: int | None = None, num_warps: int | None = None) -> None:
     """`v41::inv_rope_wo_a` (same signature); keyword knobs: tile sizes, the split-K count (None:
-    fp8_gemm.split_count's rule, one split off CUDA), stages and warps (None: Triton's and the
-    tile's)."""
+    `split_for`), stages and warps (None: Triton's and the tile's)."""
     T, H, d = o.shape
     G, R, I = wo_a.shape
     rot = 2 * cos.shape[-1]
@@ -121,7 +130,7 @@ def triton_inv_rope_wo_a(o, cos, sin, positions, wo_a, out, *, block_m: int | No
     bk = block_k or min(64, max(16, triton.next_power_of_2(I)))
     interp = o.device.type == "cpu"
     grid_m, grid_n, steps = triton.cdiv(T, bm), triton.cdiv(R, bn), triton.cdiv(I, bk)
-    splits = min(steps, split_k or split_count(grid_m * grid_n * G, I // 32, T, I, o.device))
+    splits = min(steps, split_k or split_for(grid_m * grid_n * G, steps, T, I, o.device))
     per = triton.cdiv(steps, splits)
     splits = triton.cdiv(steps, per)                  # no empty split
     part = dst if splits == 1 else torch.empty(splits, T, G * R, dtype=torch.float32, device=o.device)

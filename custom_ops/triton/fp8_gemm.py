@@ -178,8 +178,7 @@ def split_count(tiles: int, KB: int, M: int, K: int, device) -> int:
     least 4 K blocks; under 4 tiles per SM, at least 4 splits where their FP32 partials
     (written and read, 8·M·N bytes a split) stay under half the weight's N·K bytes (H200: 4
     splits took 16384x4096 at M = 1 from 59 to 32 µs; at M = 64 they slowed wq_b, whose
-    partials outweigh it, from 38 to 49 µs). KB counts K in blocks of 32. Also the rule of
-    attn_out's inv_rope_wo_a (bf16 weights: the partials' share of the bytes is half as large)."""
+    partials outweigh it, from 38 to 49 µs). KB counts K in blocks of 32."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
