@@ -14,7 +14,8 @@ The mini model (every layer role in 8 layers) in float64, compiled with post_gra
 - under decoder bounded replay the decoder's padding rows are inert: a prompt-finishing and a
   mixed step leave the cache planes of the same forward on the exact rows (logits: to rounding);
 - requests through the engine get the tokens of the eager engine, with no leaked page or slot;
-- padding rows of a replay write nothing (NaN-poisoned planes come back as a plain step's).
+- padding rows of a replay write nothing (NaN-poisoned planes come back as a plain step's);
+- prefix hits and cancellations through the engine leave the eager engine's tokens.
 The GPU versions: tests/test_cuda_graph_gpu.py (marked gpu).
 """
 from __future__ import annotations
@@ -278,6 +279,28 @@ def test_token_buckets():
     assert token_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
     assert token_buckets(100) == (1, 2, 4, 8, 16, 32, 64, 100)
     assert token_buckets(8192) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@pytest.mark.parametrize("name", ["every_row", "bounded"])
+def test_prefix_hits_leave_the_tokens_of_the_eager_engine(request, mini_dir, monkeypatch, name):
+    """The fork prompts (H.FORKS: hits of 1-4 PAGEs, on and off a PAGE boundary) on the replaying
+    engine, its prefix cache emptied first: the eager engine's greedy tokens, hits replayed.
+    After the padding test, which compares cache rows with a fresh engine's."""
+    eng = request.getfixturevalue(name)
+    for rid in list(eng.seqs):
+        eng.abort(rid)
+    assert eng.bm.prefix_caching and eng.bm.reset_prefix_cache()
+    sc = H.FORKS
+    kw = {"decoder_swa_bounded_replay": eng.args.decoder_swa_bounded_replay, **sc.engine}
+    monkeypatch.setattr(H, "make_engine", lambda w, dtype, **_: engine(mini_dir, **kw))
+    want = H.run(None, H.forks(), max_tokens=6, scenario=sc)
+    monkeypatch.setattr(eng.scheduler, "max_prefill_chunk", sc.engine["max_prefill_chunk"])
+    monkeypatch.setattr(H, "make_engine", lambda w, dtype, **_: eng)
+    hits, replays = eng.bm.stats["hit_tokens"], eng.runner.forward.piece_graphs.counts()["replays"]
+    got = H.run(None, H.forks(), max_tokens=6, scenario=sc)
+    assert got == want
+    assert eng.bm.stats["hit_tokens"] - hits >= 10 * H.PAGE
+    assert eng.runner.forward.piece_graphs.counts()["replays"] > replays
 
 
 @pytest.mark.parametrize("name", ["every_row", "bounded"])
