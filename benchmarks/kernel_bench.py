@@ -1,6 +1,7 @@
 """Per-kernel timings on a GPU against the floor of the bytes each call must move (Flash shapes,
 bf16): v41::sparse_attn (decode 1/16/64 tokens, prefill 4096) and v41::index_topk (`--mhc`:
-v41::mhc_mix alone; `--wo-a`: v41::inv_rope_wo_a alone, split-K and tile variants). Each call is
+v41::mhc_mix alone; `--wo-a`: v41::inv_rope_wo_a alone, split-K and tile variants; `--lm-head`: the
+FP32 LM head at the row counts of decode and DSpark steps, cuBLAS against common.skinny_gemm). Each call is
 captured in a CUDA graph and replayed; CUDA events around 50 replays, median of 15 repeats.
 
     python benchmarks/kernel_bench.py --out benchmarks/results/kernels-h200.json
@@ -223,6 +224,26 @@ def bench_wo_a(rows: list, G: int = 8, R: int = 1024, I: int = 4096, d: int = 51
                 print(json.dumps(rows[-1]), flush=True)
 
 
+def bench_lm_head(rows: list, V: int = 129280, D: int = 5120) -> None:
+    """The FP32 LM head (Flash: [129280, 5120], 2.65 GB) at the rows a step multiplies: plain
+    decode (1, 16, 64), DSpark's draft (5 a request) and verify rows (6 a request) at 1 and 16
+    requests. cuBLAS (`h @ head.T`, the model's) beside common.skinny_gemm unsplit (FP32 FMA
+    products, one program per row tile and 64 vocabulary rows, each weight byte read once a row
+    tile), twice in alternation; the floor is the head's bytes."""
+    from custom_ops.triton.common import skinny_gemm
+    head = torch.randn(V, D, device="cuda") * 0.02
+    for M in (1, 5, 6, 16, 64, 80, 96):
+        h = torch.randn(M, D, device="cuda")
+        variants = {"cublas": lambda: h @ head.T, "skinny": lambda: skinny_gemm(h, head, False, split=1)}
+        for rep in range(2):
+            for name, fn in variants.items():
+                us = time_graph(fn)
+                rows.append({"kernel": "lm_head", "rows": M, "variant": name, "round": rep, "us": round(us, 2),
+                             "bytes": head.nbytes, "floor_us": round(floor_us(head.nbytes), 2),
+                             "TFLOPs": round(2 * M * V * D / us / 1e6, 2)})
+                print(json.dumps(rows[-1]), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/kernels-h200.json")
@@ -230,9 +251,13 @@ def main():
     ap.add_argument("--breakdown", action="store_true", help="only the decode sparse_attn breakdown")
     ap.add_argument("--mhc", action="store_true", help="only mhc_mix, splits summed one per load vs the default")
     ap.add_argument("--wo-a", action="store_true", help="only inv_rope_wo_a at decode widths, split-K and tiles")
+    ap.add_argument("--lm-head", action="store_true", help="only the FP32 LM head, cuBLAS vs skinny_gemm")
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
+    if a.lm_head:
+        bench_lm_head(rows)
+        return save(a.out, rows)
     if a.wo_a:
         bench_wo_a(rows)
         return save(a.out, rows)

@@ -18,7 +18,8 @@
 #                                     # (default plain,dspark), a profiled step per case (dspark-eager: eager)
 #   tools/gpu_checks.sh OUT native    # step_bench --weight-format native (FULL graphs), profiled
 #   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
-#   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles
+#   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles;
+#                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm
 #   tools/gpu_checks.sh OUT formats   # weight_formats_bench: bf16 and native engines in one run, alternating
 #   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
 #   tools/gpu_checks.sh OUT serve     # flash-slice server + serve_bench on chat text prompts
@@ -123,7 +124,10 @@ formats)
 wo-a)
   step "kernel_bench --wo-a"
   timeout 240 $py benchmarks/kernel_bench.py --wo-a --out "$OUT/kernels-wo-a-h200.json" > "$OUT/wo-a.log" 2>&1
-  echo "rc=$?"; grep -E '"round": 1' "$OUT/wo-a.log" | cut -c1-160 ;;
+  echo "rc=$?"; grep -E '"round": 1' "$OUT/wo-a.log" | cut -c1-160
+  step "kernel_bench --lm-head"
+  timeout 120 $py benchmarks/kernel_bench.py --lm-head --out "$OUT/kernels-lm-head-h200.json" > "$OUT/lm-head.log" 2>&1
+  echo "rc=$?"; grep -E '"round": 1' "$OUT/lm-head.log" | cut -c1-160 ;;
 native-gemm)
   step "native_gemm_bench"
   timeout 300 $py benchmarks/native_gemm_bench.py --out "$OUT/native-gemm-h200.json" > "$OUT/native-gemm.log" 2>&1
