@@ -87,8 +87,8 @@ def _block_m(T: int) -> int:
 
 def split_for(tiles: int, steps: int, T: int, I: int, device) -> int:
     """Split-K count when the output tiles leave SMs idle: about four waves of programs, each
-    split at least 4 K steps, the FP32 partials (8·T·R bytes a split, written and read) under
-    the bf16 weight's 2·R·I. On the H200 (kernels-wo-a-h200.json) 128 tiles (T <= 16) took
+    split at least 4 K steps, the FP32 partials (8·T·R bytes a split and group, written and
+    read) at most half the bf16 weight's 2·R·I. On the H200 (kernels-wo-a-h200.json) 128 tiles (T <= 16) took
     25.9 µs at 4 splits, 28.1 at 8 and 35.3 at 2; 64 tiles (T = 64) 84.3 µs at 8 splits, where
     5 (a ragged third wave) took 103.5 and 2 took 98.1."""
     sms = num_sms(device)
