@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from benchmarks.profiling import SPEC_PHASES, STEP_PHASES, median_by_phase, phases_timed, profile_step
+from benchmarks.profiling import SPEC_PHASES, STEP_PHASES, kernel_gaps, median_by_phase, phases_timed, profile_step
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.sequence import SamplingParams
 
@@ -42,10 +42,12 @@ K = 5                     # DSpark drafts five tokens
 
 def case(eng: LLMEngine, bs: int, ctx: int, steps: int, profile: str | None = None, title: str = "") -> dict:
     """Time `steps` decode steps of `bs` requests after their prompts; `profile`: then one more
-    step under torch.profiler, its tables appended to that file (benchmarks/profiling.py)."""
+    step under torch.profiler, its tables appended to that file (benchmarks/profiling.py), and on
+    CUDA one more under the device-only profiler: its idle intervals with the kernels around
+    them (`step_gaps`: where the device waits for the host inside a step)."""
     g = torch.Generator().manual_seed(bs)
     vocab = min(120000, eng.cfg.vocab_size)
-    p = SamplingParams(max_tokens=(steps + 2) * (K + 1) + 1, ignore_eos=True)     # none finishes while timed
+    p = SamplingParams(max_tokens=(steps + 3) * (K + 1) + 1, ignore_eos=True)     # none finishes while measured
     seqs = [eng.add_request(torch.randint(3, vocab, (ctx,), generator=g).tolist(), p) for _ in range(bs)]
     while any(s.num_computed < s.num_prompt_tokens for s in seqs):
         eng.step()
@@ -63,12 +65,17 @@ def case(eng: LLMEngine, bs: int, ctx: int, steps: int, profile: str | None = No
             ts.append(time.perf_counter() - t)
     tokens = sum(len(s.completion_token_ids) for s in seqs) - n0
     assert not any(s.is_finished for s in seqs), "a request finished while timed"
+    gaps = {}
     if profile:
         profile_step(eng, title, profile, STEP_PHASES + (SPEC_PHASES if spec is not None else ()))
+        gaps = kernel_gaps(eng.step, top=8)
+        assert not any(s.is_finished for s in seqs), "a request finished while profiled"
     for s in seqs:
         eng.abort(s.request_id)
     out = {"requests": bs, "tokens_per_s": round(tokens / sum(ts), 2), "ms_per_step": round(statistics.median(ts) * 1e3, 3),
            "tokens_per_step": round(tokens / steps / bs, 3), "host_ms_by_phase": median_by_phase(host)}
+    if gaps:
+        out["step_gaps"] = gaps
     if spec is not None:
         drafts = spec.stats["drafts"] - before["drafts"]
         accepted = spec.stats["accepted"] - before["accepted"]
