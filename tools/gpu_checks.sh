@@ -54,7 +54,8 @@ graphtests|harness)
   # compile (the module's TraceCache: same compile key and signature; a cold compile per test
   # does not fit the call). The TR_HYBRID replay and padding tests build their engines without
   # the TraceCache: a process each (a TR_HYBRID engine's pieces hold its own graphs). A harness
-  # test builds two engines with graphs (one replaying, one not): a process each.
+  # test runs its scenario twice on one engine (replaying, then not); a TR_HYBRID one compiles
+  # its engine's pieces: a process each.
   if [ "$PART" = harness ]; then
     groups=()
     for m in ${3:-FULL TR_HYBRID}; do
