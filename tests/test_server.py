@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx", reason="the test extra (httpx) is not installed: pip install -e '.[test]'")
+openai = pytest.importorskip("openai", reason="the test extra (openai) is not installed: pip install -e '.[test]'")
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed: pip install -e '.[serve]'")
+pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installed: pip install -e '.[serve]'")
 
 from tests.server_helpers import KEY, extra, start_server, stop_server  # noqa: E402
 

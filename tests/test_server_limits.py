@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-pytest.importorskip("fastapi")
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed: pip install -e '.[serve]'")
 
 from runtime.sequence import SamplingParams  # noqa: E402
 

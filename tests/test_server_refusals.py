@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("fastapi")
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed: pip install -e '.[serve]'")
 
 from runtime.server.async_engine import Delta  # noqa: E402
 from tests.refusal_sites import SITES, literal_len, pattern, site_of  # noqa: E402

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("httpx")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai", reason="the test extra (openai) is not installed: pip install -e '.[test]'")
+pytest.importorskip("httpx", reason="the test extra (httpx) is not installed: pip install -e '.[test]'")
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed: pip install -e '.[serve]'")
+pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installed: pip install -e '.[serve]'")
 
 from runtime.sequence import SamplingParams  # noqa: E402
 from tests.server_helpers import KEY, Reference, extra, start_server, stop_server  # noqa: E402

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx", reason="the test extra (httpx) is not installed: pip install -e '.[test]'")
+openai = pytest.importorskip("openai", reason="the test extra (openai) is not installed: pip install -e '.[test]'")
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed: pip install -e '.[serve]'")
+pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installed: pip install -e '.[serve]'")
 
 from runtime.metrics import parse as parse_metrics  # noqa: E402
 from tests.server_helpers import KEY, MAX_MODEL_LEN, ONE_THREAD, ROOT, extra  # noqa: E402
@@ -187,7 +187,7 @@ def _doc_blocks(lang: str) -> list[str]:
 def test_documented_curl_examples(server):
     import shutil
     if shutil.which("curl") is None:
-        pytest.skip("no curl")
+        pytest.skip("curl is not on PATH: the README example is a curl command")
     block = next(b for b in _doc_blocks("bash") if "curl" in b and "/v1/chat/completions" in b)
     block = block.replace("http://127.0.0.1:8000", server.url)
     block = re.sub(r"curl (-s\w*)", rf"curl \1 -H 'Authorization: Bearer {KEY}'", block)
