@@ -200,6 +200,17 @@ def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
             print(json.dumps(rows[-1]), flush=True)
 
 
+def alternate(rows: list, cases: list, nbytes: int, rate, rounds: int = 2) -> None:
+    """`cases` ((a row's leading fields, the call) each) timed in turn, `rounds` times: a row
+    each with its round, µs, the floor of `nbytes` and `rate(us)`'s fields, printed as it comes."""
+    for r in range(rounds):
+        for fields, fn in cases:
+            us = time_graph(fn)
+            rows.append({**fields, "round": r, "us": round(us, 2), "bytes": nbytes,
+                         "floor_us": round(floor_us(nbytes), 2), **rate(us)})
+            print(json.dumps(rows[-1]), flush=True)
+
+
 def bench_wo_a(rows: list, G: int = 8, R: int = 1024, I: int = 4096, d: int = 512, rot: int = 64) -> None:
     """v41::inv_rope_wo_a (bf16, Flash's wo_a: 8 groups of 1024 x 4096) at decode widths: the
     default (attn_out.split_for's split count) beside fixed counts and 128-wide K tiles, twice
@@ -215,13 +226,9 @@ def bench_wo_a(rows: list, G: int = 8, R: int = 1024, I: int = 4096, d: int = 51
         pos = torch.randint(0, 8192, (T,), device="cuda")
         out = torch.empty(T, G * R, dtype=torch.bfloat16, device="cuda")
         nbytes = wo_a.nbytes + o.nbytes
-        for rep in range(2):
-            for kw in variants:
-                us = time_graph(lambda: triton_inv_rope_wo_a(o, cos, sin, pos, wo_a, out, **kw))
-                rows.append({"kernel": "inv_rope_wo_a", "tokens": T, "knobs": kw or "default", "round": rep,
-                             "us": round(us, 2), "bytes": nbytes, "floor_us": round(floor_us(nbytes), 2),
-                             "TBps": round(nbytes / us / 1e6, 3)})
-                print(json.dumps(rows[-1]), flush=True)
+        cases = [({"kernel": "inv_rope_wo_a", "tokens": T, "knobs": kw or "default"},
+                  lambda kw=kw: triton_inv_rope_wo_a(o, cos, sin, pos, wo_a, out, **kw)) for kw in variants]
+        alternate(rows, cases, nbytes, lambda us: {"TBps": round(nbytes / us / 1e6, 3)})
 
 
 def bench_lm_head(rows: list, V: int = 129280, D: int = 5120) -> None:
@@ -234,14 +241,9 @@ def bench_lm_head(rows: list, V: int = 129280, D: int = 5120) -> None:
     head = torch.randn(V, D, device="cuda") * 0.02
     for M in (1, 5, 6, 16, 64, 80, 96):
         h = torch.randn(M, D, device="cuda")
-        variants = {"cublas": lambda: h @ head.T, "skinny": lambda: skinny_gemm(h, head, False, split=1)}
-        for rep in range(2):
-            for name, fn in variants.items():
-                us = time_graph(fn)
-                rows.append({"kernel": "lm_head", "rows": M, "variant": name, "round": rep, "us": round(us, 2),
-                             "bytes": head.nbytes, "floor_us": round(floor_us(head.nbytes), 2),
-                             "TFLOPs": round(2 * M * V * D / us / 1e6, 2)})
-                print(json.dumps(rows[-1]), flush=True)
+        cases = [({"kernel": "lm_head", "rows": M, "variant": "cublas"}, lambda: h @ head.T),
+                 ({"kernel": "lm_head", "rows": M, "variant": "skinny"}, lambda: skinny_gemm(h, head, False, split=1))]
+        alternate(rows, cases, head.nbytes, lambda us: {"TFLOPs": round(2 * M * V * D / us / 1e6, 2)})
 
 
 def main():

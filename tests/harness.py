@@ -29,6 +29,7 @@ class Scenario:
     arrival_steps: list | None = None       # step at which request i arrives (None: all at 0)
     hook: object = None                      # hook(engine, live: dict[idx, Sequence], step, rng)
     seed: int = 0
+    requests: object = prompts               # the prompts it runs: requests() -> list of token lists
 
 
 def make_engine(weights, dtype="float64", **kw) -> LLMEngine:
@@ -149,7 +150,7 @@ def fork_arrivals(n: int, after: int = 8) -> list[int]:
 
 # the fork prompts arriving once the root is prefilled, with prefix caching: hits of 1-4 PAGEs
 FORKS = Scenario("forks", engine={"max_prefill_chunk": 48, "enable_prefix_caching": True},
-                 arrival_steps=fork_arrivals(len(forks())))
+                 arrival_steps=fork_arrivals(len(forks())), requests=forks)
 
 
 def evict_images(keep_first: int = 1):

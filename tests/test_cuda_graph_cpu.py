@@ -153,7 +153,7 @@ def test_prefix_hits_through_replays_give_the_tokens_without_graphs(toy_weights,
                                                                     encoder_replay):
     """The fork prompts with prefix caching (hits of 1-4 PAGEs, on and off a PAGE boundary, under
     either state transfer), decoded through replays: the tokens of the same settings without graphs."""
-    reqs = H.forks()
+    reqs = H.FORKS.requests()
     sc = H.Scenario("forks", engine={**H.FORKS.engine, "encoder_swa_bounded_replay": encoder_replay},
                     arrival_steps=H.FORKS.arrival_steps)
     want = H.run(toy_weights, reqs, max_tokens=6, scenario=sc)

@@ -293,11 +293,11 @@ def test_prefix_hits_leave_the_tokens_of_the_eager_engine(request, mini_dir, mon
     sc = H.FORKS
     kw = {"decoder_swa_bounded_replay": eng.args.decoder_swa_bounded_replay, **sc.engine}
     monkeypatch.setattr(H, "make_engine", lambda w, dtype, **_: engine(mini_dir, **kw))
-    want = H.run(None, H.forks(), max_tokens=6, scenario=sc)
+    want = H.run(None, sc.requests(), max_tokens=6, scenario=sc)
     monkeypatch.setattr(eng.scheduler, "max_prefill_chunk", sc.engine["max_prefill_chunk"])
     monkeypatch.setattr(H, "make_engine", lambda w, dtype, **_: eng)
     hits, replays = eng.bm.stats["hit_tokens"], eng.runner.forward.piece_graphs.counts()["replays"]
-    got = H.run(None, H.forks(), max_tokens=6, scenario=sc)
+    got = H.run(None, sc.requests(), max_tokens=6, scenario=sc)
     assert got == want
     assert eng.bm.stats["hit_tokens"] - hits >= 10 * H.PAGE
     assert eng.runner.forward.piece_graphs.counts()["replays"] > replays
