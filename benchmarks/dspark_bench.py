@@ -16,6 +16,8 @@ builds its engine from them in turn (one engine's compute weights in memory at a
 variants run eager by default; `--no-enforce-eager` compiles both, and `--cudagraph-mode FULL`
 (the default on CUDA then) replays plain decode steps, DSpark's verify steps (widths 6 x batch)
 and the draft (per request count) as CUDA graphs; TR_HYBRID replays token graphs of every step.
+`--weight-format native` runs both variants with the FP8/FP4 weights kept native (issue 16's
+kernels: a verify step's expert rows read FP4 instead of bf16).
 
     python benchmarks/dspark_bench.py --model flash-slice --device cuda --acceptance-length 3.51 --out dspark.json
     python benchmarks/dspark_bench.py --model toy --device cpu --dtype float32 --ctx 24 --steps 3   # smoke
@@ -33,6 +35,7 @@ import time
 
 import torch
 
+from benchmarks.floor import weight_bytes
 from benchmarks.profiling import SPEC_PHASES, STEP_PHASES, kernel_gaps, median_by_phase, phases_timed, profile_step
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.sequence import SamplingParams
@@ -91,7 +94,7 @@ def engine_args(a, variant: str) -> EngineArgs:
                       max_num_seqs=batch, max_num_batched_tokens=max(a.max_num_batched_tokens, batch * (K + 1)),
                       max_model_len=a.ctx + (a.steps + 2) * (K + 1) + 8, enable_prefix_caching=False,
                       num_pages=a.num_pages, enforce_eager=a.enforce_eager, cudagraph_mode=a.cudagraph_mode,
-                      **spec)
+                      weight_format=a.weight_format, **spec)
 
 
 def main(argv=None) -> dict:
@@ -111,6 +114,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--variants", type=lambda s: s.split(","), default=["plain", "dspark"],
                     help="plain, dspark or both (default), in this order each round")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--weight-format", default="dequant", choices=["dequant", "native"])
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--cudagraph-mode", default=None, help="NONE, FULL or TR_HYBRID (with --no-enforce-eager)")
     ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from GPU memory)")
@@ -125,6 +129,7 @@ def main(argv=None) -> dict:
     res = {"benchmark": "dspark_vs_plain", "model": a.model, "dtype": a.dtype,
            "device": torch.cuda.get_device_name() if cuda else a.device, "torch": torch.__version__,
            "triton": triton, "date": datetime.date.today().isoformat(), "forced_acceptance": a.acceptance_length,
+           "weight_format": a.weight_format,
            "context_tokens": a.ctx, "steps": a.steps,
            "forward": "eager" if a.enforce_eager else f"compiled, cudagraph_mode {a.cudagraph_mode or 'default'}",
            "method": "wall clock around LLMEngine.step (tokens copied to the host each step), median step and "
@@ -145,6 +150,7 @@ def main(argv=None) -> dict:
     for r in range(a.rounds):
         for variant in a.variants:
             eng = LLMEngine(engine_args(a, variant), weights=weights)
+            res.setdefault("weights_gb", {})[variant] = round(weight_bytes(eng.runner.model) / 1e9, 6)
             for bs in a.batch_sizes:
                 row = {"variant": variant, "forced_acceptance": a.acceptance_length if variant == "dspark" else None,
                        **case(eng, bs, a.ctx, a.steps, a.profile, f"{variant}, {bs} request(s), round {r}"),

@@ -142,9 +142,14 @@ def test_bench_smoke(tmp_path):
 
 
 def test_bench_one_variant(tmp_path):
-    """--variants dspark times DSpark alone (a device call that fits one cold compile)."""
-    res = dspark_bench.main(["--model", "toy", "--device", "cpu", "--dtype", "float32", "--ctx", "20",
-                             "--steps", "2", "--batch-sizes", "1", "--rounds", "1", "--variants", "dspark"])
-    assert [r["variant"] for r in res["results"]] == ["dspark"]
+    """--variants dspark times DSpark alone (a device call that fits one cold compile);
+    --weight-format native builds the engine with native weights (fewer bytes than dequantized)."""
+    argv = ["--model", "toy", "--device", "cpu", "--dtype", "float32", "--ctx", "20", "--steps", "2",
+            "--batch-sizes", "1", "--rounds", "1", "--variants", "dspark"]
+    res = dspark_bench.main(argv)
+    assert [r["variant"] for r in res["results"]] == ["dspark"] and res["weight_format"] == "dequant"
+    native = dspark_bench.main(argv + ["--weight-format", "native"])
+    assert native["weight_format"] == "native" and [r["variant"] for r in native["results"]] == ["dspark"]
+    assert 0 < native["weights_gb"]["dspark"] < res["weights_gb"]["dspark"] / 2
     with pytest.raises(SystemExit):
         dspark_bench.main(["--variants", "plain,draft"])

@@ -15,7 +15,8 @@
 #                                     # time by phase, FULL graphs' device span (PROFILE=1: profiles too)
 #   tools/gpu_checks.sh OUT hybrid    # step_bench: compiled / full / tr_hybrid (after graphs: warm compile cache)
 #   tools/gpu_checks.sh OUT dspark [V]  # dspark_bench at acceptance length 3.51, compiled + FULL, variants V
-#                                     # (default plain,dspark), a profiled step per case (dspark-eager: eager)
+#                                     # (default plain,dspark), a profiled step per case (dspark-eager: eager);
+#                                     # WEIGHTS=native: both variants native (dspark-native-flash-slice-h200.json)
 #   tools/gpu_checks.sh OUT native    # step_bench --weight-format native (FULL graphs), profiled
 #   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
 #   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles;
@@ -107,9 +108,10 @@ dspark)
   # (2026-12-02: `dspark` after `dspark dspark` ran out of time in the DSpark engine's capture):
   # run `dspark dspark`, then `dspark plain`, then on the same warm machine `dspark` (both warm).
   step "dspark_bench compiled with FULL graphs (plain decode, verify steps and the draft replay)"
+  w="${WEIGHTS:-dequant}"; name=dspark-flash-slice-h200; [ "$w" = native ] && name=dspark-native-flash-slice-h200
   timeout 580 $py benchmarks/dspark_bench.py --model flash-slice --acceptance-length 3.51 --no-enforce-eager \
-    --cudagraph-mode FULL --rounds 1 --variants "${3:-plain,dspark}" --profile "$OUT/dspark-profiles.txt" \
-    --out "$OUT/dspark-flash-slice-h200.json" > "$OUT/dspark.log" 2>&1
+    --cudagraph-mode FULL --rounds 1 --variants "${3:-plain,dspark}" --weight-format "$w" \
+    --profile "$OUT/$name-profiles.txt" --out "$OUT/$name.json" > "$OUT/dspark.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/dspark.log" | tail -8 ;;
 dspark-eager)
   step "dspark_bench eager"
