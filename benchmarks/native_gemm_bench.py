@@ -48,8 +48,8 @@ DECODE_SWEEP = ({"block_n": 128, "unroll": 1, "num_stages": 6}, {"block_n": 64, 
                 {"block_n": 64, "unroll": 4, "num_stages": 5}, {"block_n": 32, "unroll": 4, "num_stages": 4},
                 {"block_n": 64, "unroll": 4, "split_k": 16}, {"block_n": 64, "unroll": 4, "num_warps": 2})
 PREFILL_SWEEP = ({"unroll": 4}, {"num_stages": 4}, {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3})
-# the GEMVs' default tile (64 x 128) takes 255 registers in the up GEMV (sm_90 build, Triton 3.9):
-# two programs an SM; narrower tiles take 106-156 and fit 3-4 (docs/kernels.md)
+# the FP4 GEMVs' default tile (64 x 128, 4 warps) takes 130 registers in the up GEMV and 80 in
+# the down one (sm_90 builds, Triton 3.9, sm90-build-cpu.json): 8 warps take 76 and 50
 EXPERT_SWEEP = ({"block_n_up": 32}, {"block_k": 64}, {"block_n_up": 32, "block_k": 64}, {"num_warps": 8},
                 {"block_n_down": 32}, {"splits": 1}, {"splits": 4}, {"splits": 20},
                 {"path": "mma"})

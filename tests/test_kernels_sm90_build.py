@@ -3,7 +3,6 @@ to a cubin with its bundled ptxas, no GPU needed. The interpreter tests run the 
 not their compilation; this catches what only the compiler refuses (a non-constexpr global, a
 branch whose sides disagree in type, an FP8 conversion the target lacks) before a GPU run."""
 import os
-import subprocess
 
 import pytest
 
@@ -11,40 +10,16 @@ triton = pytest.importorskip("triton", reason="builds Triton kernels: needs the 
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1 turns the kernels into interpreter functions, which Triton cannot "
                 "compile; this module runs in the suite's normal process", allow_module_level=True)
-NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-if not all(os.path.exists(os.path.join(NVIDIA_BIN, t)) for t in ("ptxas", "cuobjdump")):
-    pytest.skip(f"this Triton build ships no CUDA ptxas/cuobjdump in {NVIDIA_BIN} (not a CUDA build)",
+from benchmarks import sm90_build as B  # noqa: E402
+
+if not B.tools_present():
+    pytest.skip(f"this Triton build ships no CUDA ptxas/cuobjdump in {B.NVIDIA_BIN} (not a CUDA build)",
                 allow_module_level=True)
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from custom_ops.triton.fp8_gemm import _fp8_gemm_kernel, _tiles  # noqa: E402
+from custom_ops.triton.fp8_gemm import _tiles  # noqa: E402
 from custom_ops.triton.mhc import _mhc_coef_kernel  # noqa: E402
 
-HOPPER = GPUTarget("cuda", 90, 32)
-INTS = ("M", "N", "KB", "KB_SPLIT", "ROWS_G", "stride_xm", "stride_sm", "stride_wn", "stride_wsn", "stride_om",
-        "stride_ps", "stride_pm")
-
-
-def build(fn, signature: dict, constexprs: dict, **options):
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=HOPPER,
-                          options={"num_warps": 4, **options})
-
-
-def registers(kernel) -> int:
-    """Registers a thread of the built kernel uses (cuobjdump's resource usage)."""
-    cuobjdump = os.path.join(NVIDIA_BIN, "cuobjdump")
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"v41-{os.getpid()}.cubin")
-    with open(path, "wb") as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        out = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.remove(path)
-    line = next(ln for ln in out.splitlines() if "REG:" in ln)
-    assert "LOCAL:0 " in line, line                                  # nothing spilled to local memory
-    return int(line.split("REG:")[1].split()[0])
+build, registers = B.build, B.registers
 
 
 @pytest.mark.parametrize("M", [1, 64, 2048])
@@ -54,13 +29,7 @@ def test_fp8_gemm_builds_for_hopper(M, split_k, quant_x):
     """Every width's default tile, with and without split-K and the in-GEMM act quant
     (fp8_linear runs that up to 16 rows; built here at every width all the same)."""
     block_n, unroll, stages = _tiles(M)
-    sig = {"x_ptr": "*bf16" if quant_x else "*fp8e4nv", "xs_ptr": "*bf16" if quant_x else "*fp32",
-           "w_ptr": "*fp8e4nv", "ws_ptr": "*u8", "o_ptr": "*bf16", "p_ptr": "*fp32", "cnt_ptr": "*i32",
-           **dict.fromkeys(INTS, "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N", "UNROLL", "SPLIT_K", "QUANT_X"),
-                                                           "constexpr")}
-    k = build(_fp8_gemm_kernel, sig, {"BLOCK_M": min(64, max(16, M)), "BLOCK_N": block_n, "UNROLL": unroll,
-                                      "SPLIT_K": split_k, "QUANT_X": quant_x}, num_stages=stages)
-    assert 0 < registers(k) <= 255
+    assert 0 < registers(B.fp8_gemm(min(64, max(16, M)), block_n, unroll, stages, split_k, quant_x)) <= 255
 
 
 @pytest.mark.parametrize("block_t,block_s", [(1, 128), (16, 1), (8, 16)])
@@ -79,40 +48,22 @@ def test_mhc_coef_builds_for_hopper(block_t, block_s):
 def test_w4a8_expert_kernels_build_for_hopper(block_m, block_n, warps):
     """The FP8-MMA expert kernels at the default tiles and the prefill sweep's candidates
     (native_gemm_bench.py EXPERT_PREFILL_SWEEP)."""
-    from custom_ops.triton.moe_w4a8 import _w4a8_down_kernel, _w4a8_up_kernel
-    up = {**dict.fromkeys(("xq_ptr", "w1_ptr", "w3_ptr", "hq_ptr"), "*fp8e4nv"),
-          "xs_ptr": "*fp32", "hs_ptr": "*fp32", "wts_ptr": "*fp32",
-          **dict.fromkeys(("s1_ptr", "s3_ptr"), "*u8"), "order_ptr": "*i32", "meta_ptr": "*i32",
-          **dict.fromkeys(("n_tiles", "I", "KB", "k"), "i32"), "limit": "fp32",
-          **dict.fromkeys(("stride_x", "stride_xs", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_h",
-                           "stride_hs"), "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N", "ACT"), "constexpr")}
-    up["w1_ptr"] = up["w3_ptr"] = "*i8"
-    k = build(_w4a8_up_kernel, up, {"BLOCK_M": block_m, "BLOCK_N": block_n, "ACT": triton.language.bfloat16},
-              num_warps=warps)
-    assert 0 < registers(k) <= 255
-    down = {"hq_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w2_ptr": "*i8", "s2_ptr": "*u8", "order_ptr": "*i32",
-            "meta_ptr": "*i32", "y_ptr": "*bf16", **dict.fromkeys(("n_tiles", "D", "KB"), "i32"),
-            **dict.fromkeys(("stride_h", "stride_hs", "stride_we", "stride_wn", "stride_se", "stride_sn",
-                             "stride_y"), "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N"), "constexpr")}
-    k = build(_w4a8_down_kernel, down, {"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps)
-    assert 0 < registers(k) <= 255
+    assert 0 < registers(B.w4a8_up(block_m, block_n, warps)) <= 255
+    assert 0 < registers(B.w4a8_down(block_m, block_n, warps)) <= 255
 
 
+@pytest.mark.parametrize("asm", [True, False], ids=["ptx", "triton"])
 @pytest.mark.parametrize("warps", [4, 8])
-def test_fp4_gemvs_build_for_hopper(warps):
-    """The decode-width FP4 expert GEMVs (moe.py) at their default tile."""
-    from custom_ops.triton.moe import FP4_BLOCK_K, FP4_BLOCK_N, _fp4_down_gemv, _fp4_up_gemv
-    tiles = {"BLOCK_N": FP4_BLOCK_N, "BLOCK_K": FP4_BLOCK_K}
-    up = {"xq_ptr": "*bf16", "ids_ptr": "*i64", "order_ptr": "*i32", **dict.fromkeys(("w1_ptr", "w3_ptr"), "*i8"),
-          **dict.fromkeys(("s1_ptr", "s3_ptr"), "*u8"), "part_ptr": "*fp32",
-          **dict.fromkeys(("I", "D", "k", "k_split", "stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn",
-                           "stride_ps", "stride_pu"), "i32"), **dict.fromkeys(tiles, "constexpr")}
-    assert 0 < registers(build(_fp4_up_gemv, up, tiles, num_warps=warps)) <= 255
-    down = {"h_ptr": "*bf16", "ids_ptr": "*i64", "order_ptr": "*i32", "w2_ptr": "*i8", "s2_ptr": "*u8",
-            "part_ptr": "*fp32", **dict.fromkeys(("D", "I", "k_split", "stride_h", "stride_we", "stride_wn",
-                                                   "stride_se", "stride_sn", "stride_ps"), "i32"),
-            **dict.fromkeys(tiles, "constexpr")}
-    assert 0 < registers(build(_fp4_down_gemv, down, tiles, num_warps=warps)) <= 255
+def test_fp4_gemvs_build_for_hopper(warps, asm):
+    """The decode-width FP4 expert GEMVs (moe.py) at their default tile, with the word unpack's
+    PTX (what CUDA runs; ptxas checks it here) and with the interpreter's Triton form. The PTX
+    form spends fewer instructions a weight in the K loop."""
+    from custom_ops.triton.moe import FP4_BLOCK_K, FP4_BLOCK_N
+    rows = [B.fp4_gemv_row(which, FP4_BLOCK_N, FP4_BLOCK_K, warps, asm) for which in ("up", "down")]
+    assert all(0 < r["registers"] <= 255 for r in rows)
+    if asm:
+        assert all(r["thread_instructions_per_weight"] < 7 for r in rows), rows
+        assert all(r["loop_opcodes"].get("F2FP.F16.E4M3.UNPACK_B") for r in rows), rows
 
 
 @pytest.mark.parametrize("map_cand", [False, True])

@@ -14,10 +14,12 @@ moe_experts: tokens sorted by expert, grouped GEMM tiles, a deterministic reduct
   2. Down kernel, grid (tiles, D / BLOCK_N): h tile · w2[e]ᵀ, rounded to the activation dtype,
      stored at the pair's own row of y [T·k, D].
   FP4 experts (`moe_experts_w4a8` up to its DECODE_PAIRS): steps 1-2 as GEMVs, grid (sorted
-     rows, N blocks, K splits): the packed bytes loaded contiguous along K, each nibble moved
-     to an E4M3 code (`e2m1_e4m3`) and multiplied with the activation in FP32 (exact
-     products), each 32-group's sum scaled; the FP32 partials summed in split order by
-     tile-wise kernels (the up GEMMs' before the epilogue). At decode widths a tile holds about
+     rows, N blocks, K splits): the packed weights loaded as int32 words along K (eight values
+     a word), a word's nibbles turned into E4M3 values four at a time (`e2m1_word_values`: on
+     CUDA a few lines of PTX, since the work per weight, not the bytes, bounds these GEMVs) and
+     multiplied with the activation in FP32 (exact products), each word's sum scaled by its
+     group's scale, the words summed after the K loop; the FP32 partials summed in split order
+     by tile-wise kernels (the up GEMMs' before the epilogue). At decode widths a tile holds about
      one real row, so MMA tiles bought nothing: on the H200, one token's six experts' up GEMMs
      ran 1.5x and down GEMMs 2.0x faster as GEMVs than as bf16-dequant MMA tiles.
   3. Reduce (moe_tiles.reduce_pairs): out[t] = Σ of the token's valid slots in ascending
@@ -64,31 +66,86 @@ def e2m1_scale(c):
     return e8m0_to_f32(c) * 64.0
 
 
-@triton.jit
-def act_halves(a_ptr, k0, BLOCK_K: tl.constexpr):
-    """An activation row's elements k0 + 2j and k0 + 2j + 1 (j < BLOCK_K / 2) in FP32: the ones
-    the low and high nibbles of `fp4_dot`'s bytes multiply."""
-    j = 2 * tl.arange(0, BLOCK_K // 2)
-    return tl.load(a_ptr + k0 + j).to(tl.float32), tl.load(a_ptr + k0 + j + 1).to(tl.float32)
+# e2m1_e4m3 on the eight nibbles of an int32 word at once (byte i: element 2i in its low nibble,
+# 2i + 1 in its high one), then the hardware's E4M3 pair -> f16x2 conversion and f16 -> f32:
+# outputs $0..$7 are elements 0..7 as E4M3 values (2^-6 times the E2M1 values), $8 the word.
+E2M1_WORD_PTX = tl.constexpr("""{
+.reg .b32 a, b, lo, hi, f0, f1, f2, f3;
+.reg .b16 l0, l1, h0, h1, x0, x1, x2, x3, x4, x5, x6, x7;
+shl.b32 a, $8, 4;
+and.b32 a, a, 0x80808080;
+shl.b32 b, $8, 2;
+and.b32 b, b, 0x1C1C1C1C;
+or.b32 lo, a, b;
+and.b32 a, $8, 0x80808080;
+shr.b32 b, $8, 2;
+and.b32 b, b, 0x1C1C1C1C;
+or.b32 hi, a, b;
+mov.b32 {l0, l1}, lo;
+mov.b32 {h0, h1}, hi;
+cvt.rn.f16x2.e4m3x2 f0, l0;
+cvt.rn.f16x2.e4m3x2 f1, h0;
+cvt.rn.f16x2.e4m3x2 f2, l1;
+cvt.rn.f16x2.e4m3x2 f3, h1;
+mov.b32 {x0, x2}, f0;
+mov.b32 {x1, x3}, f1;
+mov.b32 {x4, x6}, f2;
+mov.b32 {x5, x7}, f3;
+cvt.f32.f16 $0, x0;
+cvt.f32.f16 $1, x1;
+cvt.f32.f16 $2, x2;
+cvt.f32.f16 $3, x3;
+cvt.f32.f16 $4, x4;
+cvt.f32.f16 $5, x5;
+cvt.f32.f16 $6, x6;
+cvt.f32.f16 $7, x7;
+}""")
 
 
 @triton.jit
-def fp4_dot(a_even, a_odd, w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Σ over K block [k0, k0 + BLOCK_K) of a[k] · w[n, k] for the [BLOCK_N] rows of packed E2M1
-    weights (w_rows, s_rows: pointers to each row's bytes and its E8M0 scales, one per 32 along
-    K; a_even, a_odd: `act_halves`), in FP32; BLOCK_K divides K (no K mask: a mask varying along
-    K split the 16-byte loads). Byte j holds element 2j in its low nibble and 2j + 1 in its high
-    one; the bytes load as [BLOCK_N, BLOCK_K / 2], contiguous along K. Each product of an
-    FP8-QAT activation and an E4M3 code is exact; a group's 32 products are summed, then scaled
-    (`e2m1_scale`), then the groups summed."""
-    G: tl.constexpr = BLOCK_K // 32
-    j = tl.arange(0, BLOCK_K // 2)
-    b = tl.load(w_rows[:, None] + (k0 // 2 + j)[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-    g = k0 // 32 + tl.arange(0, G)
-    s = e2m1_scale(tl.load(s_rows[:, None] + g[None, :], mask=nmask[:, None], other=127).to(tl.int32))
-    p = e2m1_e4m3(b & 15).to(tl.float8e4nv, bitcast=True).to(tl.float32) * a_even[None, :] + \
-        e2m1_e4m3((b >> 4) & 15).to(tl.float8e4nv, bitcast=True).to(tl.float32) * a_odd[None, :]
-    return tl.sum(tl.sum(tl.reshape(p, [BLOCK_N, G, 16]), axis=2) * s, axis=1)
+def e2m1_value(w, shift: tl.constexpr):
+    """The E4M3 value (FP32) of the nibble of int32 words w at bit `shift`."""
+    return e2m1_e4m3((w >> shift) & 15).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e2m1_word_values(w, ASM: tl.constexpr):
+    """The eight values of int32 words w of packed E2M1 bytes, in element order, as FP32 E4M3
+    values (`e2m1_e4m3`'s codes: 2^-6 times the E2M1 values). ASM (CUDA): E2M1_WORD_PTX, a
+    shift-and-mask per four nibbles and the hardware conversions; else nibble by nibble (the
+    interpreter runs no PTX)."""
+    if ASM:
+        return tl.inline_asm_elementwise(E2M1_WORD_PTX, "=f,=f,=f,=f,=f,=f,=f,=f,r", [w],
+                                         dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    else:
+        return (e2m1_value(w, 0), e2m1_value(w, 4), e2m1_value(w, 8), e2m1_value(w, 12),
+                e2m1_value(w, 16), e2m1_value(w, 20), e2m1_value(w, 24), e2m1_value(w, 28))
+
+
+@triton.jit
+def fp4_words_dot(acc, a_ptr, w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K / 8] plus, for each int32 word j of K block [k0, k0 + BLOCK_K) of
+    the [BLOCK_N] rows of packed E2M1 weights (w_rows: each row's words; s_rows: its E8M0
+    scales, one per 32 along K): the FP32 sum of the word's eight products a[k]·w[n, k], times
+    its group's scale (`e2m1_scale`). BLOCK_K is a multiple of 32 dividing K (no K mask). Each
+    product of an FP8-QAT activation and an E4M3 value is exact and the scales are powers of
+    two, so only the order of the FP32 sums differs from the reference; the caller sums the
+    words once, after its K loop."""
+    j = tl.arange(0, BLOCK_K // 8)
+    w = tl.load(w_rows[:, None] + (k0 // 8 + j)[None, :], mask=nmask[:, None], other=0)
+    v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word_values(w, ASM)
+    a = a_ptr + k0 + 8 * j
+    part = v0 * tl.load(a).to(tl.float32)[None, :]
+    part += v1 * tl.load(a + 1).to(tl.float32)[None, :]
+    part += v2 * tl.load(a + 2).to(tl.float32)[None, :]
+    part += v3 * tl.load(a + 3).to(tl.float32)[None, :]
+    part += v4 * tl.load(a + 4).to(tl.float32)[None, :]
+    part += v5 * tl.load(a + 5).to(tl.float32)[None, :]
+    part += v6 * tl.load(a + 6).to(tl.float32)[None, :]
+    part += v7 * tl.load(a + 7).to(tl.float32)[None, :]
+    s = e2m1_scale(tl.load(s_rows[:, None] + (k0 // 32 + j // 4)[None, :], mask=nmask[:, None], other=127)
+                   .to(tl.int32))
+    return acc + part * s
 
 
 @triton.jit
@@ -104,10 +161,11 @@ def gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N: tl.constexpr):
 @triton.jit
 def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, part_ptr, I, D, k, k_split,
                  stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_ps, stride_pu,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
     """FP4 up GEMMs at decode widths, grid (sorted rows, I / BLOCK_N, K splits): one pair's
-    token row against BLOCK_N rows of w1[e] and w3[e], its FP32 sums over the split's K range
-    into the partials [splits, 2, rows, I] (_moe_up_sum_kernel finishes them)."""
+    token row against BLOCK_N rows of w1[e] and w3[e] (int32 words, strides in words), its FP32
+    sums over the split's K range into the partials [splits, 2, rows, I] (_moe_up_sum_kernel
+    finishes them)."""
     r, pair, e, rn, k_lo = gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N)
     if e < 0:
         return
@@ -115,35 +173,33 @@ def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, par
     a = xq_ptr + (pair // k) * stride_x
     w_off = e * stride_we + rn.to(tl.int64) * stride_wn          # w1 and w3 share their strides
     s_off = e * stride_se + rn.to(tl.int64) * stride_sn
-    acc_g = tl.zeros([BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_N], tl.float32)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
     for k0 in range(k_lo, tl.minimum(D, k_lo + k_split), BLOCK_K):
-        a_even, a_odd = act_halves(a, k0, BLOCK_K)          # one load for both weights
-        acc_g += fp4_dot(a_even, a_odd, w1_ptr + w_off, s1_ptr + s_off, k0, nmask, BLOCK_K, BLOCK_N)
-        acc_u += fp4_dot(a_even, a_odd, w3_ptr + w_off, s3_ptr + s_off, k0, nmask, BLOCK_K, BLOCK_N)
+        acc_g = fp4_words_dot(acc_g, a, w1_ptr + w_off, s1_ptr + s_off, k0, nmask, BLOCK_K, ASM)
+        acc_u = fp4_words_dot(acc_u, a, w3_ptr + w_off, s3_ptr + s_off, k0, nmask, BLOCK_K, ASM)
     at = part_ptr + tl.program_id(2) * stride_ps + r * I + rn
-    tl.store(at, acc_g, mask=nmask)
-    tl.store(at + stride_pu, acc_u, mask=nmask)
+    tl.store(at, tl.sum(acc_g, axis=1), mask=nmask)
+    tl.store(at + stride_pu, tl.sum(acc_u, axis=1), mask=nmask)
 
 
 @triton.jit
 def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, D, I, k_split,
                    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_ps,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
     """FP4 down GEMM at decode widths, grid (sorted rows, D / BLOCK_N, K splits): one h row
-    against BLOCK_N rows of w2[e], the FP32 sum over the split's K range into the partials
-    [splits, pairs, D] at the pair's row (_moe_down_sum_kernel finishes them)."""
+    against BLOCK_N rows of w2[e] (int32 words), the FP32 sum over the split's K range into the
+    partials [splits, pairs, D] at the pair's row (_moe_down_sum_kernel finishes them)."""
     r, pair, e, rn, k_lo = gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N)
     if e < 0:
         return
     nmask = rn < D
     w = w2_ptr + e * stride_we + rn.to(tl.int64) * stride_wn
     sc = s2_ptr + e * stride_se + rn.to(tl.int64) * stride_sn
-    acc = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
     for k0 in range(k_lo, tl.minimum(I, k_lo + k_split), BLOCK_K):
-        a_even, a_odd = act_halves(h_ptr + r * stride_h, k0, BLOCK_K)
-        acc += fp4_dot(a_even, a_odd, w, sc, k0, nmask, BLOCK_K, BLOCK_N)
-    tl.store(part_ptr + tl.program_id(2) * stride_ps + pair * D + rn, acc, mask=nmask)
+        acc = fp4_words_dot(acc, h_ptr + r * stride_h, w, sc, k0, nmask, BLOCK_K, ASM)
+    tl.store(part_ptr + tl.program_id(2) * stride_ps + pair * D + rn, tl.sum(acc, axis=1), mask=nmask)
 
 
 @triton.jit
@@ -356,15 +412,18 @@ def fp4_gemvs(xq, ids, order, meta, n_tiles, wts, w1, w3, w2, scales, limit, h, 
     kd, sd = _k_split(I, bkd, splits or fp4_splits(I, bkd))
     pu = torch.empty(su, 2, P, I, dtype=torch.float32, device=h.device)
     pd = torch.empty(sd, P, D, dtype=torch.float32, device=h.device)
+    w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))     # eight E2M1 values a word
+    asm = h.device.type == "cuda"
     _fp4_up_gemv[(P, triton.cdiv(I, bnu), su)](
         xq, flat, order, w1, w3, s1, s3, pu, I, D, k, ku, xq.stride(0), w1.stride(0), w1.stride(1),
-        s1.stride(0), s1.stride(1), pu.stride(0), pu.stride(1), BLOCK_N=bnu, BLOCK_K=bku, num_warps=num_warps)
+        s1.stride(0), s1.stride(1), pu.stride(0), pu.stride(1), BLOCK_N=bnu, BLOCK_K=bku, ASM=asm,
+        num_warps=num_warps)
     _moe_up_sum_kernel[(n_tiles, triton.cdiv(I, 32))](
         pu, order, wts, meta, h, n_tiles, I, su, limit, pu.stride(0), pu.stride(1), h.stride(0),
         BLOCK_M=bm, BLOCK_N=32, num_warps=4)
     _fp4_down_gemv[(P, triton.cdiv(D, bnd), sd)](
         h, flat, order, w2, s2, pd, D, I, kd, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        pd.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, num_warps=num_warps)
+        pd.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, ASM=asm, num_warps=num_warps)
     _moe_down_sum_kernel[(n_tiles, triton.cdiv(D, 128))](
         pd, order, meta, y, n_tiles, D, sd, pd.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=128, num_warps=4)
 

@@ -1,0 +1,181 @@
+"""Kernels built for Hopper (sm_90) on a machine without a GPU: Triton's compiler and its bundled
+ptxas/cuobjdump, no device. Each build is specialized as a launch on the H200 would be (every
+pointer and the named integers divisible by 16, Triton's own launch-time specialization), so
+register counts and instruction streams match a real launch of that Triton version.
+
+Reported per kernel: registers a thread (cuobjdump -res-usage; spills refused), and for kernels
+that stream weights, the instructions of the K loop's body (the SASS between the loop's head and
+its backward branch) per weight element: what a decode GEMV pays in issue slots for each weight
+it reads (H200: 132 SMs x 4 warp instructions a clock).
+
+    python benchmarks/sm90_build.py --out benchmarks/results/sm90-build-cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HOPPER = GPUTarget("cuda", 90, 32)
+NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def tools_present() -> bool:
+    return all(os.path.exists(os.path.join(NVIDIA_BIN, t)) for t in ("ptxas", "cuobjdump"))
+
+
+def build(fn, signature: dict, constexprs: dict, aligned=(), **options):
+    """`fn` compiled for sm_90: pointers and the integer arguments named in `aligned` marked
+    divisible by 16, as the launcher marks them at such values."""
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items()
+             if ty.startswith("*") or name in aligned}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=HOPPER, options={"num_warps": 4, **options})
+
+
+def _cuobjdump(kernel, flag: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([os.path.join(NVIDIA_BIN, "cuobjdump"), flag, f.name],
+                              capture_output=True, text=True, check=True).stdout
+
+
+def registers(kernel) -> int:
+    """Registers a thread of the built kernel uses; a build that spills to local memory fails."""
+    line = next(ln for ln in _cuobjdump(kernel, "-res-usage").splitlines() if "REG:" in ln)
+    if "LOCAL:0 " not in line:
+        raise AssertionError(f"spills to local memory: {line.strip()}")
+    return int(line.split("REG:")[1].split()[0])
+
+
+def loop_body(kernel) -> list[str]:
+    """The opcodes of the largest loop of the kernel's SASS (the instructions from a backward
+    branch's target to the branch)."""
+    ins = []
+    for ln in _cuobjdump(kernel, "-sass").splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", ln)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    best: list[str] = []
+    for addr, text in ins:
+        m = re.search(r"BRA\s+(?:`?\()?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            best = max(best, body, key=len)
+    return [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in best]
+
+
+# ---- the kernels measured ----------------------------------------------------------------------
+
+FP4_UP_SIG = {"xq_ptr": "*bf16", "ids_ptr": "*i64", "order_ptr": "*i32", "w1_ptr": "*i32", "w3_ptr": "*i32",
+              "s1_ptr": "*u8", "s3_ptr": "*u8", "part_ptr": "*fp32",
+              **dict.fromkeys(("I", "D", "k", "k_split", "stride_x", "stride_we", "stride_wn", "stride_se",
+                               "stride_sn", "stride_ps", "stride_pu"), "i32"),
+              **dict.fromkeys(("BLOCK_N", "BLOCK_K", "ASM"), "constexpr")}
+FP4_DOWN_SIG = {"h_ptr": "*bf16", "ids_ptr": "*i64", "order_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr": "*u8",
+                "part_ptr": "*fp32",
+                **dict.fromkeys(("D", "I", "k_split", "stride_h", "stride_we", "stride_wn", "stride_se", "stride_sn",
+                                 "stride_ps"), "i32"),
+                **dict.fromkeys(("BLOCK_N", "BLOCK_K", "ASM"), "constexpr")}
+# Flash's values of these are multiples of 16 (D = 5120, I = 2304, strides in words and scale bytes)
+FP4_ALIGNED = ("I", "D", "k_split", "stride_x", "stride_h", "stride_we", "stride_wn", "stride_se", "stride_sn",
+               "stride_ps", "stride_pu")
+
+
+FP8_GEMM_INTS = ("M", "N", "KB", "KB_SPLIT", "ROWS_G", "stride_xm", "stride_sm", "stride_wn", "stride_wsn",
+                 "stride_om", "stride_ps", "stride_pm")
+
+
+def fp8_gemm(block_m: int, block_n: int, unroll: int, stages: int, split_k: bool, quant_x: bool, warps: int = 4):
+    """The W8A8 GEMM (fp8_gemm.py) at a tile; quant_x: x in bf16, quantized in the GEMM."""
+    from custom_ops.triton.fp8_gemm import _fp8_gemm_kernel
+    sig = {"x_ptr": "*bf16" if quant_x else "*fp8e4nv", "xs_ptr": "*bf16" if quant_x else "*fp32",
+           "w_ptr": "*fp8e4nv", "ws_ptr": "*u8", "o_ptr": "*bf16", "p_ptr": "*fp32", "cnt_ptr": "*i32",
+           **dict.fromkeys(FP8_GEMM_INTS, "i32"),
+           **dict.fromkeys(("BLOCK_M", "BLOCK_N", "UNROLL", "SPLIT_K", "QUANT_X"), "constexpr")}
+    return build(_fp8_gemm_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": block_n, "UNROLL": unroll,
+                                         "SPLIT_K": split_k, "QUANT_X": quant_x},
+                 aligned=("N", "KB", "KB_SPLIT", "ROWS_G", "stride_xm", "stride_wn", "stride_om", "stride_pm"),
+                 num_warps=warps, num_stages=stages)
+
+
+def w4a8_up(block_m: int, block_n: int, warps: int):
+    """The prefill W4A8 expert up kernel (moe_w4a8.py) at a tile."""
+    import triton.language as tl
+    from custom_ops.triton.moe_w4a8 import _w4a8_up_kernel
+    sig = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w1_ptr": "*i8", "s1_ptr": "*u8", "w3_ptr": "*i8",
+           "s3_ptr": "*u8", "order_ptr": "*i32", "wts_ptr": "*fp32", "meta_ptr": "*i32", "hq_ptr": "*fp8e4nv",
+           "hs_ptr": "*fp32", **dict.fromkeys(("n_tiles", "I", "KB", "k"), "i32"), "limit": "fp32",
+           **dict.fromkeys(("stride_x", "stride_xs", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_h",
+                            "stride_hs"), "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N", "ACT"), "constexpr")}
+    return build(_w4a8_up_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": block_n, "ACT": tl.bfloat16},
+                 aligned=("I", "stride_x", "stride_we", "stride_wn", "stride_se", "stride_h"), num_warps=warps)
+
+
+def w4a8_down(block_m: int, block_n: int, warps: int):
+    """The prefill W4A8 expert down kernel (moe_w4a8.py) at a tile."""
+    from custom_ops.triton.moe_w4a8 import _w4a8_down_kernel
+    sig = {"hq_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w2_ptr": "*i8", "s2_ptr": "*u8", "order_ptr": "*i32",
+           "meta_ptr": "*i32", "y_ptr": "*bf16", **dict.fromkeys(("n_tiles", "D", "KB"), "i32"),
+           **dict.fromkeys(("stride_h", "stride_hs", "stride_we", "stride_wn", "stride_se", "stride_sn",
+                            "stride_y"), "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N"), "constexpr")}
+    return build(_w4a8_down_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": block_n},
+                 aligned=("D", "stride_h", "stride_we", "stride_wn", "stride_se", "stride_y"), num_warps=warps)
+
+
+def fp4_gemv(which: str, block_n: int, block_k: int, warps: int, asm: bool = True):
+    """The decode FP4 expert GEMV `which` ('up' or 'down') built at a tile."""
+    from custom_ops.triton.moe import _fp4_down_gemv, _fp4_up_gemv
+    fn, sig = (_fp4_up_gemv, FP4_UP_SIG) if which == "up" else (_fp4_down_gemv, FP4_DOWN_SIG)
+    return build(fn, sig, {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": asm}, aligned=FP4_ALIGNED,
+                 num_warps=warps)
+
+
+def fp4_gemv_row(which: str, block_n: int, block_k: int, warps: int, asm: bool = True) -> dict:
+    k = fp4_gemv(which, block_n, block_k, warps, asm)
+    body = loop_body(k)
+    weights = (2 if which == "up" else 1) * block_n * block_k      # elements of w1 and w3, or of w2
+    return {"kernel": f"_fp4_{which}_gemv", "tile": f"{block_n}x{block_k}", "num_warps": warps, "asm": asm,
+            "registers": registers(k), "loop_warp_instructions": len(body),
+            "thread_instructions_per_weight": round(len(body) * 32 * warps / weights, 2),
+            "loop_opcodes": dict(collections.Counter(body).most_common(8))}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if not tools_present():
+        ap.error(f"this Triton build ships no CUDA ptxas/cuobjdump in {NVIDIA_BIN}")
+    import torch
+    rows = [fp4_gemv_row(w, bn, bk, nw, asm) for w in ("up", "down") for bn, bk, nw in
+            ((64, 128, 4), (32, 256, 4), (64, 128, 8)) for asm in (True, False)]
+    for quant_x in (False, True):     # the decode tile (fp8_gemm._tiles at M <= 16) with split-K
+        rows.append({"kernel": "_fp8_gemm_kernel", "tile": "16x64, 4 K blocks an iteration, split-K",
+                     "quant_x": quant_x, "num_warps": 4, "registers": registers(fp8_gemm(16, 64, 4, 3, True, quant_x))})
+    for bm, bn, nw in ((64, 64, 4), (128, 128, 8)):
+        for name, make in (("_w4a8_up_kernel", w4a8_up), ("_w4a8_down_kernel", w4a8_down)):
+            rows.append({"kernel": name, "tile": f"{bm}x{bn}", "num_warps": nw, "registers": registers(make(bm, bn, nw))})
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    res = {"benchmark": "sm90_build", "device": "cpu (no GPU): Triton's compiler and bundled ptxas, target sm_90",
+           "triton": triton.__version__, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+           "commit": commit, "what": __doc__.split("\n\n")[1].replace("\n", " "), "results": rows}
+    print(json.dumps(res, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
