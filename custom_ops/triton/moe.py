@@ -103,23 +103,25 @@ cvt.f32.f16 $7, x7;
 
 
 @triton.jit
-def e2m1_value(w, shift: tl.constexpr):
-    """The E4M3 value (FP32) of the nibble of int32 words w at bit `shift`."""
-    return e2m1_e4m3((w >> shift) & 15).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+def e4m3_byte(codes, i: tl.constexpr):
+    """Byte i of int32 words of E4M3 codes, as its FP32 value."""
+    return ((codes >> (8 * i)) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def e2m1_word_values(w, ASM: tl.constexpr):
     """The eight values of int32 words w of packed E2M1 bytes, in element order, as FP32 E4M3
-    values (`e2m1_e4m3`'s codes: 2^-6 times the E2M1 values). ASM (CUDA): E2M1_WORD_PTX, a
-    shift-and-mask per four nibbles and the hardware conversions; else nibble by nibble (the
-    interpreter runs no PTX)."""
+    values (`e2m1_e4m3`'s codes: 2^-6 times the E2M1 values). ASM (CUDA): E2M1_WORD_PTX. Else
+    (the interpreter runs no PTX) its same shift-and-masks into words of codes (low nibbles, high
+    nibbles), then byte by byte."""
     if ASM:
         return tl.inline_asm_elementwise(E2M1_WORD_PTX, "=f,=f,=f,=f,=f,=f,=f,=f,r", [w],
                                          dtype=(tl.float32,) * 8, is_pure=True, pack=1)
     else:
-        return (e2m1_value(w, 0), e2m1_value(w, 4), e2m1_value(w, 8), e2m1_value(w, 12),
-                e2m1_value(w, 16), e2m1_value(w, 20), e2m1_value(w, 24), e2m1_value(w, 28))
+        lo = ((w << 4) & -0x7F7F7F80) | ((w << 2) & 0x1C1C1C1C)      # -0x7F7F7F80: 0x80808080 as int32
+        hi = (w & -0x7F7F7F80) | ((w >> 2) & 0x1C1C1C1C)
+        return (e4m3_byte(lo, 0), e4m3_byte(hi, 0), e4m3_byte(lo, 1), e4m3_byte(hi, 1),
+                e4m3_byte(lo, 2), e4m3_byte(hi, 2), e4m3_byte(lo, 3), e4m3_byte(hi, 3))
 
 
 @triton.jit
