@@ -183,8 +183,11 @@ def breakdown_attn(gen, rows: list, T: int = 64) -> None:
 
 
 def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
-    """v41::mhc_mix at Flash's widths: the coefficient program summing its K splits one per load
-    (block_s 1) against the default, alternating; the floor is fn's FP32 bytes plus X once."""
+    """v41::mhc_mix at Flash's widths: the default beside the projection split more ways (at
+    decode widths its default 80 splits give each program four 64-wide K blocks in sequence, in
+    one wave of programs: more splits, fewer blocks a program) and, at the widest, the
+    coefficient program summing one split a load; twice in alternation. The floor is fn's FP32
+    bytes plus X once."""
     from custom_ops.triton.mhc import triton_mhc_mix
     fn = torch.randn(hc * (hc + 2), hc * dim, device="cuda") * 0.01
     base, scale = torch.randn(hc * (hc + 2), device="cuda"), torch.rand(3, device="cuda")
@@ -193,11 +196,10 @@ def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
         outs = [torch.empty(T, hc, device="cuda"), torch.empty(T, hc, device="cuda"),
                 torch.empty(T, hc, hc, device="cuda")]
         nbytes = fn.nbytes + X.nbytes
-        for block_s in (1, None, 1, None):
-            us = time_graph(lambda: triton_mhc_mix(X, fn, base, scale, 20, 1e-6, 1e-20, *outs, block_s=block_s))
-            rows.append({"kernel": "mhc_mix", "tokens": T, "block_s": block_s or "default", "us": round(us, 2),
-                         "bytes": nbytes, "floor_us": round(floor_us(nbytes), 2)})
-            print(json.dumps(rows[-1]), flush=True)
+        knobs = ({}, {"split": 160}, {"split": 320}) if T <= 64 else ({}, {"block_s": 1})
+        cases = [({"kernel": "mhc_mix", "tokens": T, "knobs": kw or "default"},
+                  lambda kw=kw: triton_mhc_mix(X, fn, base, scale, 20, 1e-6, 1e-20, *outs, **kw)) for kw in knobs]
+        alternate(rows, cases, nbytes, lambda us: {})
 
 
 def alternate(rows: list, cases: list, nbytes: int, rate, rounds: int = 2) -> None:
@@ -251,7 +253,7 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/kernels-h200.json")
     ap.add_argument("--sweep", action="store_true", help="also sweep sparse_attn decode launch options")
     ap.add_argument("--breakdown", action="store_true", help="only the decode sparse_attn breakdown")
-    ap.add_argument("--mhc", action="store_true", help="only mhc_mix, splits summed one per load vs the default")
+    ap.add_argument("--mhc", action="store_true", help="only mhc_mix: the default beside more projection splits")
     ap.add_argument("--wo-a", action="store_true", help="only inv_rope_wo_a at decode widths, split-K and tiles")
     ap.add_argument("--lm-head", action="store_true", help="only the FP32 LM head, cuBLAS vs skinny_gemm")
     a = ap.parse_args()

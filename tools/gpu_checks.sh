@@ -20,7 +20,8 @@
 #   tools/gpu_checks.sh OUT native    # step_bench --weight-format native (FULL graphs), profiled
 #   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
 #   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles;
-#                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm
+#                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm;
+#                                     # --mhc: mhc_mix with its projection split more ways
 #   tools/gpu_checks.sh OUT formats   # weight_formats_bench: bf16 and native engines in one run, alternating
 #   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
 #   tools/gpu_checks.sh OUT serve     # flash-slice server + serve_bench on chat text prompts
@@ -136,7 +137,10 @@ wo-a)
   echo "rc=$?"; grep -E '"round": 1' "$OUT/wo-a.log" | cut -c1-160
   step "kernel_bench --lm-head"
   timeout 120 $py benchmarks/kernel_bench.py --lm-head --out "$OUT/kernels-lm-head-h200.json" > "$OUT/lm-head.log" 2>&1
-  echo "rc=$?"; grep -E '"round": 1' "$OUT/lm-head.log" | cut -c1-160 ;;
+  echo "rc=$?"; grep -E '"round": 1' "$OUT/lm-head.log" | cut -c1-160
+  step "kernel_bench --mhc"
+  timeout 120 $py benchmarks/kernel_bench.py --mhc --out "$OUT/mhc-h200.json" > "$OUT/mhc.log" 2>&1
+  echo "rc=$?"; grep -E '"round": 1' "$OUT/mhc.log" | cut -c1-160 ;;
 native-gemm)
   step "native_gemm_bench"
   timeout 300 $py benchmarks/native_gemm_bench.py --out "$OUT/native-gemm-h200.json" > "$OUT/native-gemm.log" 2>&1
