@@ -50,12 +50,26 @@ def _cuobjdump(kernel, flag: str) -> str:
                               capture_output=True, text=True, check=True).stdout
 
 
-def registers(kernel) -> int:
-    """Registers a thread of the built kernel uses; a build that spills to local memory fails."""
+def usage(kernel) -> dict:
+    """cuobjdump's resource usage of the built kernel: REG (registers a thread), STACK and LOCAL
+    (bytes a thread; a Triton kernel's stack frame holds spilled registers), SHARED, ..."""
     line = next(ln for ln in _cuobjdump(kernel, "-res-usage").splitlines() if "REG:" in ln)
-    if "LOCAL:0 " not in line:
-        raise AssertionError(f"spills to local memory: {line.strip()}")
-    return int(line.split("REG:")[1].split()[0])
+    return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
+
+
+def resources(kernel) -> dict:
+    """A results row's registers and spilled bytes a thread."""
+    u = usage(kernel)
+    return {"registers": u["REG"], "spilled_bytes": u["STACK"] + u["LOCAL"]}
+
+
+def registers(kernel) -> int:
+    """Registers a thread of the built kernel uses; a build that spills (a stack frame or local
+    memory) fails."""
+    u = usage(kernel)
+    if u["STACK"] or u["LOCAL"]:
+        raise AssertionError(f"spills: {u['STACK']} bytes of stack, {u['LOCAL']} of local memory a thread")
+    return u["REG"]
 
 
 def loop_body(kernel) -> list[str]:
@@ -146,7 +160,7 @@ def fp4_gemv_row(which: str, block_n: int, block_k: int, warps: int, asm: bool =
     body = loop_body(k)
     weights = (2 if which == "up" else 1) * block_n * block_k      # elements of w1 and w3, or of w2
     return {"kernel": f"_fp4_{which}_gemv", "tile": f"{block_n}x{block_k}", "num_warps": warps, "asm": asm,
-            "registers": registers(k), "loop_warp_instructions": len(body),
+            **resources(k), "loop_warp_instructions": len(body),
             "thread_instructions_per_weight": round(len(body) * 32 * warps / weights, 2),
             "loop_opcodes": dict(collections.Counter(body).most_common(8))}
 
@@ -162,10 +176,10 @@ def main(argv=None) -> dict:
             ((64, 128, 4), (32, 256, 4), (64, 128, 8)) for asm in (True, False)]
     for quant_x in (False, True):     # the decode tile (fp8_gemm._tiles at M <= 16) with split-K
         rows.append({"kernel": "_fp8_gemm_kernel", "tile": "16x64, 4 K blocks an iteration, split-K",
-                     "quant_x": quant_x, "num_warps": 4, "registers": registers(fp8_gemm(16, 64, 4, 3, True, quant_x))})
-    for bm, bn, nw in ((64, 64, 4), (128, 128, 8)):
+                     "quant_x": quant_x, "num_warps": 4, **resources(fp8_gemm(16, 64, 4, 3, True, quant_x))})
+    for bm, bn, nw in ((64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (64, 64, 8)):
         for name, make in (("_w4a8_up_kernel", w4a8_up), ("_w4a8_down_kernel", w4a8_down)):
-            rows.append({"kernel": name, "tile": f"{bm}x{bn}", "num_warps": nw, "registers": registers(make(bm, bn, nw))})
+            rows.append({"kernel": name, "tile": f"{bm}x{bn}", "num_warps": nw, **resources(make(bm, bn, nw))})
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     res = {"benchmark": "sm90_build", "device": "cpu (no GPU): Triton's compiler and bundled ptxas, target sm_90",
            "triton": triton.__version__, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
