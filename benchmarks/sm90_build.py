@@ -123,7 +123,7 @@ def fp8_gemm(block_m: int, block_n: int, unroll: int, stages: int, split_k: bool
                  num_warps=warps, num_stages=stages)
 
 
-def w4a8_up(block_m: int, block_n: int, warps: int):
+def w4a8_up(block_m: int, block_n: int, warps: int, asm: bool = True):
     """The prefill W4A8 expert up kernel (moe_w4a8.py) at a tile."""
     import triton.language as tl
     from custom_ops.triton.moe_w4a8 import _w4a8_up_kernel
@@ -131,19 +131,19 @@ def w4a8_up(block_m: int, block_n: int, warps: int):
            "s3_ptr": "*u8", "order_ptr": "*i32", "wts_ptr": "*fp32", "meta_ptr": "*i32", "hq_ptr": "*fp8e4nv",
            "hs_ptr": "*fp32", **dict.fromkeys(("n_tiles", "I", "KB", "k"), "i32"), "limit": "fp32",
            **dict.fromkeys(("stride_x", "stride_xs", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_h",
-                            "stride_hs"), "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N", "ACT"), "constexpr")}
-    return build(_w4a8_up_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": block_n, "ACT": tl.bfloat16},
+                            "stride_hs"), "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N", "ACT", "ASM"), "constexpr")}
+    return build(_w4a8_up_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": block_n, "ACT": tl.bfloat16, "ASM": asm},
                  aligned=("I", "stride_x", "stride_we", "stride_wn", "stride_se", "stride_h"), num_warps=warps)
 
 
-def w4a8_down(block_m: int, block_n: int, warps: int):
+def w4a8_down(block_m: int, block_n: int, warps: int, asm: bool = True):
     """The prefill W4A8 expert down kernel (moe_w4a8.py) at a tile."""
     from custom_ops.triton.moe_w4a8 import _w4a8_down_kernel
     sig = {"hq_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w2_ptr": "*i8", "s2_ptr": "*u8", "order_ptr": "*i32",
            "meta_ptr": "*i32", "y_ptr": "*bf16", **dict.fromkeys(("n_tiles", "D", "KB"), "i32"),
            **dict.fromkeys(("stride_h", "stride_hs", "stride_we", "stride_wn", "stride_se", "stride_sn",
-                            "stride_y"), "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N"), "constexpr")}
-    return build(_w4a8_down_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": block_n},
+                            "stride_y"), "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N", "ASM"), "constexpr")}
+    return build(_w4a8_down_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": block_n, "ASM": asm},
                  aligned=("D", "stride_h", "stride_we", "stride_wn", "stride_se", "stride_y"), num_warps=warps)
 
 
@@ -178,8 +178,12 @@ def main(argv=None) -> dict:
         rows.append({"kernel": "_fp8_gemm_kernel", "tile": "16x64, 4 K blocks an iteration, split-K",
                      "quant_x": quant_x, "num_warps": 4, **resources(fp8_gemm(16, 64, 4, 3, True, quant_x))})
     for bm, bn, nw in ((64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (64, 64, 8)):
-        for name, make in (("_w4a8_up_kernel", w4a8_up), ("_w4a8_down_kernel", w4a8_down)):
-            rows.append({"kernel": name, "tile": f"{bm}x{bn}", "num_warps": nw, **resources(make(bm, bn, nw))})
+        for name, make, per in (("_w4a8_up_kernel", w4a8_up, 2), ("_w4a8_down_kernel", w4a8_down, 1)):
+            for asm in (True, False):     # per weight decoded: a tile decodes BLOCK_N x 32 of each weight
+                k = make(bm, bn, nw, asm)      # a K block, for its BLOCK_M rows
+                rows.append({"kernel": name, "tile": f"{bm}x{bn}", "num_warps": nw, "asm": asm, **resources(k),
+                             "thread_instructions_per_weight": round(len(loop_body(k)) * 32 * nw / (per * bn * 32), 2),
+                             "tile_rows": bm})
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     res = {"benchmark": "sm90_build", "device": "cpu (no GPU): Triton's compiler and bundled ptxas, target sm_90",
            "triton": triton.__version__, "torch": torch.__version__, "date": datetime.date.today().isoformat(),

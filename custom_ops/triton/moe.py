@@ -66,7 +66,14 @@ def e2m1_scale(c):
     return e8m0_to_f32(c) * 64.0
 
 
-# e2m1_e4m3 on the eight nibbles of an int32 word at once (byte i: element 2i in its low nibble,
+# e2m1_e4m3 on four bytes at once, as PTX ($1 four packed bytes, $0 their four E4M3 codes): the
+# low nibbles' codes, and the high nibbles'
+E2M1_LO_CODES_PTX = tl.constexpr("{ .reg .b32 a, b; shl.b32 a, $1, 4; and.b32 a, a, 0x80808080; "
+                                 "shl.b32 b, $1, 2; and.b32 b, b, 0x1C1C1C1C; or.b32 $0, a, b; }")
+E2M1_HI_CODES_PTX = tl.constexpr("{ .reg .b32 a, b; and.b32 a, $1, 0x80808080; "
+                                 "shr.b32 b, $1, 2; and.b32 b, b, 0x1C1C1C1C; or.b32 $0, a, b; }")
+
+# the same on the eight nibbles of an int32 word (byte i: element 2i in its low nibble,
 # 2i + 1 in its high one), then the hardware's E4M3 pair -> f16x2 conversion and f16 -> f32:
 # outputs $0..$7 are elements 0..7 as E4M3 values (2^-6 times the E2M1 values), $8 the word.
 E2M1_WORD_PTX = tl.constexpr("""{

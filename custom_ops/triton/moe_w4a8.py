@@ -27,7 +27,8 @@ from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES
 from custom_ops.triton.fp8_gemm import GROUP, GROUP_K, fp8_quant_groups, triton_fp8_act_quant
-from custom_ops.triton.moe import _block_m, e2m1_e4m3, e2m1_scale, fits, run_experts
+from custom_ops.triton.moe import (E2M1_HI_CODES_PTX, E2M1_LO_CODES_PTX, _block_m, e2m1_e4m3, e2m1_scale, fits,
+                                   run_experts)
 from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, tile_rows
 
 BLOCK_N_UP = 64
@@ -37,14 +38,20 @@ GEMV_PAIRS_PER_EXPERT = 2  # a GEMV reads its expert's weights once per pair, an
 
 
 @triton.jit
-def e2m1_tile(w_rows, kb, nmask, BLOCK_N: tl.constexpr):
+def e2m1_tile(w_rows, kb, nmask, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
     """The [32, BLOCK_N] FP8 tile of K block kb of packed E2M1 rows (w_rows: [BLOCK_N] row
     pointers to int8 bytes), element 2j from byte j's low nibble, 2j+1 from its high nibble, as
-    moe.e2m1_e4m3's codes: 2^-6 times the values (their scales: moe.e2m1_scale)."""
+    moe.e2m1_e4m3's codes: 2^-6 times the values (their scales: moe.e2m1_scale). ASM (CUDA):
+    the codes of four bytes' low (high) nibbles at once (moe.E2M1_LO_CODES_PTX, _HI_); else byte
+    by byte in int32 (the interpreter runs no PTX)."""
     j = tl.arange(0, GROUP_K // 2)
-    b = tl.load(w_rows[:, None] + kb * (GROUP_K // 2) + j[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-    c = tl.reshape(tl.join(e2m1_e4m3(b & 15), e2m1_e4m3((b >> 4) & 15)), [BLOCK_N, GROUP_K])
-    return tl.trans(c.to(tl.float8e4nv, bitcast=True))
+    b = tl.load(w_rows[:, None] + kb * (GROUP_K // 2) + j[None, :], mask=nmask[:, None], other=0)
+    if ASM:
+        lo = tl.inline_asm_elementwise(E2M1_LO_CODES_PTX, "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(E2M1_HI_CODES_PTX, "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        lo, hi = e2m1_e4m3(b.to(tl.int32) & 15), e2m1_e4m3((b.to(tl.int32) >> 4) & 15)
+    return tl.trans(tl.reshape(tl.join(lo, hi), [BLOCK_N, GROUP_K]).to(tl.float8e4nv, bitcast=True))
 
 
 @triton.jit
@@ -52,7 +59,7 @@ def _w4a8_up_kernel(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, w
                     hq_ptr, hs_ptr, n_tiles, I, KB, k, limit,
                     stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn,
                     stride_h, stride_hs,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, ASM: tl.constexpr):
     r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
@@ -70,8 +77,8 @@ def _w4a8_up_kernel(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, w
     for kb in range(KB):
         a = tl.load(a_rows + kb * GROUP_K, mask=rmask[:, None], other=0.0)
         sa = tl.load(xs_ptr + tok * stride_xs + kb, mask=rmask, other=0.0)
-        pg = tl.dot(a, e2m1_tile(w1_ptr + w_off, kb, nmask, BLOCK_N), out_dtype=tl.float32)
-        pu = tl.dot(a, e2m1_tile(w3_ptr + w_off, kb, nmask, BLOCK_N), out_dtype=tl.float32)
+        pg = tl.dot(a, e2m1_tile(w1_ptr + w_off, kb, nmask, BLOCK_N, ASM), out_dtype=tl.float32)
+        pu = tl.dot(a, e2m1_tile(w3_ptr + w_off, kb, nmask, BLOCK_N, ASM), out_dtype=tl.float32)
         sg = e2m1_scale(tl.load(s1_ptr + s_off + kb, mask=nmask, other=127).to(tl.int32))
         su = e2m1_scale(tl.load(s3_ptr + s_off + kb, mask=nmask, other=127).to(tl.int32))
         acc_g += pg * sa[:, None] * sg[None, :]
@@ -94,7 +101,7 @@ def _w4a8_up_kernel(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, w
 @triton.jit
 def _w4a8_down_kernel(hq_ptr, hs_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles, D, KB,
                       stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_y,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
     r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
@@ -111,7 +118,7 @@ def _w4a8_down_kernel(hq_ptr, hs_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr
         a = tl.load(hq_ptr + r64[:, None] * stride_h + kb * GROUP_K + rk[None, :], mask=rmask[:, None],
                     other=0.0)
         sa = tl.load(hs_ptr + r64 * stride_hs + kb, mask=rmask, other=0.0)
-        part = tl.dot(a, e2m1_tile(w_rows, kb, nmask, BLOCK_N), out_dtype=tl.float32)
+        part = tl.dot(a, e2m1_tile(w_rows, kb, nmask, BLOCK_N, ASM), out_dtype=tl.float32)
         sb = e2m1_scale(tl.load(s_rows + kb, mask=nmask, other=127).to(tl.int32))
         acc += part * sa[:, None] * sb[None, :]
     tl.store(y_ptr + pair[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -143,11 +150,12 @@ def w4a8_expert_gemms(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, *, block_m
     _w4a8_up_kernel[(n_tiles, triton.cdiv(I, bnu))](
         xq, xs, w1, s1, w3, s3, order, wts, meta, hq, hs, n_tiles, I, D // GROUP, k, limit,
         xq.stride(0), xs.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
-        hq.stride(0), hs.stride(0), BLOCK_M=bm, BLOCK_N=bnu, ACT=TL_DTYPES[x.dtype], **launch)
+        hq.stride(0), hs.stride(0), BLOCK_M=bm, BLOCK_N=bnu, ACT=TL_DTYPES[x.dtype], ASM=dev.type == "cuda",
+        **launch)
     _w4a8_down_kernel[(n_tiles, triton.cdiv(D, bnd))](
         hq, hs, w2, s2, order, meta, y, n_tiles, D, I // GROUP, hq.stride(0), hs.stride(0),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bnd, **launch)
+        BLOCK_M=bm, BLOCK_N=bnd, ASM=dev.type == "cuda", **launch)
     return hq, hs, y, order
 
 
