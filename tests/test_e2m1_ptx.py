@@ -60,32 +60,34 @@ def nibble_value(c: int) -> float:
     return float(quant.e2m1_decode(torch.tensor([c], dtype=torch.uint8), torch.float32)) * 2.0**-6
 
 
+def words(bits: int):
+    """32-bit words of 32 / bits fields: every field value in every place, random fields
+    around it; yields (the fields, the word)."""
+    g = np.random.default_rng(bits)
+    n = 32 // bits
+    for place in range(n):
+        for v in range(1 << bits):
+            fields = [int(f) for f in g.integers(0, 1 << bits, n)]
+            fields[place] = v
+            yield fields, sum(f << (bits * i) for i, f in enumerate(fields))
+
+
 def test_word_ptx_decodes_every_nibble_in_every_position():
     """E2M1_WORD_PTX: a word's byte i holds elements 2i (low nibble) and 2i + 1 (high); every
-    code 0..15 in each of the eight places, with random codes around it."""
-    g = np.random.default_rng(0)
-    for place in range(8):
-        for c in range(16):
-            nib = g.integers(0, 16, 8)
-            nib[place] = c
-            word = sum(int(n) << (4 * i) for i, n in enumerate(nib))
-            out = run_ptx(moe.E2M1_WORD_PTX.value, {8: word})
-            assert [out[i] for i in range(8)] == [nibble_value(int(n)) for n in nib], (place, c)
+    code 0..15 in each of the eight places."""
+    for nibbles, word in words(4):
+        out = run_ptx(moe.E2M1_WORD_PTX.value, {8: word})
+        assert [out[i] for i in range(8)] == [nibble_value(c) for c in nibbles], nibbles
 
 
 @pytest.mark.parametrize("name,shift", [("E2M1_LO_CODES_PTX", 0), ("E2M1_HI_CODES_PTX", 4)])
 def test_code_ptx_gives_each_byte_its_nibble_code(name, shift):
     """The W4A8 MMA tiles' PTX: four packed bytes in, each byte's low (high) nibble's E4M3 code
     out in the same byte; all 256 byte values in each of the four places."""
-    g = np.random.default_rng(1)
-    for place in range(4):
-        for b in range(256):
-            bytes_ = g.integers(0, 256, 4)
-            bytes_[place] = b
-            word = sum(int(x) << (8 * i) for i, x in enumerate(bytes_))
-            codes = run_ptx(getattr(moe, name).value, {1: word})[0]
-            for i, x in enumerate(bytes_):
-                assert e4m3((codes >> (8 * i)) & 0xFF) == nibble_value((int(x) >> shift) & 15), (place, b, i)
+    for bytes_, word in words(8):
+        codes = run_ptx(getattr(moe, name).value, {1: word})[0]
+        assert [e4m3((codes >> (8 * i)) & 0xFF) for i in range(4)] == \
+            [nibble_value((b >> shift) & 15) for b in bytes_], bytes_
 
 
 def test_emulator_rejects_what_it_does_not_know():
