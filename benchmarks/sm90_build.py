@@ -147,6 +147,30 @@ def w4a8_down(block_m: int, block_n: int, warps: int, asm: bool = True):
                  aligned=("D", "stride_h", "stride_we", "stride_wn", "stride_se", "stride_y"), num_warps=warps)
 
 
+def fp4_tiles(which: str, block_m: int, block_n: int, block_k: int, warps: int):
+    """moe.py's MMA tile kernel `which` ('up' or 'down') on FP4 weights dequantized per tile to
+    bf16 (run_experts(tiles=True), the W4A8 op's 'tiles' path), PTX codes."""
+    from custom_ops.triton.moe import _moe_down_kernel, _moe_up_kernel
+    consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT_F32": False, "PREC": "tf32",
+              "FP4": True, "ASM": True}
+    if which == "up":
+        fn = _moe_up_kernel
+        sig = {"xq_ptr": "*bf16", "w1_ptr": "*i8", "w3_ptr": "*i8", "s1_ptr": "*u8", "s3_ptr": "*u8",
+               "order_ptr": "*i32", "wts_ptr": "*fp32", "meta_ptr": "*i32", "h_ptr": "*bf16",
+               **dict.fromkeys(("n_tiles", "I", "D", "k"), "i32"), "limit": "fp32",
+               **dict.fromkeys(("stride_x", "stride_w1e", "stride_w1n", "stride_w3e", "stride_w3n", "stride_se",
+                                "stride_sn", "stride_h"), "i32")}
+    else:
+        fn = _moe_down_kernel
+        sig = {"h_ptr": "*bf16", "w2_ptr": "*i8", "s2_ptr": "*u8", "order_ptr": "*i32", "meta_ptr": "*i32",
+               "y_ptr": "*bf16", **dict.fromkeys(("n_tiles", "D", "I"), "i32"),
+               **dict.fromkeys(("stride_h", "stride_w2e", "stride_w2n", "stride_se", "stride_sn", "stride_y"), "i32")}
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    aligned = ("I", "D", "stride_x", "stride_h", "stride_w1e", "stride_w1n", "stride_w3e", "stride_w3n", "stride_w2e",
+               "stride_w2n", "stride_se", "stride_sn", "stride_y")
+    return build(fn, sig, consts, aligned=aligned, num_warps=warps)
+
+
 def fp4_gemv(which: str, block_n: int, block_k: int, warps: int, asm: bool = True):
     """The decode FP4 expert GEMV `which` ('up' or 'down') built at a tile."""
     from custom_ops.triton.moe import _fp4_down_gemv, _fp4_up_gemv
@@ -177,6 +201,12 @@ def main(argv=None) -> dict:
     for quant_x in (False, True):     # the decode tile (fp8_gemm._tiles at M <= 16) with split-K
         rows.append({"kernel": "_fp8_gemm_kernel", "tile": "16x64, 4 K blocks an iteration, split-K",
                      "quant_x": quant_x, "num_warps": 4, **resources(fp8_gemm(16, 64, 4, 3, True, quant_x))})
+    for bm, bn, bk, nw in ((64, 64, 64, 4), (128, 64, 64, 4), (64, 128, 64, 4), (128, 128, 64, 8), (128, 128, 32, 8)):
+        for which, per in (("up", 2), ("down", 1)):      # the 'tiles' path: weights dequantized to bf16 per tile
+            k = fp4_tiles(which, bm, bn, bk, nw)
+            rows.append({"kernel": f"_moe_{which}_kernel FP4", "tile": f"{bm}x{bn}x{bk}", "num_warps": nw, **resources(k),
+                         "thread_instructions_per_weight": round(len(loop_body(k)) * 32 * nw / (per * bn * bk), 2),
+                         "tile_rows": bm})
     for bm, bn, nw in ((64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (64, 64, 8)):
         for name, make, per in (("_w4a8_up_kernel", w4a8_up, 2), ("_w4a8_down_kernel", w4a8_down, 1)):
             for asm in (True, False):     # per weight decoded: a tile decodes BLOCK_N x 32 of each weight

@@ -1,4 +1,4 @@
-"""The FP4 kernels' inline PTX (custom_ops/triton/moe.py), run on the CPU by a small emulator of
+"""The FP4 kernels' inline PTX (custom_ops/triton/fp4.py), run on the CPU by a small emulator of
 the few instructions it uses. The interpreter tests run the kernels' Triton form instead (the
 interpreter executes no PTX), and the sm_90 build only shows that ptxas accepts it; this checks
 what the PTX computes: every E2M1 nibble, in every position of a word, decodes to its E4M3 value
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the PTX lives in the Triton kernels' module: needs triton (the test extra)")
-from custom_ops.triton import moe  # noqa: E402
+from custom_ops.triton import fp4  # noqa: E402
 from v41 import quant  # noqa: E402
 
 M32 = 0xFFFFFFFF
@@ -76,7 +76,7 @@ def test_word_ptx_decodes_every_nibble_in_every_position():
     """E2M1_WORD_PTX: a word's byte i holds elements 2i (low nibble) and 2i + 1 (high); every
     code 0..15 in each of the eight places."""
     for nibbles, word in words(4):
-        out = run_ptx(moe.E2M1_WORD_PTX.value, {8: word})
+        out = run_ptx(fp4.E2M1_WORD_PTX.value, {8: word})
         assert [out[i] for i in range(8)] == [nibble_value(c) for c in nibbles], nibbles
 
 
@@ -85,7 +85,7 @@ def test_code_ptx_gives_each_byte_its_nibble_code(name, shift):
     """The W4A8 MMA tiles' PTX: four packed bytes in, each byte's low (high) nibble's E4M3 code
     out in the same byte; all 256 byte values in each of the four places."""
     for bytes_, word in words(8):
-        codes = run_ptx(getattr(moe, name).value, {1: word})[0]
+        codes = run_ptx(getattr(fp4, name).value, {1: word})[0]
         assert [e4m3((codes >> (8 * i)) & 0xFF) for i in range(4)] == \
             [nibble_value((b >> shift) & 15) for b in bytes_], bytes_
 

@@ -57,6 +57,17 @@ def test_w4a8_expert_kernels_build_for_hopper(block_m, block_n, warps):
             assert 0 < B.usage(k)["REG"] <= 255
 
 
+@pytest.mark.parametrize("block_m,block_n,block_k,warps", [(64, 64, 64, 4), (128, 128, 64, 8)])
+def test_fp4_tile_kernels_build_for_hopper(block_m, block_n, block_k, warps):
+    """moe.py's MMA tile kernels on FP4 weights dequantized per tile (the W4A8 op's 'tiles'
+    path) at its default tile and the prefill sweep's 128 x 128: no spills, and the dots run
+    as Hopper's warpgroup MMA."""
+    for which in ("up", "down"):
+        k = B.fp4_tiles(which, block_m, block_n, block_k, warps)
+        assert 0 < registers(k) <= 255
+        assert any(op.startswith("HGMMA") for op in B.loop_body(k))
+
+
 @pytest.mark.parametrize("asm", [True, False], ids=["ptx", "triton"])
 @pytest.mark.parametrize("warps", [4, 8])
 def test_fp4_gemvs_build_for_hopper(warps, asm):

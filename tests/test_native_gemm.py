@@ -84,7 +84,8 @@ else:
     import triton.language as tl
 
     from custom_ops.triton.fp8_gemm import e8m0_to_f32
-    from custom_ops.triton.moe import e2m1_e4m3, run_experts
+    from custom_ops.triton.fp4 import e2m1_e4m3
+    from custom_ops.triton.moe import run_experts
     from tests.kernel_cases import fp8_gemm_case, fp8_grouped_case, rne_bf16_casts, w4a8_case
     from v41 import quant
 
@@ -327,7 +328,7 @@ else:
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("T, path", [(1, None), (5, None), (5, "gemv"), (24, None), (24, "gemv"),
-                                         (256, None), (1, "mma")])
+                                         (256, None), (1, "mma"), (1, "tiles"), (24, "tiles"), (256, "tiles")])
     def test_moe_experts_w4a8(g, monkeypatch, dtype, T, path):
         """The whole op against the reference: token 0 all padding (its row exactly 0; not at
         T = 1), expert E-1 empty, ragged groups. An FP32 reordering can move w2's pre-quant input across an FP8

@@ -15,7 +15,7 @@ moe_experts: tokens sorted by expert, grouped GEMM tiles, a deterministic reduct
      stored at the pair's own row of y [T·k, D].
   FP4 experts (`moe_experts_w4a8` up to its DECODE_PAIRS): steps 1-2 as GEMVs, grid (sorted
      rows, N blocks, K splits): the packed weights loaded as int32 words along K (eight values
-     a word), a word's nibbles turned into E4M3 values four at a time (`e2m1_word_values`: on
+     a word), a word's nibbles turned into E4M3 values four at a time (`fp4.e2m1_word_values`: on
      CUDA a few lines of PTX, since the work per weight, not the bytes, bounds these GEMVs) and
      multiplied with the activation in FP32 (exact products), each word's sum scaled by its
      group's scale, the words summed after the K loop; the FP32 partials summed in split order
@@ -38,7 +38,7 @@ import triton.language as tl
 from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, fp8_qat_groups
-from custom_ops.triton.fp8_gemm import e8m0_to_f32
+from custom_ops.triton.fp4 import fp4_tile, fp4_words_dot
 from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, tile_rows
 
 BLOCK_N_UP = 64
@@ -46,115 +46,6 @@ BLOCK_N_DOWN = 128
 BLOCK_K = 64
 FP4_BLOCK_K = 128        # the FP4 GEMVs (H200, one token: 64 x 128 and 32 x 256 blocks fastest)
 FP4_BLOCK_N = 64
-
-
-# ---- experts ---------------------------------------------------------------------------------
-
-@triton.jit
-def e2m1_e4m3(c):
-    """E4M3 codes (int8) of 2^-6 times the E2M1 values of int32 codes c (bit 3 the sign, then a
-    2-bit exponent and 1-bit mantissa): the bits move into E4M3's sign, the low exponent bits and
-    the top mantissa bit, and 2^-6 is the bias difference (E2M1's 0.5, its one subnormal,
-    lands on E4M3's subnormal 2^-7). Exact, and 5 integer ops a value."""
-    return (((c & 8) << 4) | ((c & 7) << 2)).to(tl.int8)
-
-
-@triton.jit
-def e2m1_scale(c):
-    """The FP32 multiplier of `e2m1_e4m3` codes under the int32 E8M0 scale codes c: 2^6 (the
-    codes' 2^-6 undone) times 2^(c-127); exact for scale codes up to 248 (2^121)."""
-    return e8m0_to_f32(c) * 64.0
-
-
-# e2m1_e4m3 on four bytes at once, as PTX ($1 four packed bytes, $0 their four E4M3 codes): the
-# low nibbles' codes, and the high nibbles'
-E2M1_LO_CODES_PTX = tl.constexpr("{ .reg .b32 a, b; shl.b32 a, $1, 4; and.b32 a, a, 0x80808080; "
-                                 "shl.b32 b, $1, 2; and.b32 b, b, 0x1C1C1C1C; or.b32 $0, a, b; }")
-E2M1_HI_CODES_PTX = tl.constexpr("{ .reg .b32 a, b; and.b32 a, $1, 0x80808080; "
-                                 "shr.b32 b, $1, 2; and.b32 b, b, 0x1C1C1C1C; or.b32 $0, a, b; }")
-
-# the same on the eight nibbles of an int32 word (byte i: element 2i in its low nibble,
-# 2i + 1 in its high one), then the hardware's E4M3 pair -> f16x2 conversion and f16 -> f32:
-# outputs $0..$7 are elements 0..7 as E4M3 values (2^-6 times the E2M1 values), $8 the word.
-E2M1_WORD_PTX = tl.constexpr("""{
-.reg .b32 a, b, lo, hi, f0, f1, f2, f3;
-.reg .b16 l0, l1, h0, h1, x0, x1, x2, x3, x4, x5, x6, x7;
-shl.b32 a, $8, 4;
-and.b32 a, a, 0x80808080;
-shl.b32 b, $8, 2;
-and.b32 b, b, 0x1C1C1C1C;
-or.b32 lo, a, b;
-and.b32 a, $8, 0x80808080;
-shr.b32 b, $8, 2;
-and.b32 b, b, 0x1C1C1C1C;
-or.b32 hi, a, b;
-mov.b32 {l0, l1}, lo;
-mov.b32 {h0, h1}, hi;
-cvt.rn.f16x2.e4m3x2 f0, l0;
-cvt.rn.f16x2.e4m3x2 f1, h0;
-cvt.rn.f16x2.e4m3x2 f2, l1;
-cvt.rn.f16x2.e4m3x2 f3, h1;
-mov.b32 {x0, x2}, f0;
-mov.b32 {x1, x3}, f1;
-mov.b32 {x4, x6}, f2;
-mov.b32 {x5, x7}, f3;
-cvt.f32.f16 $0, x0;
-cvt.f32.f16 $1, x1;
-cvt.f32.f16 $2, x2;
-cvt.f32.f16 $3, x3;
-cvt.f32.f16 $4, x4;
-cvt.f32.f16 $5, x5;
-cvt.f32.f16 $6, x6;
-cvt.f32.f16 $7, x7;
-}""")
-
-
-@triton.jit
-def e4m3_byte(codes, i: tl.constexpr):
-    """Byte i of int32 words of E4M3 codes, as its FP32 value."""
-    return ((codes >> (8 * i)) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def e2m1_word_values(w, ASM: tl.constexpr):
-    """The eight values of int32 words w of packed E2M1 bytes, in element order, as FP32 E4M3
-    values (`e2m1_e4m3`'s codes: 2^-6 times the E2M1 values). ASM (CUDA): E2M1_WORD_PTX. Else
-    (the interpreter runs no PTX) its same shift-and-masks into words of codes (low nibbles, high
-    nibbles), then byte by byte."""
-    if ASM:
-        return tl.inline_asm_elementwise(E2M1_WORD_PTX, "=f,=f,=f,=f,=f,=f,=f,=f,r", [w],
-                                         dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-    else:
-        lo = ((w << 4) & -0x7F7F7F80) | ((w << 2) & 0x1C1C1C1C)      # -0x7F7F7F80: 0x80808080 as int32
-        hi = (w & -0x7F7F7F80) | ((w >> 2) & 0x1C1C1C1C)
-        return (e4m3_byte(lo, 0), e4m3_byte(hi, 0), e4m3_byte(lo, 1), e4m3_byte(hi, 1),
-                e4m3_byte(lo, 2), e4m3_byte(hi, 2), e4m3_byte(lo, 3), e4m3_byte(hi, 3))
-
-
-@triton.jit
-def fp4_words_dot(acc, a_ptr, w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_K / 8] plus, for each int32 word j of K block [k0, k0 + BLOCK_K) of
-    the [BLOCK_N] rows of packed E2M1 weights (w_rows: each row's words; s_rows: its E8M0
-    scales, one per 32 along K): the FP32 sum of the word's eight products a[k]·w[n, k], times
-    its group's scale (`e2m1_scale`). BLOCK_K is a multiple of 32 dividing K (no K mask). Each
-    product of an FP8-QAT activation and an E4M3 value is exact and the scales are powers of
-    two, so only the order of the FP32 sums differs from the reference; the caller sums the
-    words once, after its K loop."""
-    j = tl.arange(0, BLOCK_K // 8)
-    w = tl.load(w_rows[:, None] + (k0 // 8 + j)[None, :], mask=nmask[:, None], other=0)
-    v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word_values(w, ASM)
-    a = a_ptr + k0 + 8 * j
-    part = v0 * tl.load(a).to(tl.float32)[None, :]
-    part += v1 * tl.load(a + 1).to(tl.float32)[None, :]
-    part += v2 * tl.load(a + 2).to(tl.float32)[None, :]
-    part += v3 * tl.load(a + 3).to(tl.float32)[None, :]
-    part += v4 * tl.load(a + 4).to(tl.float32)[None, :]
-    part += v5 * tl.load(a + 5).to(tl.float32)[None, :]
-    part += v6 * tl.load(a + 6).to(tl.float32)[None, :]
-    part += v7 * tl.load(a + 7).to(tl.float32)[None, :]
-    s = e2m1_scale(tl.load(s_rows[:, None] + (k0 // 32 + j // 4)[None, :], mask=nmask[:, None], other=127)
-                   .to(tl.int32))
-    return acc + part * s
 
 
 @triton.jit
@@ -212,11 +103,13 @@ def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, D, I, k_
 
 
 @triton.jit
-def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr, n_tiles, I, D, k, limit,
-                   stride_x, stride_w1e, stride_w1n, stride_w3e, stride_w3n, stride_h,
+def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr, n_tiles, I, D, k,
+                   limit, stride_x, stride_w1e, stride_w1n, stride_w3e, stride_w3n, stride_se, stride_sn, stride_h,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    """One (tile, N block): the tile's token rows against w1[e] and w3[e], then the epilogue."""
+                   DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr):
+    """One (tile, N block): the tile's token rows against w1[e] and w3[e], then the epilogue.
+    FP4: w1 and w3 packed E2M1 (s1, s3 their scales, strides shared), each tile dequantized
+    exactly (`fp4_tile`) to x's dtype before its dot; BLOCK_K divides D."""
     r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
@@ -228,15 +121,20 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr, 
     a_rows = xq_ptr + tok[:, None] * stride_x
     b1 = w1_ptr + e * stride_w1e + rn.to(tl.int64) * stride_w1n
     b3 = w3_ptr + e * stride_w3e + rn.to(tl.int64) * stride_w3n
+    sc = e * stride_se + rn.to(tl.int64) * stride_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, D, BLOCK_K):
         ks = k0 + rk
         kmask = ks < D
         a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        bm = kmask[:, None] & nmask[None, :]
-        wg = tl.load(b1[None, :] + ks[:, None], mask=bm, other=0.0)
-        wu = tl.load(b3[None, :] + ks[:, None], mask=bm, other=0.0)
+        if FP4:
+            wg = fp4_tile(b1, s1_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, ASM).to(a.dtype)
+            wu = fp4_tile(b3, s3_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, ASM).to(a.dtype)
+        else:
+            bm = kmask[:, None] & nmask[None, :]
+            wg = tl.load(b1[None, :] + ks[:, None], mask=bm, other=0.0)
+            wu = tl.load(b3[None, :] + ks[:, None], mask=bm, other=0.0)
         if DOT_F32:
             a = a.to(tl.float32)
             wg = wg.to(tl.float32)
@@ -285,11 +183,12 @@ def _moe_up_sum_kernel(part_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr, n_tiles, I
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, w2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles, D, I,
-                     stride_h, stride_w2e, stride_w2n, stride_y,
+def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles, D, I,
+                     stride_h, stride_w2e, stride_w2n, stride_se, stride_sn, stride_y,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    """One (tile, N block): h rows · w2[e]ᵀ, rounded, at the pairs' own rows of y."""
+                     DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr):
+    """One (tile, N block): h rows · w2[e]ᵀ, rounded, at the pairs' own rows of y. FP4: as the
+    up kernel's."""
     r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
@@ -299,12 +198,16 @@ def _moe_down_kernel(h_ptr, w2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles, D, I,
     rk = tl.arange(0, BLOCK_K)
     a_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
     b = w2_ptr + e * stride_w2e + rn.to(tl.int64) * stride_w2n
+    sc = s2_ptr + e * stride_se + rn.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
         ks = k0 + rk
         kmask = ks < I
         a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(b[None, :] + ks[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if FP4:
+            w = fp4_tile(b, sc, k0, nmask, BLOCK_K, BLOCK_N, ASM).to(a.dtype)
+        else:
+            w = tl.load(b[None, :] + ks[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
         if DOT_F32:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
@@ -367,11 +270,12 @@ def _k_split(K: int, block_k: int, splits: int) -> tuple[int, int]:
 def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int | None = None,
                 block_n_up: int | None = None, block_n_down: int | None = None,
                 block_k: int | None = None, splits: int | None = None, num_warps: int = 4,
-                hidden: list | None = None) -> None:
+                tiles: bool = False, hidden: list | None = None) -> None:
     """Steps 0-3 on dequantized experts (`scales` None: the tile kernels) or packed FP4 ones
     (`scales` = their E8M0 scales as uint8, (s1, s3, s2): a GEMV per pair, both GEMMs split
     over K, `splits` or `fp4_splits` of each GEMM's K, their FP32 partials summed in split
-    order by the tile-wise sum kernels). `hidden`, when given, receives (h, order, y): w2's
+    order by the tile-wise sum kernels; `tiles`: the tile kernels, each weight tile dequantized
+    exactly to x's dtype in registers). `hidden`, when given, receives (h, order, y): w2's
     input rows in expert order, the sort, the per-pair outputs, for the tests."""
     T, D = x.shape
     E, I = w1.shape[:2]
@@ -387,17 +291,21 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
     wts = weights.reshape(-1).contiguous()
     h = torch.empty(T * k, I, dtype=x.dtype, device=dev)
     y = torch.empty(T * k, D, dtype=x.dtype, device=dev)
-    if scales is None:
+    if scales is None or tiles:
         interp = dev.type == "cpu"
         f32, prec = interp and x.dtype != torch.float32, "ieee" if interp else dot_precision(x)
         bk, bnu, bnd = block_k or BLOCK_K, block_n_up or BLOCK_N_UP, block_n_down or BLOCK_N_DOWN
+        fp4 = scales is not None
+        s1, s3, s2 = scales if fp4 else (w1, w3, w2)         # unread without FP4
+        bku, bkd = (math.gcd(bk, D), math.gcd(bk, I)) if fp4 else (bk, bk)      # FP4: dividing K
+        common = dict(BLOCK_M=bm, DOT_F32=f32, PREC=prec, FP4=fp4, ASM=not interp, num_warps=num_warps)
         _moe_up_kernel[(n_tiles, triton.cdiv(I, bnu))](
-            xq, w1, w3, order, wts, meta, h, n_tiles, I, D, k, limit, xq.stride(0), w1.stride(0), w1.stride(1),
-            w3.stride(0), w3.stride(1), h.stride(0), BLOCK_M=bm, BLOCK_N=bnu, BLOCK_K=bk, DOT_F32=f32, PREC=prec,
-            num_warps=num_warps)
+            xq, w1, w3, s1, s3, order, wts, meta, h, n_tiles, I, D, k, limit, xq.stride(0), w1.stride(0),
+            w1.stride(1), w3.stride(0), w3.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+            BLOCK_N=bnu, BLOCK_K=bku, **common)
         _moe_down_kernel[(n_tiles, triton.cdiv(D, bnd))](
-            h, w2, order, meta, y, n_tiles, D, I, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-            BLOCK_M=bm, BLOCK_N=bnd, BLOCK_K=bk, DOT_F32=f32, PREC=prec, num_warps=num_warps)
+            h, w2, s2, order, meta, y, n_tiles, D, I, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
+            s2.stride(1), y.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, **common)
     else:
         fp4_gemvs(xq, ids, order, meta, n_tiles, wts, w1, w3, w2, scales, limit, h, y, bm, block_n_up, block_n_down,
                   block_k, splits, num_warps)

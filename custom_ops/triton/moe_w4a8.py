@@ -7,7 +7,7 @@ tile bound, a deterministic reduction in ascending expert id), with W4A8 GEMMs i
   0. x -> FP8 codes + per-32 FP32 scales once (fp8_gemm's activation quant).
   1. Up kernel, grid (tiles, I / BLOCK_N): per 32-wide K block, the tile's 16 bytes per output
      row are split into low / high nibbles, each moved bit by bit to the E4M3 code of 2^-6 times
-     its E2M1 value (moe.e2m1_e4m3; Hopper has no FP4 MMA), interleaved back into element order
+     its E2M1 value (fp4.e2m1_e4m3; Hopper has no FP4 MMA), interleaved back into element order
      (element 2k is the low nibble), then one FP8 dot per weight and the promotion
      acc += tile · s_x[token] · s_w[row] · 2^6 (powers of two: exact). In registers as moe.py: both
      rounded to the activation dtype, clamp, silu, x routing weight, rounded, then the FP8 act
@@ -27,8 +27,8 @@ from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES
 from custom_ops.triton.fp8_gemm import GROUP, GROUP_K, fp8_quant_groups, triton_fp8_act_quant
-from custom_ops.triton.moe import (E2M1_HI_CODES_PTX, E2M1_LO_CODES_PTX, _block_m, e2m1_e4m3, e2m1_scale, fits,
-                                   run_experts)
+from custom_ops.triton.fp4 import e2m1_codes, e2m1_scale
+from custom_ops.triton.moe import _block_m, fits, run_experts
 from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, tile_rows
 
 BLOCK_N_UP = 64
@@ -41,16 +41,10 @@ GEMV_PAIRS_PER_EXPERT = 2  # a GEMV reads its expert's weights once per pair, an
 def e2m1_tile(w_rows, kb, nmask, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
     """The [32, BLOCK_N] FP8 tile of K block kb of packed E2M1 rows (w_rows: [BLOCK_N] row
     pointers to int8 bytes), element 2j from byte j's low nibble, 2j+1 from its high nibble, as
-    moe.e2m1_e4m3's codes: 2^-6 times the values (their scales: moe.e2m1_scale). ASM (CUDA):
-    the codes of four bytes' low (high) nibbles at once (moe.E2M1_LO_CODES_PTX, _HI_); else byte
-    by byte in int32 (the interpreter runs no PTX)."""
+    fp4.e2m1_e4m3's codes: 2^-6 times the values (their scales: fp4.e2m1_scale)."""
     j = tl.arange(0, GROUP_K // 2)
     b = tl.load(w_rows[:, None] + kb * (GROUP_K // 2) + j[None, :], mask=nmask[:, None], other=0)
-    if ASM:
-        lo = tl.inline_asm_elementwise(E2M1_LO_CODES_PTX, "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4)
-        hi = tl.inline_asm_elementwise(E2M1_HI_CODES_PTX, "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4)
-    else:
-        lo, hi = e2m1_e4m3(b.to(tl.int32) & 15), e2m1_e4m3((b.to(tl.int32) >> 4) & 15)
+    lo, hi = e2m1_codes(b, ASM)
     return tl.trans(tl.reshape(tl.join(lo, hi), [BLOCK_N, GROUP_K]).to(tl.float8e4nv, bitcast=True))
 
 
@@ -170,9 +164,12 @@ def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out,
                             **knobs) -> None:
     """`v41::moe_experts_w4a8` (same signature). `path` (default `expert_path`; knobs imply
     'gemv'): 'mma', the FP8-MMA kernels above; 'gemv', moe.py's tile grouping with FP4 GEMVs
-    (`run_experts` with scales). Every product is exact in FP32, so only the order of the FP32
-    sums differs from the reference. Knobs: 'gemv', run_experts' (block_m, block_n_up,
-    block_n_down, block_k, splits, num_warps); 'mma', w4a8_expert_gemms'."""
+    (`run_experts` with scales); 'tiles', moe.py's MMA tile kernels with each FP4 weight tile
+    dequantized exactly to x's dtype in registers (no per-32 scale promotion after the dots: the
+    scales are in the tile; untimed, beside 'mma' for the prefill sweep). Every product is exact
+    in FP32, so only the order of the FP32 sums differs from the reference. Knobs: 'gemv' and
+    'tiles', run_experts' (block_m, block_n_up, block_n_down, block_k, splits, num_warps);
+    'mma', w4a8_expert_gemms'."""
     if x.dtype not in TL_DTYPES or w1.dtype != torch.int8 or w1.stride() != w3.stride() or \
             s1.stride() != s3.stride() or not fits(x, (w1, w3, w2, s1, s3, s2), w1.shape[1], out, knobs):
         return _ref.moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
@@ -183,7 +180,8 @@ def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out,
                                            w1, s1, w3, s3, w2, s2, limit, **knobs)
             reduce_pairs(y, ids, w1.shape[0], out)
         return
-    run_experts(x, ids, weights, w1, w3, w2, tuple(t.view(torch.uint8) for t in (s1, s3, s2)), limit, out, **knobs)
+    run_experts(x, ids, weights, w1, w3, w2, tuple(t.view(torch.uint8) for t in (s1, s3, s2)), limit, out,
+                tiles=path == "tiles", **knobs)
 
 
 register_impl("moe_experts_w4a8", "triton", triton_moe_experts_w4a8, device_type="cuda")

@@ -1,0 +1,153 @@
+"""FP4 (E2M1) weights decoded inside Triton kernels: the shared pieces of the FP4 expert kernels
+(moe.py's GEMVs and tile kernels, moe_w4a8.py's FP8-MMA tiles).
+
+Packed E2M1: two values a byte, element 2j in byte j's low nibble and 2j + 1 in its high one,
+with an E8M0 scale per 32 along K (v41.quant). A nibble becomes an E4M3 code of 2^-6 times its
+value (`e2m1_e4m3`: E2M1's bits moved into E4M3's, exact), which the FP8 hardware converts;
+`e2m1_scale` gives the scale with that 2^6 put back. On CUDA the conversions work on four bytes
+(or an int32 word of eight values) at once in inline PTX, since the instructions spent per weight,
+not the bytes read, bound these kernels (benchmarks/sm90_build.py); under the interpreter, which
+runs no PTX, the same masks and shifts run as Triton ops. tests/test_e2m1_ptx.py runs the PTX
+through an emulator of its instructions.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from custom_ops.triton.fp8_gemm import e8m0_to_f32
+
+
+@triton.jit
+def e2m1_e4m3(c):
+    """E4M3 codes (int8) of 2^-6 times the E2M1 values of int32 codes c (bit 3 the sign, then a
+    2-bit exponent and 1-bit mantissa): the bits move into E4M3's sign, the low exponent bits and
+    the top mantissa bit, and 2^-6 is the bias difference (E2M1's 0.5, its one subnormal,
+    lands on E4M3's subnormal 2^-7). Exact, and 5 integer ops a value."""
+    return (((c & 8) << 4) | ((c & 7) << 2)).to(tl.int8)
+
+
+@triton.jit
+def e2m1_scale(c):
+    """The FP32 multiplier of `e2m1_e4m3` codes under the int32 E8M0 scale codes c: 2^6 (the
+    codes' 2^-6 undone) times 2^(c-127); exact for scale codes up to 248 (2^121)."""
+    return e8m0_to_f32(c) * 64.0
+
+
+# e2m1_e4m3 on four bytes at once, as PTX ($1 four packed bytes, $0 their four E4M3 codes): the
+# low nibbles' codes, and the high nibbles'
+E2M1_LO_CODES_PTX = tl.constexpr("{ .reg .b32 a, b; shl.b32 a, $1, 4; and.b32 a, a, 0x80808080; "
+                                 "shl.b32 b, $1, 2; and.b32 b, b, 0x1C1C1C1C; or.b32 $0, a, b; }")
+E2M1_HI_CODES_PTX = tl.constexpr("{ .reg .b32 a, b; and.b32 a, $1, 0x80808080; "
+                                 "shr.b32 b, $1, 2; and.b32 b, b, 0x1C1C1C1C; or.b32 $0, a, b; }")
+
+# the same on the eight nibbles of an int32 word (byte i: element 2i in its low nibble,
+# 2i + 1 in its high one), then the hardware's E4M3 pair -> f16x2 conversion and f16 -> f32:
+# outputs $0..$7 are elements 0..7 as E4M3 values (2^-6 times the E2M1 values), $8 the word.
+E2M1_WORD_PTX = tl.constexpr("""{
+.reg .b32 a, b, lo, hi, f0, f1, f2, f3;
+.reg .b16 l0, l1, h0, h1, x0, x1, x2, x3, x4, x5, x6, x7;
+shl.b32 a, $8, 4;
+and.b32 a, a, 0x80808080;
+shl.b32 b, $8, 2;
+and.b32 b, b, 0x1C1C1C1C;
+or.b32 lo, a, b;
+and.b32 a, $8, 0x80808080;
+shr.b32 b, $8, 2;
+and.b32 b, b, 0x1C1C1C1C;
+or.b32 hi, a, b;
+mov.b32 {l0, l1}, lo;
+mov.b32 {h0, h1}, hi;
+cvt.rn.f16x2.e4m3x2 f0, l0;
+cvt.rn.f16x2.e4m3x2 f1, h0;
+cvt.rn.f16x2.e4m3x2 f2, l1;
+cvt.rn.f16x2.e4m3x2 f3, h1;
+mov.b32 {x0, x2}, f0;
+mov.b32 {x1, x3}, f1;
+mov.b32 {x4, x6}, f2;
+mov.b32 {x5, x7}, f3;
+cvt.f32.f16 $0, x0;
+cvt.f32.f16 $1, x1;
+cvt.f32.f16 $2, x2;
+cvt.f32.f16 $3, x3;
+cvt.f32.f16 $4, x4;
+cvt.f32.f16 $5, x5;
+cvt.f32.f16 $6, x6;
+cvt.f32.f16 $7, x7;
+}""")
+
+
+@triton.jit
+def e4m3_byte(codes, i: tl.constexpr):
+    """Byte i of int32 words of E4M3 codes, as its FP32 value."""
+    return ((codes >> (8 * i)) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e2m1_word_values(w, ASM: tl.constexpr):
+    """The eight values of int32 words w of packed E2M1 bytes, in element order, as FP32 E4M3
+    values (`e2m1_e4m3`'s codes: 2^-6 times the E2M1 values). ASM (CUDA): E2M1_WORD_PTX. Else
+    (the interpreter runs no PTX) its same shift-and-masks into words of codes (low nibbles, high
+    nibbles), then byte by byte."""
+    if ASM:
+        return tl.inline_asm_elementwise(E2M1_WORD_PTX, "=f,=f,=f,=f,=f,=f,=f,=f,r", [w],
+                                         dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    else:
+        lo = ((w << 4) & -0x7F7F7F80) | ((w << 2) & 0x1C1C1C1C)      # -0x7F7F7F80: 0x80808080 as int32
+        hi = (w & -0x7F7F7F80) | ((w >> 2) & 0x1C1C1C1C)
+        return (e4m3_byte(lo, 0), e4m3_byte(hi, 0), e4m3_byte(lo, 1), e4m3_byte(hi, 1),
+                e4m3_byte(lo, 2), e4m3_byte(hi, 2), e4m3_byte(lo, 3), e4m3_byte(hi, 3))
+
+
+@triton.jit
+def e2m1_codes(b, ASM: tl.constexpr):
+    """(low, high): the E4M3 codes (int8, `e2m1_e4m3`'s) of the low and high nibbles of int8
+    bytes b. ASM (CUDA): four bytes at a time (E2M1_LO_CODES_PTX, _HI_); else byte by byte."""
+    if ASM:
+        return (tl.inline_asm_elementwise(E2M1_LO_CODES_PTX, "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4),
+                tl.inline_asm_elementwise(E2M1_HI_CODES_PTX, "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4))
+    else:
+        return e2m1_e4m3(b.to(tl.int32) & 15), e2m1_e4m3((b.to(tl.int32) >> 4) & 15)
+
+
+@triton.jit
+def fp4_tile(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] FP32 tile of K block [k0, k0 + BLOCK_K) of the [BLOCK_N] rows of
+    packed E2M1 weights (w_rows, s_rows: each row's bytes and E8M0 scales), dequantized: each
+    value times its group's scale, exactly (an E2M1 value has two significant bits, the scale is
+    a power of two: the product is exact in FP32 and in BF16). BLOCK_K is a multiple of 32
+    dividing K."""
+    j = tl.arange(0, BLOCK_K // 2)
+    b = tl.load(w_rows[:, None] + (k0 // 2 + j)[None, :], mask=nmask[:, None], other=0)
+    lo, hi = e2m1_codes(b, ASM)
+    c = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K]).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    s = e2m1_scale(tl.load(s_rows[:, None] + g[None, :], mask=nmask[:, None], other=127).to(tl.int32))
+    w = tl.reshape(tl.reshape(c, [BLOCK_N, BLOCK_K // 32, 32]) * s[:, :, None], [BLOCK_N, BLOCK_K])
+    return tl.trans(w)
+
+
+@triton.jit
+def fp4_words_dot(acc, a_ptr, w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K / 8] plus, for each int32 word j of K block [k0, k0 + BLOCK_K) of
+    the [BLOCK_N] rows of packed E2M1 weights (w_rows: each row's words; s_rows: its E8M0
+    scales, one per 32 along K): the FP32 sum of the word's eight products a[k]·w[n, k], times
+    its group's scale (`e2m1_scale`). BLOCK_K is a multiple of 32 dividing K (no K mask). Each
+    product of an FP8-QAT activation and an E4M3 value is exact and the scales are powers of
+    two, so only the order of the FP32 sums differs from the reference; the caller sums the
+    words once, after its K loop."""
+    j = tl.arange(0, BLOCK_K // 8)
+    w = tl.load(w_rows[:, None] + (k0 // 8 + j)[None, :], mask=nmask[:, None], other=0)
+    v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word_values(w, ASM)
+    a = a_ptr + k0 + 8 * j
+    part = v0 * tl.load(a).to(tl.float32)[None, :]
+    part += v1 * tl.load(a + 1).to(tl.float32)[None, :]
+    part += v2 * tl.load(a + 2).to(tl.float32)[None, :]
+    part += v3 * tl.load(a + 3).to(tl.float32)[None, :]
+    part += v4 * tl.load(a + 4).to(tl.float32)[None, :]
+    part += v5 * tl.load(a + 5).to(tl.float32)[None, :]
+    part += v6 * tl.load(a + 6).to(tl.float32)[None, :]
+    part += v7 * tl.load(a + 7).to(tl.float32)[None, :]
+    s = e2m1_scale(tl.load(s_rows[:, None] + (k0 // 32 + j // 4)[None, :], mask=nmask[:, None], other=127)
+                   .to(tl.int32))
+    return acc + part * s
