@@ -17,7 +17,9 @@ second), and at prefill widths TFLOP/s against the measured FP8 peak.
 Targets (issue 16): >= 70% of the copy rate at decode widths, >= 60% of the FP8 peak at prefill.
 "sweep" rows: the same cases with other knobs (the defaults' candidates): the dense kernel's at
 widths 1, 8 and 64 and at the first prefill width; the experts' knobs and FP8-MMA kernels at
-widths 1, 8 and 64.
+widths 1, 8 and 64, and the expert paths' tiles at the first prefill width.
+Expert rows with a "path": flash-slice's 16 experts at 1, 6, 16 and 96 tokens (plain decode and
+DSpark's verify widths), each path in turn (`slice_expert_rows`).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ DENSE = {   # name: (N, K) of Flash's FP8 projections (spec §6), plus the issue
 DECODE = (1, 2, 4, 8, 16, 32, 64)
 PREFILL = (2048, 4096)
 EXPERTS = (384, 6, 5120, 2304)     # E, top-k, D, I (Flash)
+SLICE_EXPERTS = (16, 6, 5120, 2304)   # flash-slice's
 WO_A = (8, 1024, 4096)             # wo_a: groups, rows a group, K a group (Flash)
 TINY_DENSE = {"tiny": (96, 64)}
 TINY_EXPERTS = (6, 2, 64, 64)
@@ -184,11 +187,35 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True) -> dict:
             t = variant(timed, lambda: experts_call(x, ids, wts, w1, s1, w3, s3, w2, s2, o, **kw), 1)
             out["sweep"].append({**case_row("experts_w4a8", T, 3 * I, D, t, hit * per_expert, copy_rate, fp8_peak,
                                             flops=2 * 3 * T * k * D * I), "knobs": kw})
+    slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if dev == "cpu" else SLICE_EXPERTS, copy_rate, fp8_peak)
     for row in out["dense"] + out["experts"] + out["sweep"]:      # shares of the read-only ceiling too
         row["pct_read"] = 100 * row["weight_TBps"] * 1e12 / read_rate
         if "cublas_bf16_us" in row:
             row["cublas_bf16_pct_read"] = 100 * 2 * row["N"] * row["K"] / (row["cublas_bf16_us"] * 1e-6) / read_rate
     return out
+
+
+def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak) -> None:
+    """flash-slice's experts (16, top-6) at DSpark's verify widths (6 tokens a request, 1 and 16
+    requests) and plain decode's, each path in turn at each width: with 16 experts a verify
+    step's rows reach most of them, the case `expert_path` sends to the FP8-MMA tiles from
+    6 tokens on. Rows in out["experts"] with "path" and "experts" set."""
+    import torch
+    from tests.kernel_cases import w4a8_case
+    E, k, D, I = experts
+    (w1, s1), (w3, s3), (w2, s2) = experts_native(E, I, D, dev), experts_native(E, I, D, dev), \
+        experts_native(E, D, I, dev)
+    per_expert = sum(t[0].nbytes + t[1].nbytes for t in ((w1, s1), (w3, s3), (w2, s2))) // E
+    for T in (1, 6, 16, 96):
+        x, ids, wts = (t.to(dev) for t in w4a8_case(g, T, E, 32, 32, k, pad_token=False)[:3])
+        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+        o = torch.empty(T, D, dtype=torch.float32, device=dev)
+        hit = int(torch.unique(ids[ids >= 0]).numel())
+        for path in ("gemv", "mma", "tiles"):
+            us = variant(timed, lambda: experts_call(x, ids, wts, w1, s1, w3, s3, w2, s2, o, path=path), 1)
+            row = case_row("experts_w4a8", T, 3 * I, D, us, hit * per_expert, copy_rate, fp8_peak,
+                           flops=2 * 3 * T * k * D * I)
+            out["experts"].append({**row, "experts": E, "experts_hit": hit, "path": path})
 
 
 def wo_a_rows(out, dev, g, timed, widths, copy_rate, fp8_peak, budget, small: bool) -> None:
@@ -229,7 +256,8 @@ def variant(timed, fn, calls) -> float:
 
 
 def experts_call(x, ids, wts, w1, s1, w3, s3, w2, s2, out, *, path: str | None = None, **knobs) -> None:
-    """The op with knobs (its GEMVs), or with path "mma" its FP8-MMA kernels whatever the width."""
+    """The op with knobs (its GEMVs), or with a path ("gemv", "mma", "tiles") that path whatever
+    the width."""
     from custom_ops.triton import triton_moe_experts_w4a8
     triton_moe_experts_w4a8(x, ids, wts, w1, s1, w3, s3, w2, s2, 10.0, out, path=path, **knobs)
 

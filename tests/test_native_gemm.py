@@ -53,7 +53,9 @@ if not INTERPRETED:
         assert [("linear_us" in row, "quant_then_gemm_us" in row) for row in plain] == [(True, True)] * 2 + [(False,) * 2]
         assert [(row["gemm"], row["M"]) for row in res["dense"] if "groups" in row] == [
             ("wo_a_grouped", 1), ("wo_a_per_group", 1), ("wo_a_grouped", 3), ("wo_a_per_group", 3)]
-        assert [row["M"] for row in res["experts"]] == [1, 3, 40]
+        assert [row["M"] for row in res["experts"] if "path" not in row] == [1, 3, 40]
+        assert [(row["M"], row["path"]) for row in res["experts"] if "path" in row] == \
+            [(T, p) for T in (1, 6, 16, 96) for p in ("gemv", "mma", "tiles")]
         assert "scaled_mm_us" in plain[-1] and res["fp8_peak_TFLOPs"] > 0
         assert all(row["us"] > 0 and row["weight_bytes"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
         assert [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1), ("tiny", 40), ("experts_w4a8", 1),
