@@ -201,13 +201,14 @@ def main(argv=None) -> dict:
     for quant_x in (False, True):     # the decode tile (fp8_gemm._tiles at M <= 16) with split-K
         rows.append({"kernel": "_fp8_gemm_kernel", "tile": "16x64, 4 K blocks an iteration, split-K",
                      "quant_x": quant_x, "num_warps": 4, **resources(fp8_gemm(16, 64, 4, 3, True, quant_x))})
-    for bm, bn, bk, nw in ((64, 64, 64, 4), (128, 64, 64, 4), (64, 128, 64, 4), (128, 128, 64, 8), (128, 128, 32, 8)):
+    for bm, bn, bk, nw in ((16, 64, 64, 4), (64, 64, 64, 4), (128, 64, 64, 4), (64, 128, 64, 4), (128, 128, 64, 8),
+                           (128, 128, 32, 8)):
         for which, per in (("up", 2), ("down", 1)):      # the 'tiles' path: weights dequantized to bf16 per tile
             k = fp4_tiles(which, bm, bn, bk, nw)
             rows.append({"kernel": f"_moe_{which}_kernel FP4", "tile": f"{bm}x{bn}x{bk}", "num_warps": nw, **resources(k),
                          "thread_instructions_per_weight": round(len(loop_body(k)) * 32 * nw / (per * bn * bk), 2),
                          "tile_rows": bm})
-    for bm, bn, nw in ((64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (64, 64, 8)):
+    for bm, bn, nw in ((16, 64, 4), (64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (64, 64, 8)):
         for name, make, per in (("_w4a8_up_kernel", w4a8_up, 2), ("_w4a8_down_kernel", w4a8_down, 1)):
             for asm in (True, False):     # per weight decoded: a tile decodes BLOCK_N x 32 of each weight
                 k = make(bm, bn, nw, asm)      # a K block, for its BLOCK_M rows
