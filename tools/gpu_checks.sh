@@ -143,10 +143,10 @@ wo-a)
   echo "rc=$?"; grep -E '"round": 1' "$OUT/mhc.log" | cut -c1-160 ;;
 native-gemm)
   step "native_gemm_bench"
-  timeout 300 $py benchmarks/native_gemm_bench.py --out "$OUT/native-gemm-h200.json" > "$OUT/native-gemm.log" 2>&1
+  timeout 450 $py benchmarks/native_gemm_bench.py --out "$OUT/native-gemm-h200.json" > "$OUT/native-gemm.log" 2>&1
   echo "rc=$?"; tail -3 "$OUT/native-gemm.log"
   step "experts_profile"
-  timeout 120 $py benchmarks/experts_profile.py --widths 1,8,64 --out "$OUT/experts-profile-h200.json" \
+  timeout 110 $py benchmarks/experts_profile.py --widths 1,8,64 --out "$OUT/experts-profile-h200.json" \
     > "$OUT/experts-profile.log" 2>&1
   echo "rc=$?"; tail -1 "$OUT/experts-profile.log" ;;
 replay)
