@@ -84,7 +84,8 @@ def main(argv=None) -> dict:
         sys.exit("error: needs a CUDA device (or --dry-run)")
     dev = "cpu" if args.dry_run else "cuda"
     res = run(dev, TINY_DENSE if args.dry_run else DENSE, (1, 3) if args.dry_run else DECODE,
-              (40,) if args.dry_run else PREFILL, TINY_EXPERTS if args.dry_run else EXPERTS, sweep=not args.no_sweep)
+              (40,) if args.dry_run else PREFILL, TINY_EXPERTS if args.dry_run else EXPERTS, sweep=not args.no_sweep,
+              checkpoint=None if args.dry_run else lambda out: emit(out, args))
     emit(res, args)
     return res
 
@@ -118,7 +119,9 @@ def timer(dev: str):
     return cuda
 
 
-def run(dev, dense, decode, prefill, experts, sweep: bool = True) -> dict:
+def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=None) -> dict:
+    """The rows (module docstring); `checkpoint(out)`, when given, after each group of rows, so
+    a run cut by its time limit keeps what it measured."""
     import torch
 
     import custom_ops  # noqa: F401
@@ -168,7 +171,11 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True) -> dict:
                 row["scaled_mm_us"] = timed(lambda: torch._scaled_mm(xq, w.T, scale_a=one, scale_b=one,
                                                                      out_dtype=torch.bfloat16), 1)
             out["dense"].append(row)
+    if checkpoint:
+        checkpoint(out)
     wo_a_rows(out, dev, g, timed, decode, copy_rate, fp8_peak, budget, small=dev == "cpu")
+    if checkpoint:
+        checkpoint(out)
     E, k, D, I = experts
     for T in decode + prefill:
         x, ids, wts = (t.to(dev) for t in w4a8_case(g, T, E, 32, 32, k, pad_token=False)[:3])
@@ -187,6 +194,8 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True) -> dict:
             t = variant(timed, lambda: experts_call(x, ids, wts, w1, s1, w3, s3, w2, s2, o, **kw), 1)
             out["sweep"].append({**case_row("experts_w4a8", T, 3 * I, D, t, hit * per_expert, copy_rate, fp8_peak,
                                             flops=2 * 3 * T * k * D * I), "knobs": kw})
+    if checkpoint:
+        checkpoint(out)
     slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if dev == "cpu" else SLICE_EXPERTS, copy_rate, fp8_peak)
     for row in out["dense"] + out["experts"] + out["sweep"]:      # shares of the read-only ceiling too
         row["pct_read"] = 100 * row["weight_TBps"] * 1e12 / read_rate
