@@ -128,7 +128,7 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=Non
     import custom_ops.triton  # noqa: F401  (registers the CUDA impls)
     from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_fp8_linear, \
         triton_moe_experts_w4a8
-    from tests.kernel_cases import fp8_gemm_case, w4a8_case
+    from tests.kernel_cases import fp8_gemm_case
 
     timed = timer(dev)
     g = torch.Generator().manual_seed(0)
@@ -177,23 +177,18 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=Non
     if checkpoint:
         checkpoint(out)
     E, k, D, I = experts
+    weights, per_expert = expert_weights(E, D, I, dev)
     for T in decode + prefill:
-        x, ids, wts = (t.to(dev) for t in w4a8_case(g, T, E, 32, 32, k, pad_token=False)[:3])
-        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
-        (w1, s1), (w3, s3), (w2, s2) = experts_native(E, I, D, dev), experts_native(E, I, D, dev), \
-            experts_native(E, D, I, dev)
-        o = torch.empty(T, D, dtype=torch.float32, device=dev)
-        us = timed(lambda: triton_moe_experts_w4a8(x, ids, wts, w1, s1, w3, s3, w2, s2, 10.0, o), 1)
-        hit = int(torch.unique(ids[ids >= 0]).numel())
-        per_expert = sum(t[0].nbytes + t[1].nbytes for t in ((w1, s1), (w3, s3), (w2, s2))) // E
-        row = case_row("experts_w4a8", T, 3 * I, D, us, hit * per_expert, copy_rate, fp8_peak,
-                       flops=2 * 3 * T * k * D * I)
-        row["experts_hit"] = hit
-        out["experts"].append(row)
+        x, ids, wts, o, hit = expert_inputs(g, T, E, k, D, dev)
+
+        def row(us):
+            return case_row("experts_w4a8", T, 3 * I, D, us, hit * per_expert, copy_rate, fp8_peak,
+                            flops=2 * 3 * T * k * D * I)
+        us = timed(lambda: triton_moe_experts_w4a8(x, ids, wts, *weights, 10.0, o), 1)
+        out["experts"].append({**row(us), "experts_hit": hit})
         for kw in expert_sweep if T in sweep_m else expert_prefill_sweep if T == prefill[0] else ():
-            t = variant(timed, lambda: experts_call(x, ids, wts, w1, s1, w3, s3, w2, s2, o, **kw), 1)
-            out["sweep"].append({**case_row("experts_w4a8", T, 3 * I, D, t, hit * per_expert, copy_rate, fp8_peak,
-                                            flops=2 * 3 * T * k * D * I), "knobs": kw})
+            t = variant(timed, lambda: experts_call(x, ids, wts, *weights, o, **kw), 1)
+            out["sweep"].append({**row(t), "knobs": kw})
     if checkpoint:
         checkpoint(out)
     slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if dev == "cpu" else SLICE_EXPERTS, copy_rate, fp8_peak)
@@ -209,19 +204,12 @@ def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak) -> None:
     requests) and plain decode's, each path in turn at each width: with 16 experts a verify
     step's rows reach most of them, the case `expert_path` sends to the FP8-MMA tiles from
     6 tokens on. Rows in out["experts"] with "path" and "experts" set."""
-    import torch
-    from tests.kernel_cases import w4a8_case
     E, k, D, I = experts
-    (w1, s1), (w3, s3), (w2, s2) = experts_native(E, I, D, dev), experts_native(E, I, D, dev), \
-        experts_native(E, D, I, dev)
-    per_expert = sum(t[0].nbytes + t[1].nbytes for t in ((w1, s1), (w3, s3), (w2, s2))) // E
+    weights, per_expert = expert_weights(E, D, I, dev)
     for T in (1, 6, 16, 96):
-        x, ids, wts = (t.to(dev) for t in w4a8_case(g, T, E, 32, 32, k, pad_token=False)[:3])
-        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
-        o = torch.empty(T, D, dtype=torch.float32, device=dev)
-        hit = int(torch.unique(ids[ids >= 0]).numel())
+        x, ids, wts, o, hit = expert_inputs(g, T, E, k, D, dev)
         for path in ("gemv", "mma", "tiles"):
-            us = variant(timed, lambda: experts_call(x, ids, wts, w1, s1, w3, s3, w2, s2, o, path=path), 1)
+            us = variant(timed, lambda: experts_call(x, ids, wts, *weights, o, path=path), 1)
             row = case_row("experts_w4a8", T, 3 * I, D, us, hit * per_expert, copy_rate, fp8_peak,
                            flops=2 * 3 * T * k * D * I)
             out["experts"].append({**row, "experts": E, "experts_hit": hit, "path": path})
@@ -269,6 +257,24 @@ def experts_call(x, ids, wts, w1, s1, w3, s3, w2, s2, out, *, path: str | None =
     the width."""
     from custom_ops.triton import triton_moe_experts_w4a8
     triton_moe_experts_w4a8(x, ids, wts, w1, s1, w3, s3, w2, s2, 10.0, out, path=path, **knobs)
+
+
+def expert_weights(E: int, D: int, I: int, dev) -> tuple:
+    """((w1, s1, w3, s3, w2, s2) random native experts of hidden size D and width I, the bytes
+    of one expert's codes and scales)."""
+    (w1, s1), (w3, s3), (w2, s2) = experts_native(E, I, D, dev), experts_native(E, I, D, dev), \
+        experts_native(E, D, I, dev)
+    ws = (w1, s1, w3, s3, w2, s2)
+    return ws, sum(t.nbytes for t in ws) // E
+
+
+def expert_inputs(g, T: int, E: int, k: int, D: int, dev) -> tuple:
+    """(x [T, D] bf16, top-k ids and weights (ragged groups), an FP32 output, the experts hit)."""
+    import torch
+    from tests.kernel_cases import w4a8_case
+    _, ids, wts = (t.to(dev) for t in w4a8_case(g, T, E, 32, 32, k, pad_token=False)[:3])
+    x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+    return x, ids, wts, torch.empty(T, D, dtype=torch.float32, device=dev), int(torch.unique(ids[ids >= 0]).numel())
 
 
 def experts_native(E: int, n: int, k: int, dev):

@@ -72,6 +72,12 @@ def registers(kernel) -> int:
     return u["REG"]
 
 
+def per_weight(body: list[str], warps: int, weights: int) -> float:
+    """Thread instructions a weight: the loop body's warp instructions over the weights one
+    iteration of the program's `warps` warps reads."""
+    return round(len(body) * 32 * warps / weights, 2)
+
+
 def loop_body(kernel) -> list[str]:
     """The opcodes of the largest loop of the kernel's SASS (the instructions from a backward
     branch's target to the branch)."""
@@ -185,7 +191,7 @@ def fp4_gemv_row(which: str, block_n: int, block_k: int, warps: int, asm: bool =
     weights = (2 if which == "up" else 1) * block_n * block_k      # elements of w1 and w3, or of w2
     return {"kernel": f"_fp4_{which}_gemv", "tile": f"{block_n}x{block_k}", "num_warps": warps, "asm": asm,
             **resources(k), "loop_warp_instructions": len(body),
-            "thread_instructions_per_weight": round(len(body) * 32 * warps / weights, 2),
+            "thread_instructions_per_weight": per_weight(body, warps, weights),
             "loop_opcodes": dict(collections.Counter(body).most_common(8))}
 
 
@@ -206,14 +212,14 @@ def main(argv=None) -> dict:
         for which, per in (("up", 2), ("down", 1)):      # the 'tiles' path: weights dequantized to bf16 per tile
             k = fp4_tiles(which, bm, bn, bk, nw)
             rows.append({"kernel": f"_moe_{which}_kernel FP4", "tile": f"{bm}x{bn}x{bk}", "num_warps": nw, **resources(k),
-                         "thread_instructions_per_weight": round(len(loop_body(k)) * 32 * nw / (per * bn * bk), 2),
+                         "thread_instructions_per_weight": per_weight(loop_body(k), nw, per * bn * bk),
                          "tile_rows": bm})
     for bm, bn, nw in ((16, 64, 4), (64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (64, 64, 8)):
         for name, make, per in (("_w4a8_up_kernel", w4a8_up, 2), ("_w4a8_down_kernel", w4a8_down, 1)):
             for asm in (True, False):     # per weight decoded: a tile decodes BLOCK_N x 32 of each weight
                 k = make(bm, bn, nw, asm)      # a K block, for its BLOCK_M rows
                 rows.append({"kernel": name, "tile": f"{bm}x{bn}", "num_warps": nw, "asm": asm, **resources(k),
-                             "thread_instructions_per_weight": round(len(loop_body(k)) * 32 * nw / (per * bn * 32), 2),
+                             "thread_instructions_per_weight": per_weight(loop_body(k), nw, per * bn * 32),
                              "tile_rows": bm})
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     res = {"benchmark": "sm90_build", "device": "cpu (no GPU): Triton's compiler and bundled ptxas, target sm_90",

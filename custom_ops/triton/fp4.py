@@ -34,12 +34,14 @@ def e2m1_scale(c):
     return e8m0_to_f32(c) * 64.0
 
 
-# e2m1_e4m3 on four bytes at once, as PTX ($1 four packed bytes, $0 their four E4M3 codes): the
-# low nibbles' codes, and the high nibbles'
-E2M1_LO_CODES_PTX = tl.constexpr("{ .reg .b32 a, b; shl.b32 a, $1, 4; and.b32 a, a, 0x80808080; "
-                                 "shl.b32 b, $1, 2; and.b32 b, b, 0x1C1C1C1C; or.b32 $0, a, b; }")
-E2M1_HI_CODES_PTX = tl.constexpr("{ .reg .b32 a, b; and.b32 a, $1, 0x80808080; "
-                                 "shr.b32 b, $1, 2; and.b32 b, b, 0x1C1C1C1C; or.b32 $0, a, b; }")
+# e2m1_e4m3 on four bytes at once, as PTX lines: the word {w}'s low nibbles' codes into {out}
+# (each sign bit up to the byte's bit 7, the magnitude to bits 2-4), and its high nibbles'
+_LO_CODES = ("shl.b32 a, {w}, 4; and.b32 a, a, 0x80808080; shl.b32 b, {w}, 2; and.b32 b, b, 0x1C1C1C1C; "
+             "or.b32 {out}, a, b;")
+_HI_CODES = "and.b32 a, {w}, 0x80808080; shr.b32 b, {w}, 2; and.b32 b, b, 0x1C1C1C1C; or.b32 {out}, a, b;"
+# $1 four packed bytes, $0 their four codes
+E2M1_LO_CODES_PTX = tl.constexpr("{ .reg .b32 a, b; " + _LO_CODES.format(w="$1", out="$0") + " }")
+E2M1_HI_CODES_PTX = tl.constexpr("{ .reg .b32 a, b; " + _HI_CODES.format(w="$1", out="$0") + " }")
 
 # the same on the eight nibbles of an int32 word (byte i: element 2i in its low nibble,
 # 2i + 1 in its high one), then the hardware's E4M3 pair -> f16x2 conversion and f16 -> f32:
@@ -47,15 +49,7 @@ E2M1_HI_CODES_PTX = tl.constexpr("{ .reg .b32 a, b; and.b32 a, $1, 0x80808080; "
 E2M1_WORD_PTX = tl.constexpr("""{
 .reg .b32 a, b, lo, hi, f0, f1, f2, f3;
 .reg .b16 l0, l1, h0, h1, x0, x1, x2, x3, x4, x5, x6, x7;
-shl.b32 a, $8, 4;
-and.b32 a, a, 0x80808080;
-shl.b32 b, $8, 2;
-and.b32 b, b, 0x1C1C1C1C;
-or.b32 lo, a, b;
-and.b32 a, $8, 0x80808080;
-shr.b32 b, $8, 2;
-and.b32 b, b, 0x1C1C1C1C;
-or.b32 hi, a, b;
+""" + _LO_CODES.format(w="$8", out="lo") + "\n" + _HI_CODES.format(w="$8", out="hi") + """
 mov.b32 {l0, l1}, lo;
 mov.b32 {h0, h1}, hi;
 cvt.rn.f16x2.e4m3x2 f0, l0;
