@@ -46,7 +46,14 @@ TINY_EXPERTS = (6, 2, 64, 64)
 # tiles, lost at every decode width and left the list; the rest ask whether more bytes in flight
 # a program (stages, narrower tiles, more splits, fewer warps) lift the one-row reads; the CPU
 # dry run takes the first, which runs at any K)
-DECODE_SWEEP = ({"block_n": 128, "unroll": 1, "num_stages": 6}, {"block_n": 64, "unroll": 4, "num_stages": 3},
+# The path first: the MMA tiles where the CUDA-core GEMV is the default (up to 2 rows) and the
+# GEMV beside the tiles at 8 and 64 rows, then the GEMV's tiles and stages (64 x 128, 4 warps,
+# 3 stages by default; sm90-build-cpu.json: 5.84 instructions a weight with x quantized inside,
+# 4.9 at 128 rows but 241 registers). The CPU dry run takes the first.
+DECODE_SWEEP = ({"gemv": False}, {"gemv": True}, {"gemv": True, "block_n": 128}, {"gemv": True, "block_k": 256},
+                {"gemv": True, "block_n": 32}, {"gemv": True, "block_n": 128, "num_warps": 8},
+                {"gemv": True, "num_stages": 1}, {"gemv": True, "num_stages": 5},
+                {"block_n": 128, "unroll": 1, "num_stages": 6}, {"block_n": 64, "unroll": 4, "num_stages": 3},
                 {"block_n": 128, "unroll": 4, "num_stages": 3}, {"block_n": 128, "num_stages": 2}, {"split_k": 8},
                 {"block_n": 64, "unroll": 4, "num_stages": 5}, {"block_n": 32, "unroll": 4, "num_stages": 4},
                 {"block_n": 64, "unroll": 4, "split_k": 16}, {"block_n": 64, "unroll": 4, "num_warps": 2})
@@ -164,7 +171,11 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=Non
                                                            for a, b in ws_], copies)
             for kw in dense_sweep if M in sweep_m else prefill_sweep if M == prefill[0] else ():
                 t = variant(timed, lambda: [triton_fp8_block_gemm(xq, xs, a, b, o, **kw) for a, b in ws_], copies)
-                out["sweep"].append({**case_row(name, M, N, K, t, wbytes, copy_rate, fp8_peak), "knobs": kw})
+                srow = {**case_row(name, M, N, K, t, wbytes, copy_rate, fp8_peak), "knobs": kw}
+                if M in decode:
+                    srow["linear_us"] = variant(timed, lambda: [triton_fp8_linear(xb, a, b, o, **kw) for a, b in ws_],
+                                                copies)
+                out["sweep"].append(srow)
             row.update(cublas_bf16_us=us_bf16, cublas_bf16_pct_copy=100 * 2 * N * K / (us_bf16 * 1e-6) / copy_rate)
             if M in prefill:
                 one = torch.ones((), dtype=torch.float32, device=dev)

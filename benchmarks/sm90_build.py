@@ -129,6 +129,43 @@ def fp8_gemm(block_m: int, block_n: int, unroll: int, stages: int, split_k: bool
                  num_warps=warps, num_stages=stages)
 
 
+FP8_GEMV_INTS = ("M", "N", "K", "K_SPLIT", "ROWS_G", "stride_xm", "stride_sm", "stride_wn", "stride_wsn", "stride_om",
+                 "stride_ps", "stride_pm")
+
+
+def fp8_gemv(rows: int, block_n: int, block_k: int, quant_x: bool, warps: int = 4, asm: bool = True, stages: int = 3):
+    """The W8A8 GEMV (fp8_gemm.py `_fp8_gemv_kernel`) with split-K; quant_x: x in bf16."""
+    from custom_ops.triton.fp8_gemm import _fp8_gemv_kernel
+    sig = {"x_ptr": "*bf16" if quant_x else "*fp8e4nv", "xs_ptr": "*bf16" if quant_x else "*fp32", "w_ptr": "*i32",
+           "ws_ptr": "*u8", "o_ptr": "*bf16", "p_ptr": "*fp32", "cnt_ptr": "*i32", **dict.fromkeys(FP8_GEMV_INTS, "i32"),
+           **dict.fromkeys(("ROWS", "BLOCK_N", "BLOCK_K", "SPLIT_K", "QUANT_X", "ASM", "STAGES"), "constexpr")}
+    return build(_fp8_gemv_kernel, sig, {"ROWS": rows, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": True,
+                                         "QUANT_X": quant_x, "ASM": asm, "STAGES": stages},
+                 aligned=("N", "K", "K_SPLIT", "ROWS_G", "stride_xm", "stride_wn", "stride_om", "stride_pm"),
+                 num_warps=warps)
+
+
+def dense_decode_rows() -> list[dict]:
+    """The W8A8 GEMM's decode tile (fp8_gemm._tiles at M <= 16: 16 x 64, four K blocks an
+    iteration) beside the GEMV at 1 and 2 rows, with split-K, x quantized inside or not:
+    instructions a weight in the K loop (the GEMM's are the same at any M up to 16)."""
+    rows = []
+    for quant_x in (False, True):
+        k = fp8_gemm(16, 64, 4, 3, True, quant_x)
+        rows.append({"kernel": "_fp8_gemm_kernel", "tile": "16x64, 4 K blocks an iteration, split-K",
+                     "quant_x": quant_x, "num_warps": 4, **resources(k),
+                     "thread_instructions_per_weight": per_weight(loop_body(k), 4, 64 * 4 * 32)})
+        for r, bn, bk, stages in ((1, 64, 128, 3), (1, 64, 128, 1), (2, 64, 128, 3), (1, 128, 128, 3)):
+            k = fp8_gemv(r, bn, bk, quant_x, stages=stages)
+            body = loop_body(k)
+            rows.append({"kernel": "_fp8_gemv_kernel", "tile": f"{r} rows x {bn}x{bk}, split-K", "quant_x": quant_x,
+                         "num_warps": 4, "num_stages": stages, **resources(k),
+                         "thread_instructions_per_weight": per_weight(body, 4, bn * bk),
+                         "loop_async_copies": sum(op.startswith("LDGSTS") for op in body),
+                         "loop_opcodes": dict(collections.Counter(body).most_common(8))})
+    return rows
+
+
 def w4a8_up(block_m: int, block_n: int, warps: int, asm: bool = True):
     """The prefill W4A8 expert up kernel (moe_w4a8.py) at a tile."""
     import triton.language as tl
@@ -204,9 +241,7 @@ def main(argv=None) -> dict:
     import torch
     rows = [fp4_gemv_row(w, bn, bk, nw, asm) for w in ("up", "down") for bn, bk, nw in
             ((64, 128, 4), (32, 256, 4), (64, 128, 8)) for asm in (True, False)]
-    for quant_x in (False, True):     # the decode tile (fp8_gemm._tiles at M <= 16) with split-K
-        rows.append({"kernel": "_fp8_gemm_kernel", "tile": "16x64, 4 K blocks an iteration, split-K",
-                     "quant_x": quant_x, "num_warps": 4, **resources(fp8_gemm(16, 64, 4, 3, True, quant_x))})
+    rows += dense_decode_rows()
     for bm, bn, bk, nw in ((16, 64, 64, 4), (64, 64, 64, 4), (128, 64, 64, 4), (64, 128, 64, 4), (128, 128, 64, 8),
                            (128, 128, 32, 8)):
         for which, per in (("up", 2), ("down", 1)):      # the 'tiles' path: weights dequantized to bf16 per tile

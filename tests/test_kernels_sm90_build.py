@@ -32,6 +32,23 @@ def test_fp8_gemm_builds_for_hopper(M, split_k, quant_x):
     assert 0 < registers(B.fp8_gemm(min(64, max(16, M)), block_n, unroll, stages, split_k, quant_x)) <= 255
 
 
+def test_fp8_gemv_builds_for_hopper():
+    """The W8A8 GEMV at 1 and 2 rows, x quantized inside or not: no spills, the weights decoded
+    by the hardware's FP8 conversion, its loads pipelined, and at one row fewer instructions a weight than the GEMM's
+    decode tile in the same build (which pads the row to 16); with x quantized inside (the
+    model's fp8_linear) under 60% of them."""
+    rows = B.dense_decode_rows()
+    for quant_x in (False, True):
+        gemm, *gemvs = [r for r in rows if r["quant_x"] == quant_x]
+        assert all(r["spilled_bytes"] == 0 for r in gemvs), gemvs
+        assert all(r["loop_opcodes"].get("F2FP.F16.E4M3.UNPACK_B") for r in gemvs), gemvs
+        # the pipelined loop's weight words arrive by asynchronous copies (cp.async), one stage's do not
+        assert all(bool(r["loop_async_copies"]) == (r["num_stages"] > 1) for r in gemvs), gemvs
+        one_row = [r for r in gemvs if r["tile"].startswith("1 rows")]
+        assert all(r["thread_instructions_per_weight"] < (0.6 if quant_x else 1) * gemm["thread_instructions_per_weight"]
+                   for r in one_row), (gemm, one_row)
+
+
 @pytest.mark.parametrize("block_t,block_s", [(1, 128), (16, 1), (8, 16)])
 def test_mhc_coef_builds_for_hopper(block_t, block_s):
     sig = {**dict.fromkeys(("part_ptr", "sq_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr"),

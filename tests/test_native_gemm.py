@@ -15,6 +15,7 @@ itself in a subprocess with it set, programs in order and reversed.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -61,6 +62,8 @@ if not INTERPRETED:
         assert [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1), ("tiny", 40), ("experts_w4a8", 1),
                                                                      ("experts_w4a8", 40)]
         assert [row["knobs"] for row in res["sweep"][2:]] == [{"path": "mma"}, {"path": "mma", "block_m": 128}]
+        # one row: the MMA tiles where the GEMV is the default, on codes and from bf16 x
+        assert res["sweep"][0]["knobs"] == {"gemv": False} and res["sweep"][0]["linear_us"] > 0
         assert res["read_rate_TBps"] > 0
         assert all(row["pct_read"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
 
@@ -130,21 +133,23 @@ else:
             r = torch.empty(M, N)
             ref.fp8_block_gemm(xq, xs, w, ws, r)
             assert torch.equal(r.double(), exact)
-            # K = 256: 8 blocks, 4 per iteration, as 4 + 4; K = 64: 2 blocks, 1 per iteration, 2 splits of 1
-            for split_k in (1, 3):
+            # K = 256: 8 blocks, 4 per iteration, as 4 + 4; K = 64: 2 blocks, 1 per iteration, 2 splits
+            # of 1; the GEMV (by default up to 2 rows) and the MMA tiles at every width up to 16
+            for split_k, gemv in itertools.product((1, 3), (None, False, True) if M <= 16 else (None,)):
                 out = torch.full((M, N), float("nan"))
-                triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k)
-                assert torch.equal(out, r), split_k
+                triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k, gemv=gemv)
+                assert torch.equal(out, r), (split_k, gemv)
                 # the last split of each tile summed it and left its counter at zero for the next call
                 assert not tile_counters(out.device, 0).any()
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("M,G,kw", [(1, 1, {}), (7, 1, {"split_k": 3}), (16, 3, {}), (5, 3, {"split_k": 2}),
-                                        (33, 1, {}), (33, 3, {"split_k": 2})])
+                                        (33, 1, {}), (33, 3, {"split_k": 2}), (1, 1, {"gemv": False}),
+                                        (2, 3, {"split_k": 2}), (5, 1, {"gemv": True, "block_m": 1})])
     def test_fp8_linear_equals_quant_then_gemm(g, dtype, M, G, kw):
         """`fp8_linear` on x in the activation dtype == `fp8_act_quant` then `fp8_block_gemm`,
-        bitwise: up to 16 rows x is quantized inside the GEMM (the same codes and scales, the same
-        sums), above that by the act-quant kernel first; the reference likewise."""
+        bitwise: up to 16 rows x is quantized inside the GEMM or GEMV (the same codes and scales,
+        the same sums), above that by the act-quant kernel first; the reference likewise."""
         N, K = 96, 320
         x = (torch.randn(M, G * K, generator=g) *
              torch.exp2(torch.randint(-6, 6, (M, G * K // 32), generator=g)).repeat_interleave(32, -1)).to(dtype)
@@ -199,7 +204,10 @@ else:
     @pytest.mark.parametrize("M,kw", [(1, {}), (5, {"block_n": 32}), (16, {"block_m": 16}),
                                       (64, {"block_n": 128}), (64, {"block_m": 32, "block_n": 32}),
                                       (1, {"split_k": 4}), (7, {"split_k": 10}), (33, {"split_k": 3}),
-                                      (33, {"unroll": 2, "split_k": 3}), (2, {"unroll": 5})])
+                                      (33, {"unroll": 2, "split_k": 3}), (2, {"unroll": 5}),
+                                      (1, {"gemv": False}), (2, {"gemv": False, "split_k": 2}),
+                                      (3, {"gemv": True}), (7, {"gemv": True, "block_m": 4, "block_n": 32}),
+                                      (1, {"block_k": 64, "split_k": 2}), (2, {"block_k": 128})])
     def test_fp8_block_gemm_bound(g, M, kw):
         N, K = 96, 320
         xq, xs, w, ws = fp8_gemm_case(g, M, N, K)

@@ -7,7 +7,7 @@ value (`e2m1_e4m3`: E2M1's bits moved into E4M3's, exact), which the FP8 hardwar
 `e2m1_scale` gives the scale with that 2^6 put back. On CUDA the conversions work on four bytes
 (or an int32 word of eight values) at once in inline PTX, since the instructions spent per weight,
 not the bytes read, bound these kernels (benchmarks/sm90_build.py); under the interpreter, which
-runs no PTX, the same masks and shifts run as Triton ops. tests/test_e2m1_ptx.py runs the PTX
+runs no PTX, the same masks and shifts run as Triton ops. tests/test_ptx.py runs the PTX
 through an emulator of its instructions.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from custom_ops.triton.fp8_gemm import e8m0_to_f32
+from custom_ops.triton.fp8_gemm import e4m3_byte, e4m3_word_ptx, e8m0_to_f32
 
 
 @triton.jit
@@ -44,37 +44,12 @@ E2M1_LO_CODES_PTX = tl.constexpr("{ .reg .b32 a, b; " + _LO_CODES.format(w="$1",
 E2M1_HI_CODES_PTX = tl.constexpr("{ .reg .b32 a, b; " + _HI_CODES.format(w="$1", out="$0") + " }")
 
 # the same on the eight nibbles of an int32 word (byte i: element 2i in its low nibble,
-# 2i + 1 in its high one), then the hardware's E4M3 pair -> f16x2 conversion and f16 -> f32:
-# outputs $0..$7 are elements 0..7 as E4M3 values (2^-6 times the E2M1 values), $8 the word.
-E2M1_WORD_PTX = tl.constexpr("""{
-.reg .b32 a, b, lo, hi, f0, f1, f2, f3;
-.reg .b16 l0, l1, h0, h1, x0, x1, x2, x3, x4, x5, x6, x7;
-""" + _LO_CODES.format(w="$8", out="lo") + "\n" + _HI_CODES.format(w="$8", out="hi") + """
-mov.b32 {l0, l1}, lo;
-mov.b32 {h0, h1}, hi;
-cvt.rn.f16x2.e4m3x2 f0, l0;
-cvt.rn.f16x2.e4m3x2 f1, h0;
-cvt.rn.f16x2.e4m3x2 f2, l1;
-cvt.rn.f16x2.e4m3x2 f3, h1;
-mov.b32 {x0, x2}, f0;
-mov.b32 {x1, x3}, f1;
-mov.b32 {x4, x6}, f2;
-mov.b32 {x5, x7}, f3;
-cvt.f32.f16 $0, x0;
-cvt.f32.f16 $1, x1;
-cvt.f32.f16 $2, x2;
-cvt.f32.f16 $3, x3;
-cvt.f32.f16 $4, x4;
-cvt.f32.f16 $5, x5;
-cvt.f32.f16 $6, x6;
-cvt.f32.f16 $7, x7;
-}""")
-
-
-@triton.jit
-def e4m3_byte(codes, i: tl.constexpr):
-    """Byte i of int32 words of E4M3 codes, as its FP32 value."""
-    return ((codes >> (8 * i)) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+# 2i + 1 in its high one), then each word of codes as E4M3 values: outputs $0..$7 are elements
+# 0..7 as E4M3 values (2^-6 times the E2M1 values), $8 the word.
+E2M1_WORD_PTX = tl.constexpr("{\n.reg .b32 a, b, lo, hi;\n" + _LO_CODES.format(w="$8", out="lo") + "\n" +
+                             _HI_CODES.format(w="$8", out="hi") + "\n" +
+                             e4m3_word_ptx("lo", ("$0", "$2", "$4", "$6"), "l") + "\n" +
+                             e4m3_word_ptx("hi", ("$1", "$3", "$5", "$7"), "h") + "\n}")
 
 
 @triton.jit

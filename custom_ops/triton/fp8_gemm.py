@@ -21,9 +21,18 @@ walks its share of the K blocks into FP32 partials [splits, M, N]; the split tha
 at its tile (a per-tile counter) sums them in ascending split order and rounds once, in the
 same launch.
 
-fp8_linear from x in the activation dtype: up to FUSED_QUANT_M rows the GEMM program quantizes
-each block of x it reads with the act-quant kernel's function (QUANT_X); wider, the act-quant
-kernel runs first.
+W8A8 GEMV, up to GEMV_M rows (decode at batch 1 and 2), same grid and split-K: the weight read
+as int32 words of four E4M3 codes, converted by the hardware's FP8 conversion in inline PTX
+(E4M3_WORD_PTX; the interpreter's form decodes byte by byte), multiplied on CUDA cores with x's
+FP8-QAT values (exact FP32 products), each word's sum scaled by its block's scale, the words
+summed after the K loop; the loads software-pipelined. Where an MMA tile would hold one real row
+in 16, its in-GEMM quantization of x and its padding dominate (benchmarks/sm90_build.py: 10.97
+thread instructions a weight in the 16-row tile's K loop with x quantized inside, 5.84 in the
+GEMV's).
+
+fp8_linear from x in the activation dtype: up to FUSED_QUANT_M rows the GEMM or GEMV program
+quantizes each block of x it reads with the act-quant kernel's function (QUANT_X); wider, the
+act-quant kernel runs first.
 """
 from __future__ import annotations
 
@@ -41,6 +50,8 @@ BLOCK_M_MAX = 64
 PREFILL_M = 1024
 SPLIT_TILES_MAX = 8192        # output tiles a split-K call may have (its counters)
 FUSED_QUANT_M = 16            # fp8_linear quantizes x inside the GEMM up to this many rows
+GEMV_M = 2                    # up to this many rows the CUDA-core GEMV runs (benchmarks/sm90_build.py)
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_STAGES = 64, 128, 3
 _COUNTERS: dict = {}
 
 
@@ -168,6 +179,104 @@ def sum_splits(acc, o_ptrs, p_tile, stride_ps, split, splits, counter, omask):
         tl.atomic_xchg(counter, 0)
 
 
+def e4m3_word_ptx(w: str, outs: tuple[str, ...], p: str = "") -> str:
+    """PTX lines: the four E4M3 codes of the 32-bit register w (byte i: element i) into the FP32
+    registers outs, by the hardware's E4M3 pair -> f16x2 conversion twice, then f16 -> f32; the
+    lines' own registers are named with the prefix p."""
+    return "\n".join([f".reg .b16 {p}l0, {p}l1, {p}x0, {p}x1, {p}x2, {p}x3;", f".reg .b32 {p}f0, {p}f1;",
+                      f"mov.b32 {{{p}l0, {p}l1}}, {w};",
+                      f"cvt.rn.f16x2.e4m3x2 {p}f0, {p}l0;", f"cvt.rn.f16x2.e4m3x2 {p}f1, {p}l1;",
+                      f"mov.b32 {{{p}x0, {p}x1}}, {p}f0;", f"mov.b32 {{{p}x2, {p}x3}}, {p}f1;"] +
+                     [f"cvt.f32.f16 {o}, {p}x{i};" for i, o in enumerate(outs)])
+
+
+# an int32 word $4 of four E4M3 codes -> their FP32 values $0..$3
+E4M3_WORD_PTX = tl.constexpr("{\n" + e4m3_word_ptx("$4", ("$0", "$1", "$2", "$3")) + "\n}")
+
+
+@triton.jit
+def e4m3_byte(codes, i: tl.constexpr):
+    """Byte i of int32 words of E4M3 codes, as its FP32 value."""
+    return ((codes >> (8 * i)) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e4m3_word_values(w, ASM: tl.constexpr):
+    """The four FP32 values of int32 words w of E4M3 codes, in element order. ASM (CUDA):
+    E4M3_WORD_PTX; else (the interpreter runs no PTX) byte by byte."""
+    if ASM:
+        return tl.inline_asm_elementwise(E4M3_WORD_PTX, "=f,=f,=f,=f,r", [w], dtype=(tl.float32,) * 4,
+                                         is_pure=True, pack=1)
+    else:
+        return e4m3_byte(w, 0), e4m3_byte(w, 1), e4m3_byte(w, 2), e4m3_byte(w, 3)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, K, K_SPLIT, ROWS_G,
+                     stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr):
+    """The W8A8 GEMM on CUDA cores for a few rows of x, program (m, n, s): ROWS rows of x against
+    BLOCK_N weight rows over K range [s·K_SPLIT, (s+1)·K_SPLIT) (multiples of BLOCK_K, itself a
+    multiple of 32). The weight arrives as int32 words of four E4M3 codes (stride_wn in words).
+    Each word's four products with x's FP8-QAT values (x quantized here per 32 with QUANT_X,
+    else its codes times its scales: the same values) are summed and scaled by the word's 32x32
+    block scale into an FP32 accumulator per word; the words are summed once, after the K loop.
+    The K loop's loads are software-pipelined STAGES deep (the weight words through shared
+    memory), so a program keeps that many K blocks of its rows in flight. Grouped, split-K and
+    the output as in `_fp8_gemm_kernel`."""
+    W: tl.constexpr = BLOCK_K // 4                      # words a row a K block
+    n0 = tl.program_id(1) * BLOCK_N
+    rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    j = tl.arange(0, W)[None, None, :]
+    mmask = (rm < M)[:, None, None]
+    nmask = (rn < N)[None, :, None]
+    x_at = x_ptr + rm.to(tl.int64)[:, None, None] * stride_xm + (n0 // ROWS_G).to(tl.int64) * K + 4 * j
+    xs_at = xs_ptr + rm.to(tl.int64)[:, None, None] * stride_sm + (n0 // ROWS_G).to(tl.int64) * (K // GROUP_K) + \
+        j // (GROUP_K // 4)
+    w_at = w_ptr + rn.to(tl.int64)[None, :, None] * stride_wn + j
+    s_at = ws_ptr + (rn // GROUP_K).to(tl.int64)[None, :, None] * stride_wsn + j // (GROUP_K // 4)
+    acc = tl.zeros([ROWS, BLOCK_N, W], tl.float32)
+    for k0 in tl.range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K, num_stages=STAGES):
+        w0, w1, w2, w3 = e4m3_word_values(tl.load(w_at + k0 // 4, mask=nmask, other=0), ASM)
+        sw = e8m0_to_f32(tl.load(s_at + k0 // GROUP_K, mask=nmask, other=127).to(tl.int32))
+        x0 = tl.load(x_at + k0, mask=mmask, other=0.0).to(tl.float32)
+        x1 = tl.load(x_at + k0 + 1, mask=mmask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_at + k0 + 2, mask=mmask, other=0.0).to(tl.float32)
+        x3 = tl.load(x_at + k0 + 3, mask=mmask, other=0.0).to(tl.float32)
+        if QUANT_X:
+            x0, x1, x2, x3 = fp8_qat_words(x0, x1, x2, x3, W)
+        else:
+            sx = tl.load(xs_at + k0 // GROUP_K, mask=mmask, other=0.0)
+            x0, x1, x2, x3 = x0 * sx, x1 * sx, x2 * sx, x3 * sx
+        acc += (w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3) * sw
+    tot = tl.sum(acc, axis=2)
+    omask = (rm < M)[:, None] & (rn < N)[None, :]
+    o_ptrs = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    if SPLIT_K:
+        p_tile = p_ptr + rm.to(tl.int64)[:, None] * stride_pm + rn[None, :]
+        counter = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        sum_splits(tot, o_ptrs, p_tile, stride_ps, split, tl.num_programs(2), counter, omask)
+    else:
+        tl.store(o_ptrs, tot.to(o_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def fp8_qat_words(x0, x1, x2, x3, W: tl.constexpr):
+    """The FP8-QAT values (`fp8_quant_groups`' q·2^k) of x [.., 1, W] held as four tensors of
+    word elements 0..3: each group of 32 is 8 consecutive words."""
+    m = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+    R: tl.constexpr = x0.shape[0]
+    amax = tl.max(tl.reshape(m, [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), axis=3, keep_dims=True)
+    k = ceil_log2(tl.math.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32)))
+    up = tl.reshape(tl.broadcast_to(pow2(k), [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), [R, 1, W])
+    down = tl.reshape(tl.broadcast_to(pow2(-k), [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), [R, 1, W])
+    return (round_e4m3(x0 * down) * up, round_e4m3(x1 * down) * up, round_e4m3(x2 * down) * up,
+            round_e4m3(x3 * down) * up)
+
+
 def _block_m(M: int) -> int:
     return min(BLOCK_M_MAX, max(16, triton.next_power_of_2(M)))
 
@@ -207,24 +316,35 @@ def triton_fp8_linear(x, w, ws, out, groups: int = 1, **knobs) -> None:
         _ref.fp8_linear(x, w, ws, out, groups)
 
 
-def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, block_m: int | None = None,
-          block_n: int | None = None, split_k: int | None = None, unroll: int | None = None,
-          num_warps: int = 4, num_stages: int | None = None) -> bool:
-    """Launch `_fp8_gemm_kernel`, or False where it does not apply. Knobs: tile sizes, split-K
-    count (None: `split_count`), K blocks per iteration and stages (None: `_tiles`, one block per
-    iteration where its count does not divide K), warps. Split-K sums FP32 partials in a fixed
-    order: deterministic, and only the order of the FP32 sums differs from one split."""
+def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, gemv: bool | None = None,
+          block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+          split_k: int | None = None, unroll: int | None = None, num_warps: int = 4,
+          num_stages: int | None = None) -> bool:
+    """Launch `_fp8_gemv_kernel` (up to GEMV_M rows, or as `gemv` says) or `_fp8_gemm_kernel`,
+    or False where neither applies. Knobs: tile sizes (block_m: the GEMV's rows a program;
+    block_k: its K block), split-K count (None: `split_count`), pipeline stages (None: the
+    GEMV's GEMV_STAGES, the GEMM's `_tiles`), the GEMM's K blocks per iteration (None: `_tiles`,
+    one block per iteration where its count does not divide K), warps. Split-K sums FP32 partials in a fixed order: deterministic, and only the order of
+    the FP32 sums differs from one split."""
     K, R = _ref.gemm_group_shape(x, w, groups)
     M, N = x.shape[0], w.shape[0]
-    tile_n, tile_unroll, stages = _tiles(M)
+    gemv = (M <= GEMV_M if gemv is None else gemv) and w.stride(0) % 4 == 0 and w.storage_offset() % 4 == 0
+    tile_n, tile_unroll, stages = (GEMV_BLOCK_N, GEMV_BLOCK_K // GROUP, GEMV_STAGES) if gemv else _tiles(M)
     bn = block_n or (tile_n if groups == 1 else min(tile_n, R & -R))   # a power of two dividing R
     if K % GROUP or out.dtype not in TL_DTYPES or (groups > 1 and (R % bn or bn < 16)) or \
             x.stride(-1) != 1 or w.stride(-1) != 1 or out.stride(-1) != 1:
         return False
     if M == 0 or N == 0:
         return True
-    bm, KB = block_m or _block_m(M), K // GROUP
-    unroll = unroll or (tile_unroll if KB % tile_unroll == 0 else 1)
+    KB = K // GROUP
+    if gemv:
+        bm = block_m or min(GEMV_M, triton.next_power_of_2(M))
+        unroll = (block_k or GEMV_BLOCK_K) // GROUP
+        if KB % unroll:
+            unroll = 1
+    else:
+        bm = block_m or _block_m(M)
+        unroll = unroll or (tile_unroll if KB % tile_unroll == 0 else 1)
     if KB % unroll:
         raise ValueError(f"unroll={unroll} does not divide the {KB} K blocks of 32")
     grid_m, grid_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
@@ -233,8 +353,17 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, block_m: int
     splits = triton.cdiv(KB, per)                   # no empty split
     wsc = ws.view(torch.uint8)
     part = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=out.device)
+    counters = tile_counters(out.device, grid_m * grid_n if splits > 1 else 0)
+    if gemv:
+        words = w.view(torch.int32)
+        _fp8_gemv_kernel[(grid_m, grid_n, splits)](
+            x, xs, words, wsc, out, part, counters, M, N, K, per * GROUP, R, x.stride(0), xs.stride(0),
+            words.stride(0), wsc.stride(0), out.stride(0), part.stride(0), part.stride(-2), ROWS=bm,
+            BLOCK_N=bn, BLOCK_K=unroll * GROUP, SPLIT_K=splits > 1, QUANT_X=quant_x, ASM=x.is_cuda,
+            STAGES=num_stages or stages, num_warps=num_warps)
+        return True
     _fp8_gemm_kernel[(grid_m, grid_n, splits)](
-        x, xs, w, wsc, out, part, tile_counters(out.device, grid_m * grid_n if splits > 1 else 0),
+        x, xs, w, wsc, out, part, counters,
         M, N, KB, per, R, x.stride(0), xs.stride(0), w.stride(0), wsc.stride(0), out.stride(0),
         part.stride(0), part.stride(-2), BLOCK_M=bm, BLOCK_N=bn, UNROLL=unroll, SPLIT_K=splits > 1,
         QUANT_X=quant_x, num_warps=num_warps, num_stages=num_stages or stages)

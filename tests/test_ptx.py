@@ -1,8 +1,9 @@
-"""The FP4 kernels' inline PTX (custom_ops/triton/fp4.py), run on the CPU by a small emulator of
-the few instructions it uses. The interpreter tests run the kernels' Triton form instead (the
-interpreter executes no PTX), and the sm_90 build only shows that ptxas accepts it; this checks
-what the PTX computes: every E2M1 nibble, in every position of a word, decodes to its E4M3 value
-(2^-6 times the E2M1 value of v41.quant), in element order."""
+"""The FP4 and FP8 kernels' inline PTX (custom_ops/triton/fp4.py, fp8_gemm.py), run on the CPU by
+a small emulator of the few instructions it uses. The interpreter tests run the kernels' Triton
+form instead (the interpreter executes no PTX), and the sm_90 build only shows that ptxas
+accepts it; this checks what the PTX computes: every E2M1 nibble, in every position of a word,
+decodes to its E4M3 value (2^-6 times the E2M1 value of v41.quant), and every E4M3 byte to its
+value, in element order."""
 from __future__ import annotations
 
 import re
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the PTX lives in the Triton kernels' module: needs triton (the test extra)")
-from custom_ops.triton import fp4  # noqa: E402
+from custom_ops.triton import fp4, fp8_gemm  # noqa: E402
 from v41 import quant  # noqa: E402
 
 M32 = 0xFFFFFFFF
@@ -78,6 +79,14 @@ def test_word_ptx_decodes_every_nibble_in_every_position():
     for nibbles, word in words(4):
         out = run_ptx(fp4.E2M1_WORD_PTX.value, {8: word})
         assert [out[i] for i in range(8)] == [nibble_value(c) for c in nibbles], nibbles
+
+
+def test_e4m3_word_ptx_decodes_every_byte_in_every_position():
+    """E4M3_WORD_PTX (the FP8 GEMV's weights): a word's byte i is element i; all 256 codes in
+    each of the four places, the two NaN codes included, against torch's float8_e4m3fn."""
+    for bytes_, word in words(8):
+        out = run_ptx(fp8_gemm.E4M3_WORD_PTX.value, {4: word})
+        assert np.array_equal([out[i] for i in range(4)], [e4m3(b) for b in bytes_], equal_nan=True), bytes_
 
 
 @pytest.mark.parametrize("name,shift", [("E2M1_LO_CODES_PTX", 0), ("E2M1_HI_CODES_PTX", 4)])
