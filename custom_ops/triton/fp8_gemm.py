@@ -154,12 +154,19 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
             part = tl.dot(a, b, out_dtype=tl.float32)
             sb = e8m0_to_f32(tl.load(sb_ptrs + kb, mask=nmask, other=127).to(tl.int32))
             acc += part * sa * sb[None, :]
-    omask = mmask[:, None] & nmask[None, :]
+    store_tile(acc, rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, SPLIT_K)
+
+
+@triton.jit
+def store_tile(acc, rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, SPLIT_K: tl.constexpr):
+    """The output tile [rm, rn] of program (m, n, split): `acc` rounded into o, or with SPLIT_K
+    handed to `sum_splits` (partials at p, the tile's counter at cnt_ptr)."""
+    omask = (rm < M)[:, None] & (rn < N)[None, :]
     o_ptrs = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     if SPLIT_K:
         p_tile = p_ptr + rm.to(tl.int64)[:, None] * stride_pm + rn[None, :]
         counter = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        sum_splits(acc, o_ptrs, p_tile, stride_ps, split, tl.num_programs(2), counter, omask)
+        sum_splits(acc, o_ptrs, p_tile, stride_ps, tl.program_id(2), tl.num_programs(2), counter, omask)
     else:
         tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=omask)
 
@@ -252,15 +259,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
             sx = tl.load(xs_at + k0 // GROUP_K, mask=mmask, other=0.0)
             x0, x1, x2, x3 = x0 * sx, x1 * sx, x2 * sx, x3 * sx
         acc += (w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3) * sw
-    tot = tl.sum(acc, axis=2)
-    omask = (rm < M)[:, None] & (rn < N)[None, :]
-    o_ptrs = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    if SPLIT_K:
-        p_tile = p_ptr + rm.to(tl.int64)[:, None] * stride_pm + rn[None, :]
-        counter = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        sum_splits(tot, o_ptrs, p_tile, stride_ps, split, tl.num_programs(2), counter, omask)
-    else:
-        tl.store(o_ptrs, tot.to(o_ptr.dtype.element_ty), mask=omask)
+    store_tile(tl.sum(acc, axis=2), rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, SPLIT_K)
 
 
 @triton.jit
