@@ -58,11 +58,11 @@ DECODE_SWEEP = ({"gemv": False}, {"gemv": True}, {"gemv": True, "block_n": 128},
                 {"block_n": 64, "unroll": 4, "num_stages": 5}, {"block_n": 32, "unroll": 4, "num_stages": 4},
                 {"block_n": 64, "unroll": 4, "split_k": 16}, {"block_n": 64, "unroll": 4, "num_warps": 2})
 PREFILL_SWEEP = ({"unroll": 4}, {"num_stages": 4}, {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3})
-# the FP4 GEMVs' default tile (64 x 128, 4 warps) takes 130 registers in the up GEMV and 80 in
-# the down one (sm_90 builds, Triton 3.9, sm90-build-cpu.json): 8 warps take 76 and 50
+# the FP4 GEMVs' default tile (64 x 128, 4 warps, 3 stages) takes 130 registers in the up GEMV
+# and 72 in the down one (sm_90 builds, Triton 3.9, sm90-build-cpu.json); num_stages 1: unpipelined
 EXPERT_SWEEP = ({"block_n_up": 32}, {"block_k": 64}, {"block_n_up": 32, "block_k": 64}, {"num_warps": 8},
-                {"block_n_down": 32}, {"splits": 1}, {"splits": 4}, {"splits": 20},
-                {"path": "mma"})
+                {"block_n_down": 32}, {"splits": 1}, {"splits": 4}, {"splits": 20}, {"num_stages": 1},
+                {"num_stages": 5}, {"path": "mma"})
 # the FP8-MMA expert kernels' tiles at the first prefill width (61% of a native 1x4096 prefill's kernels),
 # and the 'tiles' path (weights dequantized per tile to bf16, no per-32 promotion; sm90-build-cpu.json:
 # 8.2 instructions a tile weight at 128 x 128 and 8 warps without spills, against 20.6 at the FP8 path's 64 x 64)

@@ -101,12 +101,12 @@ FP4_UP_SIG = {"xq_ptr": "*bf16", "ids_ptr": "*i64", "order_ptr": "*i32", "w1_ptr
               "s1_ptr": "*u8", "s3_ptr": "*u8", "part_ptr": "*fp32",
               **dict.fromkeys(("I", "D", "k", "k_split", "stride_x", "stride_we", "stride_wn", "stride_se",
                                "stride_sn", "stride_ps", "stride_pu"), "i32"),
-              **dict.fromkeys(("BLOCK_N", "BLOCK_K", "ASM"), "constexpr")}
+              **dict.fromkeys(("BLOCK_N", "BLOCK_K", "ASM", "STAGES"), "constexpr")}
 FP4_DOWN_SIG = {"h_ptr": "*bf16", "ids_ptr": "*i64", "order_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr": "*u8",
                 "part_ptr": "*fp32",
                 **dict.fromkeys(("D", "I", "k_split", "stride_h", "stride_we", "stride_wn", "stride_se", "stride_sn",
                                  "stride_ps"), "i32"),
-                **dict.fromkeys(("BLOCK_N", "BLOCK_K", "ASM"), "constexpr")}
+                **dict.fromkeys(("BLOCK_N", "BLOCK_K", "ASM", "STAGES"), "constexpr")}
 # Flash's values of these are multiples of 16 (D = 5120, I = 2304, strides in words and scale bytes)
 FP4_ALIGNED = ("I", "D", "k_split", "stride_x", "stride_h", "stride_we", "stride_wn", "stride_se", "stride_sn",
                "stride_ps", "stride_pu")
@@ -214,21 +214,24 @@ def fp4_tiles(which: str, block_m: int, block_n: int, block_k: int, warps: int):
     return build(fn, sig, consts, aligned=aligned, num_warps=warps)
 
 
-def fp4_gemv(which: str, block_n: int, block_k: int, warps: int, asm: bool = True):
+def fp4_gemv(which: str, block_n: int, block_k: int, warps: int, asm: bool = True, stages: int | None = None):
     """The decode FP4 expert GEMV `which` ('up' or 'down') built at a tile."""
-    from custom_ops.triton.moe import _fp4_down_gemv, _fp4_up_gemv
+    from custom_ops.triton.moe import FP4_STAGES, _fp4_down_gemv, _fp4_up_gemv
     fn, sig = (_fp4_up_gemv, FP4_UP_SIG) if which == "up" else (_fp4_down_gemv, FP4_DOWN_SIG)
-    return build(fn, sig, {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": asm}, aligned=FP4_ALIGNED,
-                 num_warps=warps)
+    return build(fn, sig, {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": asm, "STAGES": stages or FP4_STAGES},
+                 aligned=FP4_ALIGNED, num_warps=warps)
 
 
-def fp4_gemv_row(which: str, block_n: int, block_k: int, warps: int, asm: bool = True) -> dict:
-    k = fp4_gemv(which, block_n, block_k, warps, asm)
+def fp4_gemv_row(which: str, block_n: int, block_k: int, warps: int, asm: bool = True,
+                 stages: int | None = None) -> dict:
+    from custom_ops.triton.moe import FP4_STAGES
+    k = fp4_gemv(which, block_n, block_k, warps, asm, stages)
     body = loop_body(k)
     weights = (2 if which == "up" else 1) * block_n * block_k      # elements of w1 and w3, or of w2
     return {"kernel": f"_fp4_{which}_gemv", "tile": f"{block_n}x{block_k}", "num_warps": warps, "asm": asm,
-            **resources(k), "loop_warp_instructions": len(body),
+            "num_stages": stages or FP4_STAGES, **resources(k), "loop_warp_instructions": len(body),
             "thread_instructions_per_weight": per_weight(body, warps, weights),
+            "loop_async_copies": sum(op.startswith("LDGSTS") for op in body),
             "loop_opcodes": dict(collections.Counter(body).most_common(8))}
 
 
@@ -241,6 +244,7 @@ def main(argv=None) -> dict:
     import torch
     rows = [fp4_gemv_row(w, bn, bk, nw, asm) for w in ("up", "down") for bn, bk, nw in
             ((64, 128, 4), (32, 256, 4), (64, 128, 8)) for asm in (True, False)]
+    rows += [fp4_gemv_row(w, 64, 128, 4, True, stages=1) for w in ("up", "down")]     # unpipelined
     rows += dense_decode_rows()
     for bm, bn, bk, nw in ((16, 64, 64, 4), (64, 64, 64, 4), (128, 64, 64, 4), (64, 128, 64, 4), (128, 128, 64, 8),
                            (128, 128, 32, 8)):

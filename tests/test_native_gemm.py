@@ -293,7 +293,8 @@ else:
 
     @pytest.mark.parametrize("T,kw", [(1, {}), (6, {"block_m": 16, "block_n_up": 32, "block_n_down": 32}),
                                       (6, {"block_k": 32}), (24, {"block_k": 128}), (40, {"block_m": 64}),
-                                      (6, {"block_k": 32, "splits": 2}), (16, {"block_k": 32, "splits": 2})])
+                                      (6, {"block_k": 32, "splits": 2}), (16, {"block_k": 32, "splits": 2}),
+                                      (3, {"num_stages": 1})])
     def test_w4a8_down_gemm_bound(g, T, kw):
         """The down GEMM alone: each pair's y against its own h codes · w2[e] in float64 (split-K:
         the splits' FP32 sums added in order, within the same bound)."""

@@ -18,8 +18,9 @@ moe_experts: tokens sorted by expert, grouped GEMM tiles, a deterministic reduct
      a word), a word's nibbles turned into E4M3 values four at a time (`fp4.e2m1_word_values`: on
      CUDA a few lines of PTX, since the work per weight, not the bytes, bounds these GEMVs) and
      multiplied with the activation in FP32 (exact products), each word's sum scaled by its
-     group's scale, the words summed after the K loop; the FP32 partials summed in split order
-     by tile-wise kernels (the up GEMMs' before the epilogue). At decode widths a tile holds about
+     group's scale, the words summed after the K loop, the loop's loads pipelined FP4_STAGES
+     deep; the FP32 partials summed in split order by tile-wise kernels (the up GEMMs' before
+     the epilogue). At decode widths a tile holds about
      one real row, so MMA tiles bought nothing: on the H200, one token's six experts' up GEMMs
      ran 1.5x and down GEMMs 2.0x faster as GEMVs than as bf16-dequant MMA tiles.
   3. Reduce (moe_tiles.reduce_pairs): out[t] = Σ of the token's valid slots in ascending
@@ -46,6 +47,7 @@ BLOCK_N_DOWN = 128
 BLOCK_K = 64
 FP4_BLOCK_K = 128        # the FP4 GEMVs (H200, one token: 64 x 128 and 32 x 256 blocks fastest)
 FP4_BLOCK_N = 64
+FP4_STAGES = 3           # the GEMVs' K loop loads pipelined this deep (benchmarks/sm90_build.py)
 
 
 @triton.jit
@@ -61,7 +63,7 @@ def gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N: tl.constexpr):
 @triton.jit
 def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, part_ptr, I, D, k, k_split,
                  stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_ps, stride_pu,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr):
     """FP4 up GEMMs at decode widths, grid (sorted rows, I / BLOCK_N, K splits): one pair's
     token row against BLOCK_N rows of w1[e] and w3[e] (int32 words, strides in words), its FP32
     sums over the split's K range into the partials [splits, 2, rows, I] (_moe_up_sum_kernel
@@ -75,7 +77,7 @@ def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, par
     s_off = e * stride_se + rn.to(tl.int64) * stride_sn
     acc_g = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
-    for k0 in range(k_lo, tl.minimum(D, k_lo + k_split), BLOCK_K):
+    for k0 in tl.range(k_lo, tl.minimum(D, k_lo + k_split), BLOCK_K, num_stages=STAGES):
         acc_g = fp4_words_dot(acc_g, a, w1_ptr + w_off, s1_ptr + s_off, k0, nmask, BLOCK_K, ASM)
         acc_u = fp4_words_dot(acc_u, a, w3_ptr + w_off, s3_ptr + s_off, k0, nmask, BLOCK_K, ASM)
     at = part_ptr + tl.program_id(2) * stride_ps + r * I + rn
@@ -86,7 +88,7 @@ def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, par
 @triton.jit
 def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, D, I, k_split,
                    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_ps,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr):
     """FP4 down GEMM at decode widths, grid (sorted rows, D / BLOCK_N, K splits): one h row
     against BLOCK_N rows of w2[e] (int32 words), the FP32 sum over the split's K range into the
     partials [splits, pairs, D] at the pair's row (_moe_down_sum_kernel finishes them)."""
@@ -97,7 +99,7 @@ def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, D, I, k_
     w = w2_ptr + e * stride_we + rn.to(tl.int64) * stride_wn
     sc = s2_ptr + e * stride_se + rn.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
-    for k0 in range(k_lo, tl.minimum(I, k_lo + k_split), BLOCK_K):
+    for k0 in tl.range(k_lo, tl.minimum(I, k_lo + k_split), BLOCK_K, num_stages=STAGES):
         acc = fp4_words_dot(acc, h_ptr + r * stride_h, w, sc, k0, nmask, BLOCK_K, ASM)
     tl.store(part_ptr + tl.program_id(2) * stride_ps + pair * D + rn, tl.sum(acc, axis=1), mask=nmask)
 
@@ -270,12 +272,12 @@ def _k_split(K: int, block_k: int, splits: int) -> tuple[int, int]:
 def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int | None = None,
                 block_n_up: int | None = None, block_n_down: int | None = None,
                 block_k: int | None = None, splits: int | None = None, num_warps: int = 4,
-                tiles: bool = False, hidden: list | None = None) -> None:
+                num_stages: int | None = None, tiles: bool = False, hidden: list | None = None) -> None:
     """Steps 0-3 on dequantized experts (`scales` None: the tile kernels) or packed FP4 ones
     (`scales` = their E8M0 scales as uint8, (s1, s3, s2): a GEMV per pair, both GEMMs split
     over K, `splits` or `fp4_splits` of each GEMM's K, their FP32 partials summed in split
-    order by the tile-wise sum kernels; `tiles`: the tile kernels, each weight tile dequantized
-    exactly to x's dtype in registers). `hidden`, when given, receives (h, order, y): w2's
+    order by the tile-wise sum kernels, their loads pipelined `num_stages` (FP4_STAGES) deep;
+    `tiles`: the tile kernels, each weight tile dequantized exactly to x's dtype in registers). `hidden`, when given, receives (h, order, y): w2's
     input rows in expert order, the sort, the per-pair outputs, for the tests."""
     T, D = x.shape
     E, I = w1.shape[:2]
@@ -308,14 +310,14 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
             s2.stride(1), y.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, **common)
     else:
         fp4_gemvs(xq, ids, order, meta, n_tiles, wts, w1, w3, w2, scales, limit, h, y, bm, block_n_up, block_n_down,
-                  block_k, splits, num_warps)
+                  block_k, splits, num_warps, num_stages or FP4_STAGES)
     reduce_pairs(y, ids, E, out)
     if hidden is not None:
         hidden.extend((h, order, y))
 
 
 def fp4_gemvs(xq, ids, order, meta, n_tiles, wts, w1, w3, w2, scales, limit, h, y, bm, block_n_up, block_n_down,
-              block_k, splits, num_warps) -> None:
+              block_k, splits, num_warps, stages) -> None:
     """Steps 1-2 on FP4 experts: the up GEMVs into partials, their sum and epilogue -> h, the
     down GEMVs into partials, their sum -> y."""
     P, I = h.shape
@@ -333,14 +335,14 @@ def fp4_gemvs(xq, ids, order, meta, n_tiles, wts, w1, w3, w2, scales, limit, h, 
     asm = h.device.type == "cuda"
     _fp4_up_gemv[(P, triton.cdiv(I, bnu), su)](
         xq, flat, order, w1, w3, s1, s3, pu, I, D, k, ku, xq.stride(0), w1.stride(0), w1.stride(1),
-        s1.stride(0), s1.stride(1), pu.stride(0), pu.stride(1), BLOCK_N=bnu, BLOCK_K=bku, ASM=asm,
+        s1.stride(0), s1.stride(1), pu.stride(0), pu.stride(1), BLOCK_N=bnu, BLOCK_K=bku, ASM=asm, STAGES=stages,
         num_warps=num_warps)
     _moe_up_sum_kernel[(n_tiles, triton.cdiv(I, 32))](
         pu, order, wts, meta, h, n_tiles, I, su, limit, pu.stride(0), pu.stride(1), h.stride(0),
         BLOCK_M=bm, BLOCK_N=32, num_warps=4)
     _fp4_down_gemv[(P, triton.cdiv(D, bnd), sd)](
         h, flat, order, w2, s2, pd, D, I, kd, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        pd.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, ASM=asm, num_warps=num_warps)
+        pd.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, ASM=asm, STAGES=stages, num_warps=num_warps)
     _moe_down_sum_kernel[(n_tiles, triton.cdiv(D, 128))](
         pd, order, meta, y, n_tiles, D, sd, pd.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=128, num_warps=4)
 
