@@ -63,13 +63,16 @@ PREFILL_SWEEP = ({"unroll": 4}, {"num_stages": 4}, {"block_m": 128, "block_n": 1
 EXPERT_SWEEP = ({"block_n_up": 32}, {"block_k": 64}, {"block_n_up": 32, "block_k": 64}, {"num_warps": 8},
                 {"block_n_down": 32}, {"splits": 1}, {"splits": 4}, {"splits": 20}, {"num_stages": 1},
                 {"num_stages": 5}, {"path": "mma"})
-# the FP8-MMA expert kernels' tiles at the first prefill width (61% of a native 1x4096 prefill's kernels),
-# and the 'tiles' path (weights dequantized per tile to bf16, no per-32 promotion; sm90-build-cpu.json:
-# 8.2 instructions a tile weight at 128 x 128 and 8 warps without spills, against 20.6 at the FP8 path's 64 x 64)
-EXPERT_PREFILL_SWEEP = ({"path": "mma", "block_m": 128}, {"path": "mma", "block_n_up": 128, "block_n_down": 128},
-                        {"path": "mma", "block_m": 128, "block_n_up": 128, "block_n_down": 128, "num_warps": 8},
-                        {"path": "mma", "num_stages": 4}, {"path": "mma", "num_warps": 8}, {"path": "tiles"},
-                        {"path": "tiles", "block_m": 128, "block_n_up": 128, "block_n_down": 128, "num_warps": 8})
+# the expert paths at the first prefill width (the expert kernels were 61% of a native 1x4096
+# prefill's kernels on the FP8-MMA path): the FP8-MMA kernels (the default there before the
+# 'tiles' path: moe_w4a8.expert_path) and their tiles, the 'tiles' path at run_experts' tiles and
+# at 64 x 128 (the default is moe_w4a8.TILES_PREFILL, 128 x 128 with 8 warps; sm90-build-cpu.json:
+# 8.2 instructions a tile weight there without spills, against 20.6 at the FP8 path's 64 x 64)
+EXPERT_PREFILL_SWEEP = ({"path": "mma"}, {"path": "mma", "block_m": 128},
+                        {"path": "mma", "block_n_up": 128, "block_n_down": 128}, {"path": "mma", "num_warps": 8},
+                        {"path": "tiles"}, {"path": "tiles", "block_m": 64, "block_n_up": 128, "block_n_down": 128},
+                        {"path": "tiles", "block_m": 128, "block_n_up": 128, "block_n_down": 128, "num_warps": 8,
+                         "block_k": 32})
 SWEEP_M = (1, 8, 64)
 
 
@@ -213,8 +216,8 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=Non
 def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak) -> None:
     """flash-slice's experts (16, top-6) at DSpark's verify widths (6 tokens a request, 1 and 16
     requests) and plain decode's, each path in turn at each width: with 16 experts a verify
-    step's rows reach most of them, the case `expert_path` sends to the FP8-MMA tiles from
-    6 tokens on. Rows in out["experts"] with "path" and "experts" set."""
+    step's rows reach most of them, the case `expert_path` sends to the MMA tiles ('tiles')
+    from 6 tokens on. Rows in out["experts"] with "path" and "experts" set."""
     E, k, D, I = experts
     weights, per_expert = expert_weights(E, D, I, dev)
     for T in (1, 6, 16, 96):
