@@ -50,14 +50,19 @@ TINY_EXPERTS = (6, 2, 64, 64)
 # GEMV beside the tiles at 8 and 64 rows, then the GEMV's tiles and stages (64 x 128, 4 warps,
 # 3 stages by default; sm90-build-cpu.json: 5.84 instructions a weight with x quantized inside,
 # 4.9 at 128 rows but 241 registers). The CPU dry run takes the first.
-DECODE_SWEEP = ({"gemv": False}, {"gemv": True}, {"gemv": True, "block_n": 128}, {"gemv": True, "block_k": 256},
-                {"gemv": True, "block_n": 32}, {"gemv": True, "block_n": 128, "num_warps": 8},
-                {"gemv": True, "num_stages": 1}, {"gemv": True, "num_stages": 5},
-                {"block_n": 128, "unroll": 1, "num_stages": 6}, {"block_n": 64, "unroll": 4, "num_stages": 3},
-                {"block_n": 128, "unroll": 4, "num_stages": 3}, {"block_n": 128, "num_stages": 2}, {"split_k": 8},
-                {"block_n": 64, "unroll": 4, "num_stages": 5}, {"block_n": 32, "unroll": 4, "num_stages": 4},
-                {"block_n": 64, "unroll": 4, "split_k": 16}, {"block_n": 64, "unroll": 4, "num_warps": 2})
-PREFILL_SWEEP = ({"unroll": 4}, {"num_stages": 4}, {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3})
+DECODE_SWEEP = ({"path": "mma"}, {"path": "gemv"}, {"path": "gemv", "block_n": 128}, {"path": "gemv", "block_k": 256},
+                {"path": "gemv", "block_n": 32}, {"path": "gemv", "block_n": 128, "num_warps": 8},
+                {"path": "gemv", "num_stages": 1}, {"path": "gemv", "num_stages": 5},
+                *({"path": "mma", **kw} for kw in (
+                    {"block_n": 128, "unroll": 1, "num_stages": 6}, {"block_n": 64, "unroll": 4, "num_stages": 3},
+                    {"block_n": 128, "unroll": 4, "num_stages": 3}, {"block_n": 128, "num_stages": 2}, {"split_k": 8},
+                    {"block_n": 64, "unroll": 4, "num_stages": 5}, {"block_n": 32, "unroll": 4, "num_stages": 4},
+                    {"block_n": 64, "unroll": 4, "split_k": 16}, {"block_n": 64, "unroll": 4, "num_warps": 2})))
+# the first prefill width: the FP8 MMA kernel (the default there before the bf16 tiles,
+# fp8_gemm.gemm_path) at its old default and a 128 x 128 tile, the bf16 tiles' other tiles and stages
+PREFILL_SWEEP = ({"path": "mma"}, {"path": "mma", "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
+                 {"path": "tiles", "block_n": 256}, {"path": "tiles", "block_m": 64, "num_warps": 4},
+                 {"path": "tiles", "block_k": 128}, {"path": "tiles", "num_stages": 4})
 # the FP4 GEMVs' default tile (64 x 128, 4 warps, 3 stages) takes 130 registers in the up GEMV
 # and 72 in the down one (sm_90 builds, Triton 3.9, sm90-build-cpu.json); num_stages 1: unpipelined
 EXPERT_SWEEP = ({"block_n_up": 32}, {"block_k": 64}, {"block_n_up": 32, "block_k": 64}, {"num_warps": 8},

@@ -49,6 +49,17 @@ def test_fp8_gemv_builds_for_hopper():
                    for r in one_row), (gemm, one_row)
 
 
+def test_fp8_prefill_kernels_build_for_hopper():
+    """The W8A8 GEMM's prefill kernels: the bf16 tiles (the default from 1,024 rows) build
+    without spills, multiply with warpgroup MMA, and their K loop issues fewer cycles of
+    instructions than its bf16 tensor work takes; the FP8 MMA kernel's issues more than its
+    FP8 tensor work (the per-32 promotion), which is why the tiles are the default."""
+    mma, *tiles = B.dense_prefill_rows()
+    assert mma["loop_issue_cycles"] > mma["loop_tensor_cycles"], mma
+    for r in tiles:
+        assert r["spilled_bytes"] == 0 and r["loop_mma"] and r["loop_issue_cycles"] < r["loop_tensor_cycles"], r
+
+
 @pytest.mark.parametrize("block_t,block_s", [(1, 128), (16, 1), (8, 16)])
 def test_mhc_coef_builds_for_hopper(block_t, block_s):
     sig = {**dict.fromkeys(("part_ptr", "sq_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr"),

@@ -63,7 +63,7 @@ if not INTERPRETED:
                                                                      ("experts_w4a8", 40)]
         assert [row["knobs"] for row in res["sweep"][2:]] == [{"path": "mma"}, {"path": "mma"}]
         # one row: the MMA tiles where the GEMV is the default, on codes and from bf16 x
-        assert res["sweep"][0]["knobs"] == {"gemv": False} and res["sweep"][0]["linear_us"] > 0
+        assert res["sweep"][0]["knobs"] == {"path": "mma"} and res["sweep"][0]["linear_us"] > 0
         assert res["read_rate_TBps"] > 0
         assert all(row["pct_read"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
 
@@ -84,11 +84,11 @@ else:
     from custom_ops import registry
     from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_fp8_linear, \
         triton_moe_experts_w4a8
-    from custom_ops.triton.fp8_gemm import tile_counters
+    from custom_ops.triton.fp8 import tile_counters
     import triton
     import triton.language as tl
 
-    from custom_ops.triton.fp8_gemm import e8m0_to_f32
+    from custom_ops.triton.fp8 import e8m0_to_f32
     from custom_ops.triton.fp4 import e2m1_e4m3
     from custom_ops.triton.moe import run_experts
     from tests.kernel_cases import fp8_gemm_case, fp8_grouped_case, rne_bf16_casts, w4a8_case
@@ -134,18 +134,21 @@ else:
             ref.fp8_block_gemm(xq, xs, w, ws, r)
             assert torch.equal(r.double(), exact)
             # K = 256: 8 blocks, 4 per iteration, as 4 + 4; K = 64: 2 blocks, 1 per iteration, 2 splits
-            # of 1; the GEMV (by default up to 2 rows) and the MMA tiles at every width up to 16
-            for split_k, gemv in itertools.product((1, 3), (None, False, True) if M <= 16 else (None,)):
+            # of 1; the GEMV (by default up to 2 rows) and the MMA tiles at every width up to 16, the
+            # bf16 tiles (by default from 1,024 rows; they do not split) at every width
+            paths = ("gemv", "mma", "tiles") if M <= 16 else (None, "tiles")
+            for split_k, path in itertools.product((1, 3), paths):
                 out = torch.full((M, N), float("nan"))
-                triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k, gemv=gemv)
-                assert torch.equal(out, r), (split_k, gemv)
+                triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k, path=path)
+                assert torch.equal(out, r), (split_k, path)
                 # the last split of each tile summed it and left its counter at zero for the next call
                 assert not tile_counters(out.device, 0).any()
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("M,G,kw", [(1, 1, {}), (7, 1, {"split_k": 3}), (16, 3, {}), (5, 3, {"split_k": 2}),
-                                        (33, 1, {}), (33, 3, {"split_k": 2}), (1, 1, {"gemv": False}),
-                                        (2, 3, {"split_k": 2}), (3, 1, {"gemv": True})])
+                                        (33, 1, {}), (33, 3, {"split_k": 2}), (1, 1, {"path": "mma"}),
+                                        (2, 3, {"split_k": 2}), (3, 1, {"path": "gemv"}),
+                                        (40, 3, {"path": "tiles", "block_m": 32, "block_n": 32})])
     def test_fp8_linear_equals_quant_then_gemm(g, dtype, M, G, kw):
         """`fp8_linear` on x in the activation dtype == `fp8_act_quant` then `fp8_block_gemm`,
         bitwise: up to 16 rows x is quantized inside the GEMM or GEMV (the same codes and scales,
@@ -186,7 +189,8 @@ else:
     def test_fp8_block_gemm_grouped(g, M):
         """groups = 3 (wo_a's form): x [M, 3·K], w [3·R, K]; group g's output columns are x's g-th
         slice times w's g-th rows. Exactly summable inputs: kernel == reference == float64 per
-        group, bitwise, with 64-wide tiles narrowed to the group's 32 rows, split or not."""
+        group, bitwise, with 64-wide tiles narrowed to the group's 32 rows, split or not, and on
+        the bf16 tiles."""
         G, R, K = 3, 32, 256
         xq, xs, w, ws = fp8_grouped_case(g, M, G, R, K, exact=True)
         x, wd = dequant_act(xq, xs), quant.dequant_fp8_block(w, ws, torch.float64)
@@ -194,10 +198,10 @@ else:
         r = torch.empty(M, G * R)
         ref.fp8_block_gemm(xq, xs, w, ws, r, G)
         assert torch.equal(r.double(), exact)
-        for split_k in (1, 3):
+        for split_k, path in ((1, None), (3, None), (1, "tiles")):
             out = torch.full((M, G * R), float("nan"))
-            triton_fp8_block_gemm(xq, xs, w, ws, out, G, split_k=split_k)
-            assert torch.equal(out, r), split_k
+            triton_fp8_block_gemm(xq, xs, w, ws, out, G, split_k=split_k, path=path)
+            assert torch.equal(out, r), (split_k, path)
         with pytest.raises(ValueError, match="not 2 groups"):
             ref.fp8_block_gemm(xq, xs, w, ws, r, 2)
 
@@ -205,9 +209,11 @@ else:
                                       (64, {"block_n": 128}), (64, {"block_m": 32, "block_n": 32}),
                                       (1, {"split_k": 4}), (7, {"split_k": 10}), (33, {"split_k": 3}),
                                       (33, {"unroll": 2, "split_k": 3}), (2, {"unroll": 5}),
-                                      (1, {"gemv": False}), (2, {"gemv": False, "split_k": 2}),
-                                      (3, {"gemv": True}), (7, {"gemv": True, "block_m": 4, "block_n": 32}),
-                                      (1, {"block_k": 64, "split_k": 2}), (2, {"block_k": 128})])
+                                      (1, {"path": "mma"}), (2, {"path": "mma", "split_k": 2}),
+                                      (3, {"path": "gemv"}), (7, {"path": "gemv", "block_m": 4, "block_n": 32}),
+                                      (1, {"block_k": 64, "split_k": 2}), (2, {"block_k": 128}),
+                                      (7, {"path": "tiles"}), (70, {"path": "tiles", "block_m": 64, "block_n": 64}),
+                                      (33, {"path": "tiles", "block_k": 64})])
     def test_fp8_block_gemm_bound(g, M, kw):
         N, K = 96, 320
         xq, xs, w, ws = fp8_gemm_case(g, M, N, K)
@@ -225,7 +231,7 @@ else:
         waves over 132 SMs; a GEMM with tiles for every SM does not split; CPU never does."""
         from types import SimpleNamespace
 
-        from custom_ops.triton.fp8_gemm import split_count
+        from custom_ops.triton.fp8 import split_count
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
         cuda = torch.device("cuda")
         assert split_count(20, 160, 1, 5120, cuda) == 14 and split_count(20, 6, 1, 192, cuda) == 1

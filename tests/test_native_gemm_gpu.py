@@ -99,23 +99,25 @@ def test_fp8_block_gemm(M, N, K):
         assert ((r.double() - exact).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("gemv", [True, False])
-@pytest.mark.parametrize("M", [1, 2, 5])
-def test_fp8_gemv_and_mma_paths(M, gemv):
-    """The CUDA-core GEMV (its E4M3 PTX decode; the default up to 2 rows) and the MMA tiles at
-    the same decode widths, on codes and from bf16 x (quantized in the kernel): the GEMV's FP32
-    FMAs within γ_K·S, the MMA within its allowance; `fp8_linear` gives the bits of quant then GEMM."""
+@pytest.mark.parametrize("path", ["gemv", "mma", "tiles"])
+@pytest.mark.parametrize("M", [1, 2, 5, 2048])
+def test_fp8_gemm_paths(M, path):
+    """Each path at decode and prefill widths, whatever the default picks there: the CUDA-core
+    GEMV (its E4M3 PTX decode; the default up to 2 rows), the FP8 MMA tiles and the bf16 tiles
+    dequantized in registers (the default from 1,024 rows), on codes and from bf16 x: the GEMV's
+    and the bf16 tiles' FP32 sums of exact products within γ_K·S, the FP8 MMA within its
+    allowance; `fp8_linear` gives the bits of quant then GEMM."""
     from custom_ops.triton.fp8_gemm import triton_fp8_block_gemm, triton_fp8_linear
     N, K = 1280, 5120
-    g = torch.Generator().manual_seed(M * 3 + gemv)
+    g = torch.Generator().manual_seed(M * 3 + len(path))
     xq, xs, w, ws = fp8_gemm_case(g, M, N, K, device=DEV)
     x = xq.double() * xs.double().repeat_interleave(32, -1)
     wd = quant.dequant_fp8_block(w, ws, torch.float64)
     exact, S = x @ wd.T, x.abs() @ wd.abs().T
     out = torch.full((M, N), float("nan"), device=DEV)
-    triton_fp8_block_gemm(xq, xs, w, ws, out, gemv=gemv)
+    triton_fp8_block_gemm(xq, xs, w, ws, out, path=path)
     err = (out.double() - exact).abs()
-    bound = (K * U + (0 if gemv else MMA_REL)) * S
+    bound = (K * U + (MMA_REL if path == "mma" else 0)) * S
     assert not out.isnan().any()
     assert (err <= bound).all(), float((err / bound.clamp(min=1e-300)).max())
     xb = (torch.randn(M, K, device=DEV, generator=torch.Generator(device=DEV).manual_seed(M)) * 4).bfloat16()
@@ -123,8 +125,8 @@ def test_fp8_gemv_and_mma_paths(M, gemv):
     sc = torch.empty(M, K // 32, device=DEV)
     torch.ops.v41.fp8_act_quant(xb, q, sc)
     want, got = (torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEV) for _ in range(2))
-    triton_fp8_block_gemm(q, sc, w, ws, want, gemv=gemv)
-    triton_fp8_linear(xb, w, ws, got, gemv=gemv)
+    triton_fp8_block_gemm(q, sc, w, ws, want, path=path)
+    triton_fp8_linear(xb, w, ws, got, path=path)
     assert not want.isnan().any() and torch.equal(got, want)
 
 

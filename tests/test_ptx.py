@@ -1,4 +1,4 @@
-"""The FP4 and FP8 kernels' inline PTX (custom_ops/triton/fp4.py, fp8_gemm.py), run on the CPU by
+"""The FP4 and FP8 kernels' inline PTX (custom_ops/triton/fp4.py, fp8.py), run on the CPU by
 a small emulator of the few instructions it uses. The interpreter tests run the kernels' Triton
 form instead (the interpreter executes no PTX), and the sm_90 build only shows that ptxas
 accepts it; this checks what the PTX computes: every E2M1 nibble, in every position of a word,
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the PTX lives in the Triton kernels' module: needs triton (the test extra)")
-from custom_ops.triton import fp4, fp8_gemm  # noqa: E402
+from custom_ops.triton import fp4, fp8  # noqa: E402
 from v41 import quant  # noqa: E402
 
 M32 = 0xFFFFFFFF
@@ -85,7 +85,7 @@ def test_e4m3_word_ptx_decodes_every_byte_in_every_position():
     """E4M3_WORD_PTX (the FP8 GEMV's weights): a word's byte i is element i; all 256 codes in
     each of the four places, the two NaN codes included, against torch's float8_e4m3fn."""
     for bytes_, word in words(8):
-        out = run_ptx(fp8_gemm.E4M3_WORD_PTX.value, {4: word})
+        out = run_ptx(fp8.E4M3_WORD_PTX.value, {4: word})
         assert np.array_equal([out[i] for i in range(4)], [e4m3(b) for b in bytes_], equal_nan=True), bytes_
 
 

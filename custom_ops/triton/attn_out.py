@@ -14,7 +14,7 @@ Tiles: BLOCK_M by token count (16 for decode up to 128 for prefill), BLOCK_N = 6
 
 Split-K (grid axis 2 holds G x splits) where the output tiles alone leave SMs idle (`split_for`):
 each split walks its share of I into FP32 partials [splits, T, G·R]; the split that arrives last
-at its tile (fp8_gemm.tile_counters) sums them in ascending split order and rounds once, in the
+at its tile (fp8.tile_counters) sums them in ascending split order and rounds once, in the
 same launch.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import triton.language as tl
 from custom_ops import attn_out as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, dot_precision, num_sms
-from custom_ops.triton.fp8_gemm import sum_splits, tile_counters
+from custom_ops.triton.fp8 import sum_splits, tile_counters
 from custom_ops.triton.rope import rope_values
 
 

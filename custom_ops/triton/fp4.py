@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from custom_ops.triton.fp8_gemm import e4m3_byte, e4m3_word_ptx, e8m0_to_f32
+from custom_ops.triton.fp8 import e4m3_byte, e4m3_word_ptx, e8m0_to_f32
 
 
 @triton.jit

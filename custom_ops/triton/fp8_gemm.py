@@ -1,5 +1,5 @@
 """Triton impls of `v41::fp8_act_quant`, `v41::fp8_block_gemm` and `v41::fp8_linear`
-(custom_ops/gemm.py is the definition), and the pieces the W4A8 expert kernels share with them.
+(custom_ops/gemm.py is the definition).
 
 Activation quant, grid (row tiles, group tiles): per group of 32, the scale 2^k and the E4M3
 codes of common.py's FP8 QAT (bit-exact with v41.quant), stored as float8_e4m3fn codes plus
@@ -19,16 +19,10 @@ columns its K loop starts at.
 Split-K (grid axis 2) where the output tiles alone leave SMs idle (decode widths): each split
 walks its share of the K blocks into FP32 partials [splits, M, N]; the split that arrives last
 at its tile (a per-tile counter) sums them in ascending split order and rounds once, in the
-same launch.
+same launch (fp8.py).
 
-W8A8 GEMV, up to GEMV_M rows (decode at batch 1 and 2), same grid and split-K: the weight read
-as int32 words of four E4M3 codes, converted by the hardware's FP8 conversion in inline PTX
-(E4M3_WORD_PTX; the interpreter's form decodes byte by byte), multiplied on CUDA cores with x's
-FP8-QAT values (exact FP32 products), each word's sum scaled by its block's scale, the words
-summed after the K loop; the loads software-pipelined. Where an MMA tile would hold one real row
-in 16, its in-GEMM quantization of x and its padding dominate (benchmarks/sm90_build.py: 10.97
-thread instructions a weight in the 16-row tile's K loop with x quantized inside, 5.84 in the
-GEMV's).
+Up to GEMV_M rows (decode at batch 1 and 2) the GEMV of fp8_gemv.py runs instead, same grid
+and split-K.
 
 fp8_linear from x in the activation dtype: up to FUSED_QUANT_M rows the GEMM or GEMV program
 quantizes each block of x it reads with the act-quant kernel's function (QUANT_X); wider, the
@@ -42,17 +36,17 @@ import triton.language as tl
 
 from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, ceil_log2, pow2, round_e4m3, rows2d
+from custom_ops.triton.common import TL_DTYPES, rows2d
+from custom_ops.triton.fp8 import GROUP, GROUP_K, e8m0_to_f32, fp8_quant_groups, split_count, store_tile, \
+    tile_counters
+from custom_ops.triton.fp8_gemv import _fp8_gemv_kernel
 
-GROUP = 32
-GROUP_K = tl.constexpr(GROUP)   # the same width inside kernels (compiled Triton reads only constexpr globals)
 BLOCK_M_MAX = 64
 PREFILL_M = 1024
-SPLIT_TILES_MAX = 8192        # output tiles a split-K call may have (its counters)
 FUSED_QUANT_M = 16            # fp8_linear quantizes x inside the GEMM up to this many rows
 GEMV_M = 2                    # up to this many rows the CUDA-core GEMV runs (benchmarks/sm90_build.py)
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_STAGES = 64, 128, 3
-_COUNTERS: dict = {}
+TILES_BLOCK_M, TILES_BLOCK_N, TILES_BLOCK_K, TILES_WARPS, TILES_STAGES = 128, 128, 64, 8, 3
 
 
 def _tiles(M: int) -> tuple[int, int, int]:
@@ -64,23 +58,6 @@ def _tiles(M: int) -> tuple[int, int, int]:
     if M <= 16:
         return 64, 4, 3
     return 128, 1, 6 if M < PREFILL_M else 3
-
-
-@triton.jit
-def e8m0_to_f32(c):
-    """2^(c-127) as FP32 for int32 E8M0 codes c: 1..254 from the bits, 0 the subnormal 2^-127,
-    255 NaN."""
-    v = tl.where(c == 0, 0x400000, c << 23).to(tl.float32, bitcast=True)
-    return tl.where(c == 255, float("nan"), v)
-
-
-@triton.jit
-def fp8_quant_groups(y, AXIS: tl.constexpr):
-    """(E4M3 values q, scales 2^k) of FP32 `y` whose axis AXIS is one group of 32: q·2^k is
-    common.fp8_qat_groups(y), i.e. v41.quant.fp8_qat; the scales keep AXIS with size 1."""
-    amax = tl.maximum(tl.max(tl.abs(y), axis=AXIS, keep_dims=True), 1e-4)
-    k = ceil_log2(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
-    return round_e4m3(y * pow2(-k)), pow2(k)
 
 
 @triton.jit
@@ -158,140 +135,46 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
 
 
 @triton.jit
-def store_tile(acc, rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, SPLIT_K: tl.constexpr):
-    """The output tile [rm, rn] of program (m, n, split): `acc` rounded into o, or with SPLIT_K
-    handed to `sum_splits` (partials at p, the tile's counter at cnt_ptr)."""
-    omask = (rm < M)[:, None] & (rn < N)[None, :]
-    o_ptrs = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    if SPLIT_K:
-        p_tile = p_ptr + rm.to(tl.int64)[:, None] * stride_pm + rn[None, :]
-        counter = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        sum_splits(acc, o_ptrs, p_tile, stride_ps, tl.program_id(2), tl.num_programs(2), counter, omask)
-    else:
-        tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=omask)
-
-
-@triton.jit
-def sum_splits(acc, o_ptrs, p_tile, stride_ps, split, splits, counter, omask):
-    """Split-K's end of a program: its FP32 partial `acc` stored at p_tile + split·stride_ps and
-    counted in the tile's counter (acq_rel); the split that counts last sums the partials in
-    ascending split order, rounds once into o_ptrs and zeroes the counter for the next call."""
-    tl.store(p_tile + split.to(tl.int64) * stride_ps, acc, mask=omask)
-    if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
-        tot = tl.zeros_like(acc)
-        for s in range(splits):
-            # .cg: from L2, where the other splits' stores are (not a stale L1 line)
-            tot += tl.load(p_tile + s * stride_ps, mask=omask, other=0.0, cache_modifier=".cg")
-        tl.store(o_ptrs, tot.to(o_ptrs.dtype.element_ty), mask=omask)
-        tl.atomic_xchg(counter, 0)
-
-
-def e4m3_word_ptx(w: str, outs: tuple[str, ...], p: str = "") -> str:
-    """PTX lines: the four E4M3 codes of the 32-bit register w (byte i: element i) into the FP32
-    registers outs, by the hardware's E4M3 pair -> f16x2 conversion twice, then f16 -> f32; the
-    lines' own registers are named with the prefix p."""
-    return "\n".join([f".reg .b16 {p}l0, {p}l1, {p}x0, {p}x1, {p}x2, {p}x3;", f".reg .b32 {p}f0, {p}f1;",
-                      f"mov.b32 {{{p}l0, {p}l1}}, {w};",
-                      f"cvt.rn.f16x2.e4m3x2 {p}f0, {p}l0;", f"cvt.rn.f16x2.e4m3x2 {p}f1, {p}l1;",
-                      f"mov.b32 {{{p}x0, {p}x1}}, {p}f0;", f"mov.b32 {{{p}x2, {p}x3}}, {p}f1;"] +
-                     [f"cvt.f32.f16 {o}, {p}x{i};" for i, o in enumerate(outs)])
-
-
-# an int32 word $4 of four E4M3 codes -> their FP32 values $0..$3
-E4M3_WORD_PTX = tl.constexpr("{\n" + e4m3_word_ptx("$4", ("$0", "$1", "$2", "$3")) + "\n}")
-
-
-@triton.jit
-def e4m3_byte(codes, i: tl.constexpr):
-    """Byte i of int32 words of E4M3 codes, as its FP32 value."""
-    return ((codes >> (8 * i)) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def e4m3_word_values(w, ASM: tl.constexpr):
-    """The four FP32 values of int32 words w of E4M3 codes, in element order. ASM (CUDA):
-    E4M3_WORD_PTX; else (the interpreter runs no PTX) byte by byte."""
-    if ASM:
-        return tl.inline_asm_elementwise(E4M3_WORD_PTX, "=f,=f,=f,=f,r", [w], dtype=(tl.float32,) * 4,
-                                         is_pure=True, pack=1)
-    else:
-        return e4m3_byte(w, 0), e4m3_byte(w, 1), e4m3_byte(w, 2), e4m3_byte(w, 3)
-
-
-@triton.jit
-def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, K, K_SPLIT, ROWS_G,
-                     stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr):
-    """The W8A8 GEMM on CUDA cores for a few rows of x, program (m, n, s): ROWS rows of x against
-    BLOCK_N weight rows over K range [s·K_SPLIT, (s+1)·K_SPLIT) (multiples of BLOCK_K, itself a
-    multiple of 32). The weight arrives as int32 words of four E4M3 codes (stride_wn in words).
-    Each word's four products with x's FP8-QAT values (x quantized here per 32 with QUANT_X,
-    else its codes times its scales: the same values) are summed and scaled by the word's 32x32
-    block scale into an FP32 accumulator per word; the words are summed once, after the K loop.
-    The K loop's loads are software-pipelined STAGES deep (the weight words through shared
-    memory), so a program keeps that many K blocks of its rows in flight. Grouped, split-K and
-    the output as in `_fp8_gemm_kernel`."""
-    W: tl.constexpr = BLOCK_K // 4                      # words a row a K block
+def _fp8_tiles_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, K, ROWS_G, stride_xm, stride_sm, stride_wn,
+                      stride_wsn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      DOT_F32: tl.constexpr):
+    """The W8A8 GEMM on bf16 tensor cores, program (m, n): each [BLOCK_M, BLOCK_K] tile of x's
+    codes times its scales and each [BLOCK_K, BLOCK_N] weight tile times its 32x32 blocks'
+    scales, dequantized in registers, are exact in bf16 (four significant bits times a power of
+    two), so one bf16 dot a K block with FP32 accumulation multiplies them exactly and no
+    per-32 promotion follows it; only the order of the FP32 sums differs from the reference.
+    BLOCK_K (a multiple of 32) divides K. DOT_F32: the dot in FP32 (the interpreter; the same
+    exact products). Grouped as `_fp8_gemm_kernel`."""
     n0 = tl.program_id(1) * BLOCK_N
-    rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
-    split = tl.program_id(2)
-    j = tl.arange(0, W)[None, None, :]
-    mmask = (rm < M)[:, None, None]
-    nmask = (rn < N)[None, :, None]
-    x_at = x_ptr + rm.to(tl.int64)[:, None, None] * stride_xm + (n0 // ROWS_G).to(tl.int64) * K + 4 * j
-    xs_at = xs_ptr + rm.to(tl.int64)[:, None, None] * stride_sm + (n0 // ROWS_G).to(tl.int64) * (K // GROUP_K) + \
-        j // (GROUP_K // 4)
-    w_at = w_ptr + rn.to(tl.int64)[None, :, None] * stride_wn + j
-    s_at = ws_ptr + (rn // GROUP_K).to(tl.int64)[None, :, None] * stride_wsn + j // (GROUP_K // 4)
-    acc = tl.zeros([ROWS, BLOCK_N, W], tl.float32)
-    for k0 in tl.range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K, num_stages=STAGES):
-        w0, w1, w2, w3 = e4m3_word_values(tl.load(w_at + k0 // 4, mask=nmask, other=0), ASM)
-        sw = e8m0_to_f32(tl.load(s_at + k0 // GROUP_K, mask=nmask, other=127).to(tl.int32))
-        x0 = tl.load(x_at + k0, mask=mmask, other=0.0).to(tl.float32)
-        x1 = tl.load(x_at + k0 + 1, mask=mmask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_at + k0 + 2, mask=mmask, other=0.0).to(tl.float32)
-        x3 = tl.load(x_at + k0 + 3, mask=mmask, other=0.0).to(tl.float32)
-        if QUANT_X:
-            x0, x1, x2, x3 = fp8_qat_words(x0, x1, x2, x3, W)
+    rk = tl.arange(0, BLOCK_K)
+    G: tl.constexpr = BLOCK_K // GROUP_K
+    rg = tl.arange(0, G)
+    mmask = rm < M
+    nmask = rn < N
+    group = (n0 // ROWS_G).to(tl.int64)
+    a_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + group * K + rk[None, :]
+    sa_ptrs = xs_ptr + rm.to(tl.int64)[:, None] * stride_sm + group * (K // GROUP_K) + rg[None, :]
+    b_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
+    sb_ptrs = ws_ptr + (rn // GROUP_K).to(tl.int64)[None, :] * stride_wsn + rg[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs + k0, mask=mmask[:, None], other=0.0).to(tl.float32)
+        sa = tl.load(sa_ptrs + k0 // GROUP_K, mask=mmask[:, None], other=0.0)
+        a = tl.reshape(tl.reshape(a, [BLOCK_M, G, GROUP_K]) * sa[:, :, None], [BLOCK_M, BLOCK_K])
+        b = tl.load(b_ptrs + k0, mask=nmask[None, :], other=0.0).to(tl.float32)
+        sb = e8m0_to_f32(tl.load(sb_ptrs + k0 // GROUP_K, mask=nmask[None, :], other=127).to(tl.int32))
+        b = tl.reshape(tl.reshape(b, [G, GROUP_K, BLOCK_N]) * sb[:, None, :], [BLOCK_K, BLOCK_N])
+        if DOT_F32:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
-            sx = tl.load(xs_at + k0 // GROUP_K, mask=mmask, other=0.0)
-            x0, x1, x2, x3 = x0 * sx, x1 * sx, x2 * sx, x3 * sx
-        acc += (w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3) * sw
-    store_tile(tl.sum(acc, axis=2), rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, SPLIT_K)
-
-
-@triton.jit
-def fp8_qat_words(x0, x1, x2, x3, W: tl.constexpr):
-    """The FP8-QAT values (`fp8_quant_groups`' q·2^k) of x [.., 1, W] held as four tensors of
-    word elements 0..3: each group of 32 is 8 consecutive words."""
-    m = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
-    R: tl.constexpr = x0.shape[0]
-    amax = tl.max(tl.reshape(m, [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), axis=3, keep_dims=True)
-    k = ceil_log2(tl.math.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32)))
-    up = tl.reshape(tl.broadcast_to(pow2(k), [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), [R, 1, W])
-    down = tl.reshape(tl.broadcast_to(pow2(-k), [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), [R, 1, W])
-    return (round_e4m3(x0 * down) * up, round_e4m3(x1 * down) * up, round_e4m3(x2 * down) * up,
-            round_e4m3(x3 * down) * up)
+            acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    store_tile(acc, rm, rn, M, N, o_ptr, stride_om, o_ptr, 0, 0, o_ptr, False)
 
 
 def _block_m(M: int) -> int:
     return min(BLOCK_M_MAX, max(16, triton.next_power_of_2(M)))
-
-
-def split_count(tiles: int, KB: int, M: int, K: int, device) -> int:
-    """Split-K count: enough programs for two waves over the SMs when the output tiles alone
-    leave them idle (a decode GEMM at N = 1280 is 20 tiles on 132 SMs), each split keeping at
-    least 4 K blocks; under 4 tiles per SM, at least 4 splits where their FP32 partials
-    (written and read, 8·M·N bytes a split) stay under half the weight's N·K bytes (H200: 4
-    splits took 16384x4096 at M = 1 from 59 to 32 µs; at M = 64 they slowed wq_b, whose
-    partials outweigh it, from 38 to 49 µs). KB counts K in blocks of 32."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    n = max(1, min(KB // 4, triton.cdiv(2 * sms, tiles))) if tiles < sms else 1
-    return max(n, min(4, KB // 4, K // (16 * M))) if tiles < 4 * sms else n
 
 
 def triton_fp8_block_gemm(xq, xs, w, ws, out, groups: int = 1, **knobs) -> None:
@@ -304,9 +187,9 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, groups: int = 1, **knobs) -> None:
 def triton_fp8_linear(x, w, ws, out, groups: int = 1, **knobs) -> None:
     """`v41::fp8_linear` (same signature): up to FUSED_QUANT_M rows x is quantized inside the
     GEMM (each program quantizes the blocks it reads: no act-quant launch, no FP8 copy of x);
-    wider, `triton_fp8_act_quant` first, since every column tile would quantize x again.
-    Knobs: `_gemm`'s."""
-    if x.shape[0] > FUSED_QUANT_M or x.dtype not in TL_DTYPES:
+    wider (or for the 'tiles' path), `triton_fp8_act_quant` first, since every column tile would
+    quantize x again. Knobs: `_gemm`'s."""
+    if x.shape[0] > FUSED_QUANT_M or x.dtype not in TL_DTYPES or knobs.get("path") == "tiles":
         q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
         s = torch.empty(x.shape[0], x.shape[1] // GROUP, dtype=torch.float32, device=x.device)
         triton_fp8_act_quant(x, q, s)
@@ -315,20 +198,37 @@ def triton_fp8_linear(x, w, ws, out, groups: int = 1, **knobs) -> None:
         _ref.fp8_linear(x, w, ws, out, groups)
 
 
-def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, gemv: bool | None = None,
+def gemm_path(M: int) -> str:
+    """'gemv' up to GEMV_M rows, 'tiles' (bf16 tensor cores on tiles dequantized in registers)
+    from PREFILL_M, 'mma' (FP8 tensor cores, per-32 promotion) between. The sm_90 builds
+    (sm90-build-cpu.json) decide the ends: the 16-row MMA tile spends 10.97 instructions a
+    weight with x quantized inside against the GEMV's 5.84; the 128 x 128 'tiles' K loop issues
+    660 cycles of instructions a 2.1 MFLOP block against 735 of bf16 tensor work, where the MMA
+    kernel's 64 x 128 tile issues about twice its FP8 tensor time in promotion (on the H200 at
+    2,048 rows cuBLAS bf16 took 0.37-0.54x its time, native-gemm-h200.json)."""
+    return "gemv" if M <= GEMV_M else "tiles" if M >= PREFILL_M else "mma"
+
+
+def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | None = None,
           block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-          split_k: int | None = None, unroll: int | None = None, num_warps: int = 4,
+          split_k: int | None = None, unroll: int | None = None, num_warps: int | None = None,
           num_stages: int | None = None) -> bool:
-    """Launch `_fp8_gemv_kernel` (up to GEMV_M rows, or as `gemv` says) or `_fp8_gemm_kernel`,
-    or False where neither applies. Knobs: tile sizes (block_m: the GEMV's rows a program;
-    block_k: its K block), split-K count (None: `split_count`), pipeline stages (None: the
-    GEMV's GEMV_STAGES, the GEMM's `_tiles`), the GEMM's K blocks per iteration (None: `_tiles`,
-    one block per iteration where its count does not divide K), warps. Split-K sums FP32 partials in a fixed order: deterministic, and only the order of
-    the FP32 sums differs from one split."""
+    """Launch the kernel of `path` (default `gemm_path`): `_fp8_gemv_kernel`, `_fp8_gemm_kernel`
+    or `_fp8_tiles_kernel` (x as codes and scales only: fp8_linear quantizes first there), or
+    return False where it does not apply. Knobs: tile sizes (block_m: the GEMV's rows a program;
+    block_k: the GEMV's and the tiles' K block), split-K count (None: `split_count`; the tiles
+    do not split), pipeline stages, the MMA kernel's K blocks per iteration (None: `_tiles`, one
+    block per iteration where its count does not divide K), warps. Split-K sums FP32 partials in
+    a fixed order: deterministic, and only the order of the FP32 sums differs from one split."""
     K, R = _ref.gemm_group_shape(x, w, groups)
     M, N = x.shape[0], w.shape[0]
-    gemv = (M <= GEMV_M if gemv is None else gemv) and w.stride(0) % 4 == 0 and w.storage_offset() % 4 == 0
-    tile_n, tile_unroll, stages = (GEMV_BLOCK_N, GEMV_BLOCK_K // GROUP, GEMV_STAGES) if gemv else _tiles(M)
+    path = path or gemm_path(M)
+    if path == "gemv" and (w.stride(0) % 4 or w.storage_offset() % 4):
+        path = "mma"                               # no int32 view of the codes
+    if path == "tiles" and quant_x:
+        raise ValueError("fp8_block_gemm: the 'tiles' path takes x as codes and scales")
+    tile_n, tile_unroll, stages = {"gemv": (GEMV_BLOCK_N, GEMV_BLOCK_K // GROUP, GEMV_STAGES),
+                                   "tiles": (TILES_BLOCK_N, TILES_BLOCK_K // GROUP, TILES_STAGES)}.get(path) or _tiles(M)
     bn = block_n or (tile_n if groups == 1 else min(tile_n, R & -R))   # a power of two dividing R
     if K % GROUP or out.dtype not in TL_DTYPES or (groups > 1 and (R % bn or bn < 16)) or \
             x.stride(-1) != 1 or w.stride(-1) != 1 or out.stride(-1) != 1:
@@ -336,49 +236,41 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, gemv: bool |
     if M == 0 or N == 0:
         return True
     KB = K // GROUP
-    if gemv:
-        bm = block_m or min(GEMV_M, triton.next_power_of_2(M))
-        unroll = (block_k or GEMV_BLOCK_K) // GROUP
-        if KB % unroll:
-            unroll = 1
-    else:
-        bm = block_m or _block_m(M)
-        unroll = unroll or (tile_unroll if KB % tile_unroll == 0 else 1)
+    if path == "mma":
+        bm, unroll = block_m or _block_m(M), unroll or (tile_unroll if KB % tile_unroll == 0 else 1)
+    else:                                          # the K block: the knob's or the default, if it divides K
+        bm = block_m or (min(GEMV_M, triton.next_power_of_2(M)) if path == "gemv" else TILES_BLOCK_M)
+        unroll = (block_k or GROUP * tile_unroll) // GROUP
+        unroll = unroll if KB % unroll == 0 else 1
     if KB % unroll:
         raise ValueError(f"unroll={unroll} does not divide the {KB} K blocks of 32")
     grid_m, grid_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
+    wsc = ws.view(torch.uint8)
+    launch = dict(num_warps=num_warps or (TILES_WARPS if path == "tiles" else 4), num_stages=num_stages or stages)
+    if path == "tiles":
+        _fp8_tiles_kernel[(grid_m, grid_n)](
+            x, xs, w, wsc, out, M, N, K, R, x.stride(0), xs.stride(0), w.stride(0), wsc.stride(0), out.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=unroll * GROUP, DOT_F32=not x.is_cuda, **launch)
+        return True
     splits = min(KB // unroll, split_k or split_count(grid_m * grid_n, KB, M, K, out.device))
     per = triton.cdiv(KB // unroll, splits) * unroll
     splits = triton.cdiv(KB, per)                   # no empty split
-    wsc = ws.view(torch.uint8)
     part = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=out.device)
     counters = tile_counters(out.device, grid_m * grid_n if splits > 1 else 0)
-    if gemv:
+    if path == "gemv":
         words = w.view(torch.int32)
         _fp8_gemv_kernel[(grid_m, grid_n, splits)](
             x, xs, words, wsc, out, part, counters, M, N, K, per * GROUP, R, x.stride(0), xs.stride(0),
             words.stride(0), wsc.stride(0), out.stride(0), part.stride(0), part.stride(-2), ROWS=bm,
             BLOCK_N=bn, BLOCK_K=unroll * GROUP, SPLIT_K=splits > 1, QUANT_X=quant_x, ASM=x.is_cuda,
-            STAGES=num_stages or stages, num_warps=num_warps)
+            STAGES=launch.pop("num_stages"), **launch)
         return True
     _fp8_gemm_kernel[(grid_m, grid_n, splits)](
         x, xs, w, wsc, out, part, counters,
         M, N, KB, per, R, x.stride(0), xs.stride(0), w.stride(0), wsc.stride(0), out.stride(0),
         part.stride(0), part.stride(-2), BLOCK_M=bm, BLOCK_N=bn, UNROLL=unroll, SPLIT_K=splits > 1,
-        QUANT_X=quant_x, num_warps=num_warps, num_stages=num_stages or stages)
+        QUANT_X=quant_x, **launch)
     return True
-
-
-def tile_counters(device, tiles: int) -> torch.Tensor:
-    """The split-K kernels' per-tile arrival counters on `device`: one zeroed buffer made once
-    and kept (a CUDA graph that captured a GEMM keeps its address), every counter back at zero
-    when its tile's last split has summed."""
-    if tiles > SPLIT_TILES_MAX:
-        raise ValueError(f"fp8_block_gemm: split-K over {tiles} output tiles (counters for {SPLIT_TILES_MAX})")
-    c = _COUNTERS.get(device)
-    if c is None:
-        c = _COUNTERS[device] = torch.zeros(SPLIT_TILES_MAX, dtype=torch.int32, device=device)
-    return c
 
 
 register_impl("fp8_act_quant", "triton", triton_fp8_act_quant, device_type="cuda")

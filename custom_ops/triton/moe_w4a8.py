@@ -28,7 +28,8 @@ import triton.language as tl
 from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES
-from custom_ops.triton.fp8_gemm import GROUP, GROUP_K, fp8_quant_groups, triton_fp8_act_quant
+from custom_ops.triton.fp8 import GROUP, GROUP_K, fp8_quant_groups
+from custom_ops.triton.fp8_gemm import triton_fp8_act_quant
 from custom_ops.triton.fp4 import e2m1_codes, e2m1_scale
 from custom_ops.triton.moe import _block_m, fits, run_experts
 from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, tile_rows

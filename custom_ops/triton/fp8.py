@@ -1,0 +1,121 @@
+"""The FP8 pieces the Triton GEMM kernels share (fp8_gemm.py, fp8_gemv.py, fp4.py, moe_w4a8.py,
+attn_out.py): E8M0 scales and E4M3 codes decoded (four to an int32 word in inline PTX on CUDA),
+the activation quant's groups of 32, and split-K's end of a program: FP32 partials, per-tile
+arrival counters, the last split's ordered sum.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.triton.common import ceil_log2, pow2, round_e4m3
+
+GROUP = 32
+GROUP_K = tl.constexpr(GROUP)   # the same width inside kernels (compiled Triton reads only constexpr globals)
+SPLIT_TILES_MAX = 8192        # output tiles a split-K call may have (its counters)
+_COUNTERS: dict = {}
+
+
+@triton.jit
+def e8m0_to_f32(c):
+    """2^(c-127) as FP32 for int32 E8M0 codes c: 1..254 from the bits, 0 the subnormal 2^-127,
+    255 NaN."""
+    v = tl.where(c == 0, 0x400000, c << 23).to(tl.float32, bitcast=True)
+    return tl.where(c == 255, float("nan"), v)
+
+
+@triton.jit
+def fp8_quant_groups(y, AXIS: tl.constexpr):
+    """(E4M3 values q, scales 2^k) of FP32 `y` whose axis AXIS is one group of 32: q·2^k is
+    common.fp8_qat_groups(y), i.e. v41.quant.fp8_qat; the scales keep AXIS with size 1."""
+    amax = tl.maximum(tl.max(tl.abs(y), axis=AXIS, keep_dims=True), 1e-4)
+    k = ceil_log2(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+    return round_e4m3(y * pow2(-k)), pow2(k)
+
+
+def e4m3_word_ptx(w: str, outs: tuple[str, ...], p: str = "") -> str:
+    """PTX lines: the four E4M3 codes of the 32-bit register w (byte i: element i) into the FP32
+    registers outs, by the hardware's E4M3 pair -> f16x2 conversion twice, then f16 -> f32; the
+    lines' own registers are named with the prefix p."""
+    return "\n".join([f".reg .b16 {p}l0, {p}l1, {p}x0, {p}x1, {p}x2, {p}x3;", f".reg .b32 {p}f0, {p}f1;",
+                      f"mov.b32 {{{p}l0, {p}l1}}, {w};",
+                      f"cvt.rn.f16x2.e4m3x2 {p}f0, {p}l0;", f"cvt.rn.f16x2.e4m3x2 {p}f1, {p}l1;",
+                      f"mov.b32 {{{p}x0, {p}x1}}, {p}f0;", f"mov.b32 {{{p}x2, {p}x3}}, {p}f1;"] +
+                     [f"cvt.f32.f16 {o}, {p}x{i};" for i, o in enumerate(outs)])
+
+
+# an int32 word $4 of four E4M3 codes -> their FP32 values $0..$3
+E4M3_WORD_PTX = tl.constexpr("{\n" + e4m3_word_ptx("$4", ("$0", "$1", "$2", "$3")) + "\n}")
+
+
+@triton.jit
+def e4m3_byte(codes, i: tl.constexpr):
+    """Byte i of int32 words of E4M3 codes, as its FP32 value."""
+    return ((codes >> (8 * i)) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e4m3_word_values(w, ASM: tl.constexpr):
+    """The four FP32 values of int32 words w of E4M3 codes, in element order. ASM (CUDA):
+    E4M3_WORD_PTX; else (the interpreter runs no PTX) byte by byte."""
+    if ASM:
+        return tl.inline_asm_elementwise(E4M3_WORD_PTX, "=f,=f,=f,=f,r", [w], dtype=(tl.float32,) * 4,
+                                         is_pure=True, pack=1)
+    else:
+        return e4m3_byte(w, 0), e4m3_byte(w, 1), e4m3_byte(w, 2), e4m3_byte(w, 3)
+
+
+@triton.jit
+def store_tile(acc, rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, SPLIT_K: tl.constexpr):
+    """The output tile [rm, rn] of program (m, n, split): `acc` rounded into o, or with SPLIT_K
+    handed to `sum_splits` (partials at p, the tile's counter at cnt_ptr)."""
+    omask = (rm < M)[:, None] & (rn < N)[None, :]
+    o_ptrs = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    if SPLIT_K:
+        p_tile = p_ptr + rm.to(tl.int64)[:, None] * stride_pm + rn[None, :]
+        counter = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        sum_splits(acc, o_ptrs, p_tile, stride_ps, tl.program_id(2), tl.num_programs(2), counter, omask)
+    else:
+        tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def sum_splits(acc, o_ptrs, p_tile, stride_ps, split, splits, counter, omask):
+    """Split-K's end of a program: its FP32 partial `acc` stored at p_tile + split·stride_ps and
+    counted in the tile's counter (acq_rel); the split that counts last sums the partials in
+    ascending split order, rounds once into o_ptrs and zeroes the counter for the next call."""
+    tl.store(p_tile + split.to(tl.int64) * stride_ps, acc, mask=omask)
+    if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+        tot = tl.zeros_like(acc)
+        for s in range(splits):
+            # .cg: from L2, where the other splits' stores are (not a stale L1 line)
+            tot += tl.load(p_tile + s * stride_ps, mask=omask, other=0.0, cache_modifier=".cg")
+        tl.store(o_ptrs, tot.to(o_ptrs.dtype.element_ty), mask=omask)
+        tl.atomic_xchg(counter, 0)
+
+
+def split_count(tiles: int, KB: int, M: int, K: int, device) -> int:
+    """Split-K count: enough programs for two waves over the SMs when the output tiles alone
+    leave them idle (a decode GEMM at N = 1280 is 20 tiles on 132 SMs), each split keeping at
+    least 4 K blocks; under 4 tiles per SM, at least 4 splits where their FP32 partials
+    (written and read, 8·M·N bytes a split) stay under half the weight's N·K bytes (H200: 4
+    splits took 16384x4096 at M = 1 from 59 to 32 µs; at M = 64 they slowed wq_b, whose
+    partials outweigh it, from 38 to 49 µs). KB counts K in blocks of 32."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    n = max(1, min(KB // 4, triton.cdiv(2 * sms, tiles))) if tiles < sms else 1
+    return max(n, min(4, KB // 4, K // (16 * M))) if tiles < 4 * sms else n
+
+
+def tile_counters(device, tiles: int) -> torch.Tensor:
+    """The split-K kernels' per-tile arrival counters on `device`: one zeroed buffer made once
+    and kept (a CUDA graph that captured a GEMM keeps its address), every counter back at zero
+    when its tile's last split has summed."""
+    if tiles > SPLIT_TILES_MAX:
+        raise ValueError(f"fp8_block_gemm: split-K over {tiles} output tiles (counters for {SPLIT_TILES_MAX})")
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(SPLIT_TILES_MAX, dtype=torch.int32, device=device)
+    return c

@@ -1,0 +1,74 @@
+"""The W8A8 GEMV (`v41::fp8_block_gemm` and `v41::fp8_linear` up to fp8_gemm.GEMV_M rows; the
+launcher is fp8_gemm._gemm): the weight read as int32 words of four E4M3 codes, converted by the
+hardware's FP8 conversion in inline PTX (fp8.E4M3_WORD_PTX; the interpreter's form decodes byte by
+byte), multiplied on CUDA cores with x's FP8-QAT values (exact FP32 products), each word's sum
+scaled by its block's scale, the words summed after the K loop; the loads software-pipelined.
+Where an MMA tile would hold one real row in 16, its in-GEMM quantization of x and its padding
+dominate (benchmarks/sm90_build.py: 10.97 thread instructions a weight in the 16-row tile's K
+loop with x quantized inside, 5.84 in the GEMV's).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from custom_ops.triton.common import ceil_log2, pow2, round_e4m3
+from custom_ops.triton.fp8 import GROUP_K, e4m3_word_values, e8m0_to_f32, store_tile
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, K, K_SPLIT, ROWS_G,
+                     stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr):
+    """The W8A8 GEMM on CUDA cores for a few rows of x, program (m, n, s): ROWS rows of x against
+    BLOCK_N weight rows over K range [s·K_SPLIT, (s+1)·K_SPLIT) (multiples of BLOCK_K, itself a
+    multiple of 32). The weight arrives as int32 words of four E4M3 codes (stride_wn in words).
+    Each word's four products with x's FP8-QAT values (x quantized here per 32 with QUANT_X,
+    else its codes times its scales: the same values) are summed and scaled by the word's 32x32
+    block scale into an FP32 accumulator per word; the words are summed once, after the K loop.
+    The K loop's loads are software-pipelined STAGES deep (the weight words through shared
+    memory), so a program keeps that many K blocks of its rows in flight. Grouped, split-K and
+    the output as in `_fp8_gemm_kernel`."""
+    W: tl.constexpr = BLOCK_K // 4                      # words a row a K block
+    n0 = tl.program_id(1) * BLOCK_N
+    rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    j = tl.arange(0, W)[None, None, :]
+    mmask = (rm < M)[:, None, None]
+    nmask = (rn < N)[None, :, None]
+    x_at = x_ptr + rm.to(tl.int64)[:, None, None] * stride_xm + (n0 // ROWS_G).to(tl.int64) * K + 4 * j
+    xs_at = xs_ptr + rm.to(tl.int64)[:, None, None] * stride_sm + (n0 // ROWS_G).to(tl.int64) * (K // GROUP_K) + \
+        j // (GROUP_K // 4)
+    w_at = w_ptr + rn.to(tl.int64)[None, :, None] * stride_wn + j
+    s_at = ws_ptr + (rn // GROUP_K).to(tl.int64)[None, :, None] * stride_wsn + j // (GROUP_K // 4)
+    acc = tl.zeros([ROWS, BLOCK_N, W], tl.float32)
+    for k0 in tl.range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K, num_stages=STAGES):
+        w0, w1, w2, w3 = e4m3_word_values(tl.load(w_at + k0 // 4, mask=nmask, other=0), ASM)
+        sw = e8m0_to_f32(tl.load(s_at + k0 // GROUP_K, mask=nmask, other=127).to(tl.int32))
+        x0 = tl.load(x_at + k0, mask=mmask, other=0.0).to(tl.float32)
+        x1 = tl.load(x_at + k0 + 1, mask=mmask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_at + k0 + 2, mask=mmask, other=0.0).to(tl.float32)
+        x3 = tl.load(x_at + k0 + 3, mask=mmask, other=0.0).to(tl.float32)
+        if QUANT_X:
+            x0, x1, x2, x3 = fp8_qat_words(x0, x1, x2, x3, W)
+        else:
+            sx = tl.load(xs_at + k0 // GROUP_K, mask=mmask, other=0.0)
+            x0, x1, x2, x3 = x0 * sx, x1 * sx, x2 * sx, x3 * sx
+        acc += (w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3) * sw
+    store_tile(tl.sum(acc, axis=2), rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, SPLIT_K)
+
+
+@triton.jit
+def fp8_qat_words(x0, x1, x2, x3, W: tl.constexpr):
+    """The FP8-QAT values (`fp8_quant_groups`' q·2^k) of x [.., 1, W] held as four tensors of
+    word elements 0..3: each group of 32 is 8 consecutive words."""
+    m = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+    R: tl.constexpr = x0.shape[0]
+    amax = tl.max(tl.reshape(m, [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), axis=3, keep_dims=True)
+    k = ceil_log2(tl.math.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32)))
+    up = tl.reshape(tl.broadcast_to(pow2(k), [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), [R, 1, W])
+    down = tl.reshape(tl.broadcast_to(pow2(-k), [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), [R, 1, W])
+    return (round_e4m3(x0 * down) * up, round_e4m3(x1 * down) * up, round_e4m3(x2 * down) * up,
+            round_e4m3(x3 * down) * up)
