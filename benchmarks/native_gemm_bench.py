@@ -41,23 +41,17 @@ SLICE_EXPERTS = (16, 6, 5120, 2304)   # flash-slice's
 WO_A = (8, 1024, 4096)             # wo_a: groups, rows a group, K a group (Flash)
 TINY_DENSE = {"tiny": (96, 64)}
 TINY_EXPERTS = (6, 2, 64, 64)
-# tile variants timed beside the defaults (the "sweep" rows) at SWEEP_M and the first prefill width
-# (2026-12-03, native-gemm-h200.json: 64-wide tiles with one K block an iteration, and 256-wide
-# tiles, lost at every decode width and left the list; the rest ask whether more bytes in flight
-# a program (stages, narrower tiles, more splits, fewer warps) lift the one-row reads; the CPU
-# dry run takes the first, which runs at any K)
+# tile variants timed beside the defaults (the "sweep" rows) at SWEEP_M and the first prefill width.
 # The path first: the MMA tiles where the CUDA-core GEMV is the default (up to 2 rows) and the
 # GEMV beside the tiles at 8 and 64 rows, then the GEMV's tiles and stages (64 x 128, 4 warps,
 # 3 stages by default; sm90-build-cpu.json: 5.84 instructions a weight with x quantized inside,
-# 4.9 at 128 rows but 241 registers). The CPU dry run takes the first.
+# 4.9 at 128 rows but 241 registers), then the MMA tiles that beat its defaults on some shapes
+# at 1 and 8 rows in native-gemm-h200.json (2026-12-03; its other tiles lost everywhere and left
+# the list). The CPU dry run takes the first, which runs at any K.
 DECODE_SWEEP = ({"path": "mma"}, {"path": "gemv"}, {"path": "gemv", "block_n": 128}, {"path": "gemv", "block_k": 256},
                 {"path": "gemv", "block_n": 32}, {"path": "gemv", "block_n": 128, "num_warps": 8},
                 {"path": "gemv", "num_stages": 1}, {"path": "gemv", "num_stages": 5},
-                *({"path": "mma", **kw} for kw in (
-                    {"block_n": 128, "unroll": 1, "num_stages": 6}, {"block_n": 64, "unroll": 4, "num_stages": 3},
-                    {"block_n": 128, "unroll": 4, "num_stages": 3}, {"block_n": 128, "num_stages": 2}, {"split_k": 8},
-                    {"block_n": 64, "unroll": 4, "num_stages": 5}, {"block_n": 32, "unroll": 4, "num_stages": 4},
-                    {"block_n": 64, "unroll": 4, "split_k": 16}, {"block_n": 64, "unroll": 4, "num_warps": 2})))
+                {"path": "mma", "block_n": 128, "num_stages": 2}, {"path": "mma", "split_k": 8})
 # the first prefill width: the FP8 MMA kernel (the default there before the bf16 tiles,
 # fp8_gemm.gemm_path) at its old default and a 128 x 128 tile, the bf16 tiles' other tiles and stages
 PREFILL_SWEEP = ({"path": "mma"}, {"path": "mma", "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
