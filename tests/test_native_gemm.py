@@ -226,6 +226,12 @@ else:
         assert ((out.double() - exact).abs() <= bound).all()
         assert ((out.double() - r.double()).abs() <= 2 * bound).all()
 
+    def test_fp8_block_gemm_unknown_path(g):
+        """An unknown path is refused by name (not run as another)."""
+        xq, xs, w, ws = fp8_gemm_case(g, 2, 64, 64)
+        with pytest.raises(ValueError, match="'gemm' is not"):
+            triton_fp8_block_gemm(xq, xs, w, ws, torch.empty(2, 64), path="gemm")
+
     def test_split_k_fills_the_sms_at_decode_widths(monkeypatch):
         """Flash's wq_a at M = 1 (20 tiles of 64 over N = 1280, 160 K blocks) splits into two
         waves over 132 SMs; a GEMM with tiles for every SM does not split; CPU never does."""

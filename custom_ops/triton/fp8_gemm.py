@@ -205,7 +205,7 @@ def gemm_path(M: int) -> str:
     weight with x quantized inside against the GEMV's 5.84; the 128 x 128 'tiles' K loop issues
     660 cycles of instructions a 2.1 MFLOP block against 735 of bf16 tensor work, where the MMA
     kernel's 64 x 128 tile issues about twice its FP8 tensor time in promotion (on the H200 at
-    2,048 rows cuBLAS bf16 took 0.37-0.54x its time, native-gemm-h200.json)."""
+    2,048 rows cuBLAS bf16 took 0.36-0.53x its time, native-gemm-h200.json)."""
     return "gemv" if M <= GEMV_M else "tiles" if M >= PREFILL_M else "mma"
 
 
@@ -223,6 +223,8 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
     K, R = _ref.gemm_group_shape(x, w, groups)
     M, N = x.shape[0], w.shape[0]
     path = path or gemm_path(M)
+    if path not in ("gemv", "mma", "tiles"):
+        raise ValueError(f"fp8_block_gemm: path {path!r} is not 'gemv', 'mma' or 'tiles'")
     if path == "gemv" and (w.stride(0) % 4 or w.storage_offset() % 4):
         path = "mma"                               # no int32 view of the codes
     if path == "tiles" and quant_x:
