@@ -427,6 +427,11 @@ else:
         ref.moe_experts_w4a8(*args, 1.5, r)
         assert not out.isnan().any() and float((out - r).double().norm() / r.double().norm()) < 2e-2
 
+    def test_moe_experts_w4a8_unknown_path(g):
+        args = w4a8_case(g, 2, 3, 32, 32, 2)
+        with pytest.raises(ValueError, match="'tile' is not"):
+            triton_moe_experts_w4a8(*args, 1.0, torch.empty(2, 32), path="tile")
+
     def test_moe_experts_w4a8_no_tokens(g):
         args = w4a8_case(g, 4, 3, 32, 32, 2)
         ids = torch.full_like(args[1], -1)

@@ -188,6 +188,8 @@ def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out,
         return _ref.moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
     if path is None:
         path, knobs = ("gemv", knobs) if knobs else expert_path(ids.numel(), w1.shape[0])
+    if path not in ("gemv", "mma", "tiles"):
+        raise ValueError(f"moe_experts_w4a8: path {path!r} is not 'gemv', 'mma' or 'tiles'")
     if path == "mma":
         if x.shape[0]:
             _, _, y, _ = w4a8_expert_gemms(x if x.stride(1) == 1 else x.contiguous(), ids, weights,
