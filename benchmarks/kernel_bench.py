@@ -183,11 +183,12 @@ def breakdown_attn(gen, rows: list, T: int = 64) -> None:
 
 
 def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
-    """v41::mhc_mix at Flash's widths: the default beside the projection split more ways (at
-    decode widths its default 80 splits give each program four 64-wide K blocks in sequence, in
-    one wave of programs: more splits, fewer blocks a program) and, at the widest, the
-    coefficient program summing one split a load; twice in alternation. The floor is fn's FP32
-    bytes plus X once."""
+    """v41::mhc_mix at Flash's widths: the default (the projection on tensor cores, fn split into
+    three bf16 parts) beside the FP32-FMA projection (split_w False, the default before), the
+    projection split more ways (at decode widths its default 80 splits give each program four
+    64-wide K blocks in sequence, in one wave of programs: more splits, fewer blocks a program)
+    and, at the widest, the coefficient program summing one split a load; twice in alternation.
+    The floor is fn's FP32 bytes plus X once."""
     from custom_ops.triton.mhc import triton_mhc_mix
     fn = torch.randn(hc * (hc + 2), hc * dim, device="cuda") * 0.01
     base, scale = torch.randn(hc * (hc + 2), device="cuda"), torch.rand(3, device="cuda")
@@ -196,7 +197,7 @@ def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
         outs = [torch.empty(T, hc, device="cuda"), torch.empty(T, hc, device="cuda"),
                 torch.empty(T, hc, hc, device="cuda")]
         nbytes = fn.nbytes + X.nbytes
-        knobs = ({}, {"split": 160}, {"split": 320}) if T <= 64 else ({}, {"block_s": 1})
+        knobs = ({}, {"split_w": False}) + (({"split": 160}, {"split": 320}) if T <= 64 else ({"block_s": 1},))
         cases = [({"kernel": "mhc_mix", "tokens": T, "knobs": kw or "default"},
                   lambda kw=kw: triton_mhc_mix(X, fn, base, scale, 20, 1e-6, 1e-20, *outs, **kw)) for kw in knobs]
         alternate(rows, cases, nbytes, lambda us: {})

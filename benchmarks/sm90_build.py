@@ -202,6 +202,31 @@ def dense_prefill_rows() -> list[dict]:
     return rows
 
 
+def skinny_rows() -> list[dict]:
+    """common.skinny_gemm (the mHC and router projections: A bf16, W FP32) at the decode tile
+    (16 rows) and the prefill one (64), N = 32 (mHC's 24 padded), 64-deep K blocks, as the
+    launcher builds them: FP32 FMA products ("ieee") or W split into three bf16 parts on tensor
+    cores (split_w). Thread instructions a weight of the K loop, and its MMA instructions."""
+    from custom_ops.triton.common import skinny_gemm_kernel
+    sig = {"a_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32", "sq_ptr": "*fp32",
+           **dict.fromkeys(("M", "N", "K", "k_split", "stride_am", "stride_wn", "stride_ps", "stride_pm", "stride_ss"),
+                           "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "SUMSQ", "SPLIT_W", "DOT_F32"), "constexpr")}
+    rows = []
+    for split_w in (False, True):
+        for bm in (16, 64):
+            stages = 2 if split_w and bm == 16 else 3
+            k = build(skinny_gemm_kernel, sig, {"BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": 64, "SUMSQ": True,
+                                                "SPLIT_W": split_w, "DOT_F32": False},
+                      aligned=("K", "k_split", "stride_am", "stride_wn", "stride_ps", "stride_pm", "stride_ss"),
+                      num_stages=stages)
+            body = loop_body(k)
+            rows.append({"kernel": "skinny_gemm_kernel", "tile": f"{bm}x32x64", "split_w": split_w, "num_warps": 4,
+                         "num_stages": stages, **resources(k),
+                         "thread_instructions_per_weight": per_weight(body, 4, 32 * 64),
+                         "loop_mma": sum(op.startswith(("HGMMA", "HMMA")) for op in body)})
+    return rows
+
+
 def w4a8_up(block_m: int, block_n: int, warps: int, asm: bool = True):
     """The prefill W4A8 expert up kernel (moe_w4a8.py) at a tile."""
     import triton.language as tl
@@ -281,7 +306,7 @@ def main(argv=None) -> dict:
     rows = [fp4_gemv_row(w, bn, bk, nw, asm) for w in ("up", "down") for bn, bk, nw in
             ((64, 128, 4), (32, 256, 4), (64, 128, 8)) for asm in (True, False)]
     rows += [fp4_gemv_row(w, 64, 128, 4, True, stages=1) for w in ("up", "down")]     # unpipelined
-    rows += dense_decode_rows() + dense_prefill_rows()
+    rows += dense_decode_rows() + dense_prefill_rows() + skinny_rows()
     for bm, bn, bk, nw in ((16, 64, 64, 4), (64, 64, 64, 4), (128, 64, 64, 4), (64, 128, 64, 4), (128, 128, 64, 8),
                            (128, 128, 32, 8)):
         for which, per in (("up", 2), ("down", 1)):      # the 'tiles' path: weights dequantized to bf16 per tile

@@ -115,13 +115,16 @@ else:
         triton_inv_rope_wo_a(o, rope.cos, rope.sin, pos, wo_a, out, **kw)
         assert rel(out, ref) < 1e-5
 
-    @pytest.mark.parametrize("split,block_t,block_s,D", [(None, None, None, 48), (3, 4, None, 48),
-                                                         (20, 16, 8, 320), (20, 1, None, 320)])
-    def test_mhc_mix(g, split, block_t, block_s, D):
+    @pytest.mark.parametrize("split,block_t,block_s,D,dtype", [(None, None, None, 48, torch.float32),
+                                                               (3, 4, None, 48, torch.float32),
+                                                               (20, 16, 8, 320, torch.float32),
+                                                               (20, 1, None, 320, torch.float32),
+                                                               (None, None, None, 48, torch.bfloat16)])
+    def test_mhc_mix(g, split, block_t, block_s, D, dtype):
         """20 splits summed 8 a load (the last load part masked), and a one-token program's
-        default: all 20 in one load."""
+        default: all 20 in one load; X in bf16: fn split into three bf16 parts."""
         T, hc = 7, 4
-        X = rnd(g, T, hc, D)
+        X = rnd(g, T, hc, D).to(dtype)
         fn, base, scale = rnd(g, 24, hc * D, scale=0.05), rnd(g, 24), rnd(g, 3).abs()
         refs = [torch.empty(T, hc), torch.empty(T, hc), torch.empty(T, hc, hc)]
         outs = [nan_like(r) for r in refs]
@@ -130,6 +133,29 @@ else:
                        block_s=block_s)
         for o, r in zip(outs, refs):
             assert rel(o, r) < 1e-5
+
+    def test_skinny_gemm_split_weight_products_are_exact(g):
+        """skinny_gemm with A in bf16 splits each FP32 weight into three bf16 parts whose sum is
+        the weight exactly, so every product is exact. Weights of 22 significant bits against
+        rows of A with two nonzeros (±1): every partial sum is exact, so the result equals float64
+        bitwise (two parts, 16 bits, would not). Random inputs: within γ_3K·Σ|products| of
+        float64; A in FP32 takes FP32 products, within γ_K."""
+        from custom_ops.triton.common import skinny_gemm
+        M, N, K = 6, 24, 640
+        w = torch.randint(-2**21, 2**21, (N, K), generator=g).float() * 2.0**-20
+        a = torch.zeros(M, K)
+        for m in range(M):
+            a[m, torch.randperm(K, generator=g)[:2]] = torch.tensor([1.0, -1.0])
+        part, _ = skinny_gemm(a.bfloat16(), w, False, split=3)
+        assert torch.equal(part.double().sum(0), a.double() @ w.double().T)
+        a, w = rnd(g, M, K).bfloat16(), rnd(g, N, K)
+        exact, S = a.double() @ w.double().T, a.double().abs() @ w.double().abs().T
+        for split_w, aa, terms in ((True, a, 3 * K), (False, a.float(), K)):
+            part, _ = skinny_gemm(aa, w, False, split=3, split_w=split_w)
+            got = part.double().sum(0)          # 3 partials: 2 more FP32 additions, inside the bound
+            assert ((got - exact).abs() <= (terms + 2) * 2.0**-24 * S).all(), split_w
+        with pytest.raises(ValueError, match="bf16"):
+            skinny_gemm(a.float(), w, False, split_w=True)
 
     def test_hc_collapse_expand(g):
         T, hc, D = 5, 4, 80

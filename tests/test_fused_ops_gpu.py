@@ -144,6 +144,29 @@ def _mhc_outs(T):
             torch.full((T, HC, HC), float("nan"), device=DEV)]
 
 
+@pytest.mark.parametrize("M", [1, 4096])
+def test_skinny_gemm_split_weight(g, M):
+    """The mHC / router projection with X in bf16 on tensor cores (the FP32 weight split into
+    three bf16 parts): 22-bit weights against rows of two ±1 entries sum exactly, so the result
+    equals float64 bitwise if the tensor cores' FP32 accumulation keeps every bit those sums need;
+    random inputs within γ_3K·Σ|products| (split) and γ_K (FP32 FMAs) of float64."""
+    from custom_ops.triton.common import skinny_gemm
+    N, K = 24, HC * D
+    w = torch.randint(-2**21, 2**21, (N, K), generator=g, device=DEV).float() * 2.0**-20
+    a = torch.zeros(M, K, device=DEV)
+    cols = torch.stack([torch.randperm(K, generator=g, device=DEV)[:2] for _ in range(min(M, 64))])
+    a[torch.arange(cols.shape[0], device=DEV)[:, None], cols] = torch.tensor([1.0, -1.0], device=DEV)
+    part, _ = skinny_gemm(a.to(BF), w, False)
+    assert torch.equal(part.double().sum(0), a.double() @ w.double().T)
+    a, w = rnd(g, M, K), rnd(g, N, K, dtype=torch.float32, scale=0.01)
+    exact, S = a.double() @ w.double().T, a.double().abs() @ w.double().abs().T
+    for split_w, terms in ((True, 3 * K), (False, K)):
+        part, _ = skinny_gemm(a if split_w else a.float(), w, False, split_w=split_w)
+        got = part.double().sum(0)
+        bound = (terms + part.shape[0]) * 2.0**-24 * S
+        assert ((got - exact).abs() <= bound).all(), (split_w, float(((got - exact).abs() / bound).max()))
+
+
 @pytest.mark.parametrize("T", T_ALL)
 def test_mhc(g, T):
     X, fn, base, scale = _mhc_inputs(g, T)

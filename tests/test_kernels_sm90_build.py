@@ -60,6 +60,16 @@ def test_fp8_prefill_kernels_build_for_hopper():
         assert r["spilled_bytes"] == 0 and r["loop_mma"] and r["loop_issue_cycles"] < r["loop_tensor_cycles"], r
 
 
+def test_skinny_gemm_builds_for_hopper():
+    """The mHC / router projection at its decode and prefill tiles: the split weight's build
+    multiplies on tensor cores without spills, in fewer instructions a weight than FP32 FMAs."""
+    rows = B.skinny_rows()
+    fma, split = [r for r in rows if not r["split_w"]], [r for r in rows if r["split_w"]]
+    assert all(r["spilled_bytes"] == 0 for r in rows), rows
+    assert all(r["loop_mma"] for r in split) and not any(r["loop_mma"] for r in fma), rows
+    assert all(s["thread_instructions_per_weight"] < f["thread_instructions_per_weight"] for s, f in zip(split, fma))
+
+
 @pytest.mark.parametrize("block_t,block_s", [(1, 128), (16, 1), (8, 16)])
 def test_mhc_coef_builds_for_hopper(block_t, block_s):
     sig = {**dict.fromkeys(("part_ptr", "sq_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr"),

@@ -129,9 +129,14 @@ def fp8_qat(x: torch.Tensor, out: torch.Tensor) -> None:
 def skinny_gemm_kernel(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split,
                        stride_am, stride_wn, stride_ps, stride_pm, stride_ss,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SUMSQ: tl.constexpr, PREC: tl.constexpr):
-    """partial[s, m, n] = Σ_{k in [s·k_split, (s+1)·k_split)} A[m, k]·W[n, k] in FP32, A read as
-    FP32; with SUMSQ the programs of the first N tile also write sq[s, m] = Σ A[m, k]²."""
+                       SUMSQ: tl.constexpr, SPLIT_W: tl.constexpr, DOT_F32: tl.constexpr):
+    """partial[s, m, n] = Σ_{k in [s·k_split, (s+1)·k_split)} A[m, k]·W[n, k] in FP32 with
+    full-precision products; with SUMSQ the programs of the first N tile also write
+    sq[s, m] = Σ A[m, k]². SPLIT_W (A in bf16): each FP32 weight tile splits exactly into three
+    bf16 tiles (w = w1 + w2 + w3: each rounding leaves a remainder of at most 16, then 8,
+    significant bits), whose bf16 dots with A run on tensor cores and give exact products; else
+    A is read as FP32 and the dot is FP32 FMAs ("ieee"). DOT_F32: SPLIT_W's dots in FP32 (the
+    interpreter; the same exact products)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     s = tl.program_id(2)
@@ -149,11 +154,27 @@ def skinny_gemm_kernel(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split,
     for kk in range(k0, k1, BLOCK_K):
         ks = kk + rk
         kmask = ks < k1
-        a = tl.load(a_rows + ks[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        a = tl.load(a_rows + ks[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_cols + ks[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=PREC)
+        if SPLIT_W:
+            w1 = w.to(tl.bfloat16)
+            r = w - w1.to(tl.float32)
+            w2 = r.to(tl.bfloat16)
+            w3 = (r - w2.to(tl.float32)).to(tl.bfloat16)
+            if DOT_F32:
+                af = a.to(tl.float32)
+                acc = tl.dot(af, w1.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(af, w2.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(af, w3.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w1, acc)
+                acc = tl.dot(a, w2, acc)
+                acc = tl.dot(a, w3, acc)
+        else:
+            acc = tl.dot(a.to(tl.float32), w, acc, input_precision="ieee")
         if SUMSQ:
-            sq += tl.sum(a * a, axis=1)
+            af = a.to(tl.float32)
+            sq += tl.sum(af * af, axis=1)
     p = part_ptr + s.to(tl.int64) * stride_ps + rm.to(tl.int64)[:, None] * stride_pm + rn[None, :]
     tl.store(p, acc, mask=mmask[:, None] & nmask[None, :])
     if SUMSQ:
@@ -162,13 +183,18 @@ def skinny_gemm_kernel(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split,
 
 
 def skinny_gemm(a: torch.Tensor, w: torch.Tensor, sumsq: bool, *, block_m: int | None = None,
-                block_n: int | None = None, block_k: int = 64, split: int | None = None):
-    """A [M, K] (unit last stride), W [N, K] -> (partial [S, M, N] FP32, sq [S, M] FP32 or None).
-    S from the SM count unless `split` is given."""
+                block_n: int | None = None, block_k: int = 64, split: int | None = None,
+                split_w: bool | None = None):
+    """A [M, K] (unit last stride), W [N, K] FP32 -> (partial [S, M, N] FP32, sq [S, M] FP32 or
+    None). S from the SM count unless `split` is given. `split_w` (default: A in bf16): the
+    weight split into three bf16 parts on tensor cores (`skinny_gemm_kernel`)."""
     M, K = a.shape
     N = w.shape[0]
     if w.stride(-1) != 1:
         w = w.contiguous()
+    split_w = a.dtype == torch.bfloat16 if split_w is None else split_w
+    if split_w and a.dtype != torch.bfloat16:
+        raise ValueError(f"skinny_gemm: the split weight needs A in bf16, got {a.dtype}")
     bm = block_m or (16 if M <= 16 else 32 if M <= 32 else 64)
     bn = block_n or min(triton.next_power_of_2(max(N, 16)), 64)
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
@@ -182,5 +208,7 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor, sumsq: bool, *, block_m: int |
     skinny_gemm_kernel[grid](a, w, part, sq, M, N, K, k_split, a.stride(0), w.stride(0),
                              part.stride(0), part.stride(1), sq.stride(0),
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SUMSQ=sumsq,
-                             PREC="ieee", num_warps=4)
+                             SPLIT_W=split_w, DOT_F32=not a.is_cuda, num_warps=4,
+                             # the split's 16-row tile spills 16 bytes a thread at 3 stages (sm_90 build)
+                             num_stages=2 if split_w and bm == 16 else 3)
     return part, (sq if sumsq else None)

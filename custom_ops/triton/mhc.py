@@ -3,7 +3,8 @@ the definition).
 
 mhc_mix, two launches.
   1. The coefficient projection m_raw[T, hc·(hc+2)] = X_flat[T, hc·D] · fnᵀ (FP32, full-precision
-     products) and Σ X_flat² per token: the split-K skinny GEMM of common.py (Flash: K = 20480,
+     products: with X in bf16, fn split exactly into three bf16 parts multiplied on tensor cores)
+     and Σ X_flat² per token: the split-K skinny GEMM of common.py (Flash: K = 20480,
      N = 24 padded to a 32-wide tile; token tiles of 16..64; K split so that even one decode
      token spreads the 1.9 MB of fn over ~2x the SMs; each split writes FP32 partials).
   2. Coefficients, BLOCK_T tokens per program (one program per token tile; every token's
@@ -135,9 +136,11 @@ def _unit_last(*ts) -> bool:
 
 
 def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb, *,
-                   split: int | None = None, block_t: int | None = None, block_s: int | None = None) -> None:
+                   split: int | None = None, block_t: int | None = None, block_s: int | None = None,
+                   split_w: bool | None = None) -> None:
     """`v41::mhc_mix` (same signature); keyword knobs: K splits of the projection, tokens per
-    coefficient program, splits per load of the coefficient program (a power of two)."""
+    coefficient program, splits per load of the coefficient program (a power of two), and
+    `split_w` (skinny_gemm's: fn split into three bf16 parts on tensor cores, X in bf16)."""
     T, hc, D = X.shape
     if X.dtype not in TL_DTYPES or fn.dtype != torch.float32 or not _pow2(hc) or iters < 1 or \
             fn.shape != (hc * (hc + 2), hc * D) or \
@@ -148,7 +151,7 @@ def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb,
     xf = X.reshape(T, hc * D)
     if xf.stride(1) != 1:
         xf = xf.contiguous()
-    part, sq = skinny_gemm(xf, fn, True, split=split)
+    part, sq = skinny_gemm(xf, fn, True, split=split, split_w=split_w)
     base, scale = base.contiguous(), scale.contiguous()
     outs = [t if _unit_last(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device)
             for t in (pre, post, comb)]
