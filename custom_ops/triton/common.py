@@ -82,11 +82,18 @@ def round_e4m3(v):
 
 
 @triton.jit
+def group_exponent(amax):
+    """k of the FP8 QAT scale 2^k of groups whose largest magnitude is amax (v41.quant.fp8_qat:
+    amax floored at 1e-4, k = ceil(log2(amax / 448)))."""
+    amax = tl.maximum(amax, 1e-4)
+    return ceil_log2(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+
+
+@triton.jit
 def fp8_qat_groups(y, AXIS: tl.constexpr):
     """FP8 QAT round trip of FP32 `y` whose axis AXIS is one group of 32 (E4M3 values times the
     UE8M0 group scale), exactly v41.quant.fp8_qat."""
-    amax = tl.maximum(tl.max(tl.abs(y), axis=AXIS, keep_dims=True), 1e-4)
-    k = ceil_log2(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+    k = group_exponent(tl.max(tl.abs(y), axis=AXIS, keep_dims=True))
     return round_e4m3(y * pow2(-k)) * pow2(k)
 
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.triton.common import ceil_log2, pow2, round_e4m3
+from custom_ops.triton.common import group_exponent, pow2, round_e4m3
 
 GROUP = 32
 GROUP_K = tl.constexpr(GROUP)   # the same width inside kernels (compiled Triton reads only constexpr globals)
@@ -29,8 +29,7 @@ def e8m0_to_f32(c):
 def fp8_quant_groups(y, AXIS: tl.constexpr):
     """(E4M3 values q, scales 2^k) of FP32 `y` whose axis AXIS is one group of 32: q·2^k is
     common.fp8_qat_groups(y), i.e. v41.quant.fp8_qat; the scales keep AXIS with size 1."""
-    amax = tl.maximum(tl.max(tl.abs(y), axis=AXIS, keep_dims=True), 1e-4)
-    k = ceil_log2(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+    k = group_exponent(tl.max(tl.abs(y), axis=AXIS, keep_dims=True))
     return round_e4m3(y * pow2(-k)), pow2(k)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from custom_ops.triton.common import ceil_log2, pow2, round_e4m3
+from custom_ops.triton.common import group_exponent, pow2, round_e4m3
 from custom_ops.triton.fp8 import GROUP_K, e4m3_word_values, e8m0_to_f32, store_tile
 
 
@@ -66,8 +66,7 @@ def fp8_qat_words(x0, x1, x2, x3, W: tl.constexpr):
     word elements 0..3: each group of 32 is 8 consecutive words."""
     m = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
     R: tl.constexpr = x0.shape[0]
-    amax = tl.max(tl.reshape(m, [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), axis=3, keep_dims=True)
-    k = ceil_log2(tl.math.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32)))
+    k = group_exponent(tl.max(tl.reshape(m, [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), axis=3, keep_dims=True))
     up = tl.reshape(tl.broadcast_to(pow2(k), [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), [R, 1, W])
     down = tl.reshape(tl.broadcast_to(pow2(-k), [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), [R, 1, W])
     return (round_e4m3(x0 * down) * up, round_e4m3(x1 * down) * up, round_e4m3(x2 * down) * up,
