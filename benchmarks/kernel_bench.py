@@ -237,15 +237,20 @@ def bench_wo_a(rows: list, G: int = 8, R: int = 1024, I: int = 4096, d: int = 51
 def bench_lm_head(rows: list, V: int = 129280, D: int = 5120) -> None:
     """The FP32 LM head (Flash: [129280, 5120], 2.65 GB) at the rows a step multiplies: plain
     decode (1, 16, 64), DSpark's draft (5 a request) and verify rows (6 a request) at 1 and 16
-    requests. cuBLAS (`h @ head.T`, the model's) beside common.skinny_gemm unsplit (FP32 FMA
-    products, one program per row tile and 64 vocabulary rows, each weight byte read once a row
-    tile), twice in alternation; the floor is the head's bytes."""
+    requests. cuBLAS (`h @ head.T`, the model's: h is the final norm's bf16 output widened to
+    FP32) beside common.skinny_gemm unsplit (FP32 FMA products, one program per row tile and 64
+    vocabulary rows, each weight byte read once a row tile) and split (h in bf16, the head split
+    into three bf16 parts on tensor cores: the same exact products), in alternation; the floor is
+    the head's bytes."""
     from custom_ops.triton.common import skinny_gemm
     head = torch.randn(V, D, device="cuda") * 0.02
     for M in (1, 5, 6, 16, 64, 80, 96):
-        h = torch.randn(M, D, device="cuda")
+        hb = torch.randn(M, D, device="cuda").bfloat16()
+        h = hb.float()
         cases = [({"kernel": "lm_head", "rows": M, "variant": "cublas"}, lambda: h @ head.T),
-                 ({"kernel": "lm_head", "rows": M, "variant": "skinny"}, lambda: skinny_gemm(h, head, False, split=1))]
+                 ({"kernel": "lm_head", "rows": M, "variant": "skinny"}, lambda: skinny_gemm(h, head, False, split=1)),
+                 ({"kernel": "lm_head", "rows": M, "variant": "skinny_split"},
+                  lambda: skinny_gemm(hb, head, False, split=1))]
         alternate(rows, cases, head.nbytes, lambda us: {"TFLOPs": round(2 * M * V * D / us / 1e6, 2)})
 
 
