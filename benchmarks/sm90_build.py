@@ -251,22 +251,24 @@ def w4a8_down(block_m: int, block_n: int, warps: int, asm: bool = True):
                  aligned=("D", "stride_h", "stride_we", "stride_wn", "stride_se", "stride_y"), num_warps=warps)
 
 
-def fp4_tiles(which: str, block_m: int, block_n: int, block_k: int, warps: int):
+def fp4_tiles(which: str, block_m: int, block_n: int, block_k: int, warps: int, fp4: bool = True):
     """moe.py's MMA tile kernel `which` ('up' or 'down') on FP4 weights dequantized per tile to
-    bf16 (run_experts(tiles=True), the W4A8 op's 'tiles' path), PTX codes."""
+    bf16 (run_experts(tiles=True), the W4A8 op's 'tiles' path), PTX codes; fp4 False: on bf16
+    weights (the dequantized engine's experts)."""
     from custom_ops.triton.moe import _moe_down_kernel, _moe_up_kernel
     consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT_F32": False, "PREC": "tf32",
-              "FP4": True, "ASM": True}
+              "FP4": fp4, "ASM": True}
+    wt = "*i8" if fp4 else "*bf16"
     if which == "up":
         fn = _moe_up_kernel
-        sig = {"xq_ptr": "*bf16", "w1_ptr": "*i8", "w3_ptr": "*i8", "s1_ptr": "*u8", "s3_ptr": "*u8",
+        sig = {"xq_ptr": "*bf16", "w1_ptr": wt, "w3_ptr": wt, "s1_ptr": "*u8", "s3_ptr": "*u8",
                "order_ptr": "*i32", "wts_ptr": "*fp32", "meta_ptr": "*i32", "h_ptr": "*bf16",
                **dict.fromkeys(("n_tiles", "I", "D", "k"), "i32"), "limit": "fp32",
                **dict.fromkeys(("stride_x", "stride_w1e", "stride_w1n", "stride_w3e", "stride_w3n", "stride_se",
                                 "stride_sn", "stride_h"), "i32")}
     else:
         fn = _moe_down_kernel
-        sig = {"h_ptr": "*bf16", "w2_ptr": "*i8", "s2_ptr": "*u8", "order_ptr": "*i32", "meta_ptr": "*i32",
+        sig = {"h_ptr": "*bf16", "w2_ptr": wt, "s2_ptr": "*u8", "order_ptr": "*i32", "meta_ptr": "*i32",
                "y_ptr": "*bf16", **dict.fromkeys(("n_tiles", "D", "I"), "i32"),
                **dict.fromkeys(("stride_h", "stride_w2e", "stride_w2n", "stride_se", "stride_sn", "stride_y"), "i32")}
     sig.update(dict.fromkeys(consts, "constexpr"))
@@ -314,6 +316,11 @@ def main(argv=None) -> dict:
             rows.append({"kernel": f"_moe_{which}_kernel FP4", "tile": f"{bm}x{bn}x{bk}", "num_warps": nw, **resources(k),
                          "thread_instructions_per_weight": per_weight(loop_body(k), nw, per * bn * bk),
                          "tile_rows": bm})
+            if (bm, bn, bk, nw) in ((64, 64, 64, 4), (128, 128, 64, 8)):      # the same tiles on bf16 weights
+                k = fp4_tiles(which, bm, bn, bk, nw, fp4=False)
+                rows.append({"kernel": f"_moe_{which}_kernel bf16", "tile": f"{bm}x{bn}x{bk}", "num_warps": nw,
+                             **resources(k), "thread_instructions_per_weight": per_weight(loop_body(k), nw, per * bn * bk),
+                             "tile_rows": bm})
     for bm, bn, nw in ((16, 64, 4), (64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (64, 64, 8)):
         for name, make, per in (("_w4a8_up_kernel", w4a8_up, 2), ("_w4a8_down_kernel", w4a8_down, 1)):
             for asm in (True, False):     # per weight decoded: a tile decodes BLOCK_N x 32 of each weight
