@@ -157,6 +157,24 @@ else:
         with pytest.raises(ValueError, match="bf16"):
             skinny_gemm(a.float(), w, False, split_w=True)
 
+    def test_f32_linear(g):
+        """The FP32 head op: from two rows with x in bf16 the split-weight kernel, written into
+        out, within γ_3K·Σ|products| of float64; one row, or x in FP32, the reference's bits."""
+        from custom_ops import head as ref_head
+        from custom_ops.triton import triton_f32_linear
+        N, K = 200, 320
+        w = rnd(g, N, K)
+        for M, dtype in ((6, torch.bfloat16), (1, torch.bfloat16), (6, torch.float32)):
+            x = rnd(g, M, K).to(dtype)
+            out, ref = torch.full((M, N), float("nan")), torch.empty(M, N)
+            triton_f32_linear(x, w, out)
+            ref_head.f32_linear(x, w, ref)
+            if M == 1 or dtype == torch.float32:
+                assert torch.equal(out, ref)
+            else:
+                exact = x.double() @ w.double().T
+                assert ((out.double() - exact).abs() <= 3 * K * 2.0**-24 * (x.double().abs() @ w.double().abs().T)).all()
+
     def test_hc_collapse_expand(g):
         T, hc, D = 5, 4, 80
         X = rnd(g, T, hc, D)
@@ -323,5 +341,5 @@ else:
         sel = registry.selected()
         for name in ("rms_norm", "rms_norm_fp8", "rope", "rope_fp8_qat", "inv_rope_wo_a", "mhc_mix",
                      "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate",
-                     "engram_gather"):
+                     "engram_gather", "f32_linear"):
             assert sel[f"v41::{name}"] == {"cpu": "reference", "cuda": "triton"}, name

@@ -167,6 +167,21 @@ def test_skinny_gemm_split_weight(g, M):
         assert ((got - exact).abs() <= bound).all(), (split_w, float(((got - exact).abs() / bound).max()))
 
 
+@pytest.mark.parametrize("M", [1, 6, 96])
+def test_f32_linear(g, M):
+    """The FP32 head at plain decode's, DSpark's and a batch's rows (the model's head: 129,280 x
+    5,120): within γ_3K·Σ|products| of float64 (the split weight's exact products; one row: the
+    reference's cuBLAS GEMV, within γ_K)."""
+    N = 129280
+    x, w = rnd(g, M, D), rnd(g, N, D, dtype=torch.float32, scale=0.02)
+    out = torch.full((M, N), float("nan"), device=DEV)
+    ops.f32_linear(x, w, out)
+    exact = x.double() @ w.double().T
+    S = x.double().abs() @ w.double().abs().T
+    assert not out.isnan().any()
+    assert ((out.double() - exact).abs() <= 3 * D * 2.0**-24 * S).all()
+
+
 @pytest.mark.parametrize("T", T_ALL)
 def test_mhc(g, T):
     X, fn, base, scale = _mhc_inputs(g, T)
@@ -287,7 +302,8 @@ def test_engram_gather(g, T):
 def test_registry_selects_triton():
     sel = registry.selected()
     for name in ("rms_norm", "rms_norm_fp8", "rope", "rope_fp8_qat", "inv_rope_wo_a", "mhc_mix",
-                 "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate", "engram_gather"):
+                 "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate", "engram_gather",
+                 "f32_linear"):
         assert sel[f"v41::{name}"]["cuda"] == "triton", name
 
 

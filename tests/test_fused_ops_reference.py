@@ -164,11 +164,12 @@ def _opcheck_cases(g):
         "engram_gate": (X, rnd(g, T, (hc + 1) * D), rnd(g, hc, D), 1e-6, torch.empty(T, hc, D)),
         "engram_gather": (table, tscale, torch.randint(0, 10, (T, 3), generator=g),
                           torch.empty(T, 3 * 64)),
+        "f32_linear": (rnd(g, T, D), rnd(g, 40, D), torch.empty(T, 40)),
     }
 
 OPCHECK_OPS = ["rms_norm", "rms_norm_fp8", "rope", "rope_fp8_qat", "inv_rope_wo_a", "mhc_mix",
                "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate",
-               "engram_gather"]
+               "engram_gather", "f32_linear"]
 
 @pytest.mark.parametrize("name", OPCHECK_OPS)
 def test_opcheck(g, name):

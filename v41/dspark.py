@@ -26,7 +26,7 @@ from torch import nn
 import custom_ops  # noqa: F401  (registers torch.ops.v41)
 from v41 import quant
 from v41.config import V41Config
-from v41.layers import Linear, RMSNorm, Rope, acc_dtype
+from v41.layers import Linear, RMSNorm, Rope, acc_dtype, f32_linear
 from v41.mhc import collapse
 from v41.model import Block, prepare_weights, tap  # noqa: F401  (tap: the target records it)
 
@@ -194,7 +194,7 @@ class DSpark(nn.Module):
         pre[:, 0] = 1
         X, pre = self.run_blocks(X, pre, batch, _StageRings(rings, self.first_layer))
         hd = collapse(X, pre)
-        base = (self.norm(hd).to(self.head.dtype) @ self.head.T).view(B, T, -1)
+        base = f32_linear(self.norm(hd), self.head).view(B, T, -1)
         # the Markov bias of row i depends on the token row i-1 proposed: T steps over all requests
         tok, logits, tokens, embeds = anchors, [], [], []
         for i in range(T):

@@ -69,6 +69,15 @@ def fp8_linear(x, w, scale, groups: int = 1):
     return out.view(*x.shape[:-1], w.shape[0])
 
 
+def f32_linear(x, w):
+    """x @ wᵀ in w's dtype with x widened first (the FP32 heads): the `v41::f32_linear` op
+    (custom_ops/head.py)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    out = torch.empty(x2.shape[0], w.shape[0], dtype=w.dtype, device=x.device)
+    torch.ops.v41.f32_linear(x2, w, out)
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
 # ---- RoPE -------------------------------------------------------------------------------
 
 def rope_freqs(rot_dim: int, base: float, yarn: dict | None) -> torch.Tensor:

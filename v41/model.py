@@ -17,7 +17,7 @@ from v41 import quant
 from v41.attention import Attention
 from v41.config import V41Config
 from v41.engram.device import Engram
-from v41.layers import RMSNorm, Rope, acc_dtype
+from v41.layers import RMSNorm, Rope, acc_dtype, f32_linear
 from v41.mhc import MHC, collapse, expand
 from v41.moe import MoE
 
@@ -134,7 +134,7 @@ class Transformer(nn.Module):
         return self.norm(collapse(X, pre))
 
     def logits(self, h):
-        return h.to(self.head.dtype) @ self.head.T
+        return f32_linear(h, self.head)
 
 
 # ---- weights ----------------------------------------------------------------------------

@@ -191,10 +191,11 @@ def skinny_gemm_kernel(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split,
 
 def skinny_gemm(a: torch.Tensor, w: torch.Tensor, sumsq: bool, *, block_m: int | None = None,
                 block_n: int | None = None, block_k: int = 64, split: int | None = None,
-                split_w: bool | None = None):
+                split_w: bool | None = None, out: torch.Tensor | None = None):
     """A [M, K] (unit last stride), W [N, K] FP32 -> (partial [S, M, N] FP32, sq [S, M] FP32 or
     None). S from the SM count unless `split` is given. `split_w` (default: A in bf16): the
-    weight split into three bf16 parts on tensor cores (`skinny_gemm_kernel`)."""
+    weight split into three bf16 parts on tensor cores (`skinny_gemm_kernel`). `out`
+    (contiguous FP32 [M, N], with split 1): the one partial is written there."""
     M, K = a.shape
     N = w.shape[0]
     if w.stride(-1) != 1:
@@ -209,7 +210,9 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor, sumsq: bool, *, block_m: int |
         split = max(1, min(triton.cdiv(2 * num_sms(a.device), tiles), K // (4 * block_k)))
     k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     S = triton.cdiv(K, k_split)
-    part = torch.empty(S, M, N, dtype=torch.float32, device=a.device)
+    if out is not None and S != 1:
+        raise ValueError(f"skinny_gemm: an out tensor takes one split, not {S}")
+    part = out.view(1, M, N) if out is not None else torch.empty(S, M, N, dtype=torch.float32, device=a.device)
     sq = torch.empty(S, M, dtype=torch.float32, device=a.device) if sumsq else part
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), S)
     skinny_gemm_kernel[grid](a, w, part, sq, M, N, K, k_split, a.stride(0), w.stride(0),

@@ -1,0 +1,26 @@
+"""Triton impl of `v41::f32_linear` (custom_ops/head.py is the definition): with x in bf16 the
+FP32 weight is split into three bf16 parts on tensor cores (`common.skinny_gemm`'s split_w: the
+products exact, FP32 sums), one program per F32_ROWS_BLOCK rows and 64 weight rows, no split of
+K, written straight into out. One row stays with the reference (cuBLAS's GEMV read the LM head
+at about the read rate on the H200: 0.61 ms for 2.65 GB, native-weights-flash-slice-h200.json),
+as do other dtypes."""
+from __future__ import annotations
+
+import torch
+
+from custom_ops import head as _ref
+from custom_ops.registry import register_impl
+from custom_ops.triton.common import skinny_gemm
+
+MIN_ROWS = 2
+
+
+def triton_f32_linear(x, w, out) -> None:
+    """`v41::f32_linear` (same signature)."""
+    if x.dtype != torch.bfloat16 or w.dtype != torch.float32 or out.dtype != torch.float32 or \
+            x.shape[0] < MIN_ROWS or x.stride(-1) != 1 or not out.is_contiguous():
+        return _ref.f32_linear(x, w, out)
+    skinny_gemm(x, w, False, split=1, out=out)
+
+
+register_impl("f32_linear", "triton", triton_f32_linear, device_type="cuda")
