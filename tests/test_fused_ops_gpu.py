@@ -231,7 +231,8 @@ def test_moe_route(g, T):
     w = torch.full_like(rw, float("nan"))
     ops.moe_route(x, gate, bias, TOPK, 1.5, ids, w)
     keep = ~_near_ties(x, gate, bias, TOPK)
-    assert float(keep.double().mean()) > 0.85     # near ties excluded; 5 of 64 rows seen (H200)
+    # near ties excluded: 5 of 64 rows seen (H200), so a few rows of 5 can be (1 of 5, 12-05)
+    assert int((~keep).sum()) <= max(1, T // 6)
     assert torch.equal(ids[keep], ri[keep])
     assert rel(w[keep], rw[keep]) < 1e-4
     assert not w.isnan().any() and (ids >= 0).all()
