@@ -111,11 +111,10 @@ def test_fp4_tile_kernels_build_for_hopper(block_m, block_n, block_k, warps):
 def test_fp4_gemvs_build_for_hopper(warps, asm):
     """The decode-width FP4 expert GEMVs (moe.py) at their default tile, with the word unpack's
     PTX (what CUDA runs; ptxas checks it here) and with the interpreter's Triton form. The PTX
-    form spends fewer instructions a weight in the K loop; the weights arrive by asynchronous
-    copies (the loop's loads pipelined)."""
+    form spends fewer instructions a weight in the K loop."""
     from custom_ops.triton.moe import FP4_BLOCK_K, FP4_BLOCK_N
     rows = [B.fp4_gemv_row(which, FP4_BLOCK_N, FP4_BLOCK_K, warps, asm) for which in ("up", "down")]
-    assert all(0 < r["registers"] <= 255 and r["loop_async_copies"] for r in rows), rows
+    assert all(0 < r["registers"] <= 255 for r in rows), rows
     if warps == 4:           # the default (8 warps, a sweep candidate, spills 8 bytes in the up GEMV)
         assert all(r["spilled_bytes"] == 0 for r in rows), rows
     if asm:

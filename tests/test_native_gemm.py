@@ -401,21 +401,17 @@ else:
 
     def test_expert_path_by_pairs_per_expert():
         """GEMVs while pairs are few per expert (flash-slice's 16 experts: up to 5 tokens of top-6;
-        Flash's 384: up to 64 tokens), the dequantizing MMA tiles beyond, 128 x 128 from 128
-        pairs per expert (flash-slice: 342 tokens; Flash: 8,192)."""
-        from custom_ops.triton.moe_w4a8 import TILES_PREFILL, expert_path
-        assert [expert_path(6 * t, 16) for t in (1, 5, 6, 64, 341)] == [("gemv", {})] * 2 + [("tiles", {})] * 3
-        assert [expert_path(6 * t, 384) for t in (1, 64, 65, 8191)] == [("gemv", {})] * 2 + [("tiles", {})] * 2
-        assert expert_path(6 * 342, 16) == expert_path(6 * 8192, 384) == ("tiles", TILES_PREFILL)
+        Flash's 384: up to 64 tokens), the dequantizing MMA tiles beyond."""
+        from custom_ops.triton.moe_w4a8 import expert_path
+        assert [expert_path(6 * t, 16) for t in (1, 5, 6, 64, 341)] == ["gemv"] * 2 + ["tiles"] * 3
+        assert [expert_path(6 * t, 384) for t in (1, 64, 65, 8191)] == ["gemv"] * 2 + ["tiles"] * 2
 
-    def test_moe_experts_w4a8_prefill_tiles(g, monkeypatch):
-        """At prefill widths the op's default runs the 'tiles' path at TILES_PREFILL (the tile
-        kernels get those knobs) and gives the reference's output within its tolerance (as above).
-        Tile shapes partition rows and columns only, so the output alone cannot tell them apart."""
+    def test_moe_experts_w4a8_default_tiles(g, monkeypatch):
+        """Past the GEMVs the op's default runs the 'tiles' path at run_experts' tiles (the tile
+        kernels get no other knobs) and gives the reference's output within its tolerance (as
+        above). Tile shapes partition rows and columns only, so the output alone cannot tell the
+        paths apart."""
         from custom_ops.triton import moe_w4a8
-        monkeypatch.setattr(moe_w4a8, "PREFILL_PAIRS_PER_EXPERT", 4)        # a small case reaches it
-        monkeypatch.setattr(moe_w4a8, "TILES_PREFILL", {"block_m": 32, "block_n_up": 64, "block_n_down": 32,
-                                                        "num_warps": 8})
         calls = []
         real = moe_w4a8.run_experts
         monkeypatch.setattr(moe_w4a8, "run_experts", lambda *a, **kw: (calls.append(kw), real(*a, **kw)))
@@ -423,7 +419,7 @@ else:
         args = w4a8_case(g, T, E, D, I, k, dtype=torch.float32)
         out, r = torch.full((T, D), float("nan")), torch.empty(T, D)
         triton_moe_experts_w4a8(*args, 1.5, out)
-        assert calls == [{"tiles": True, **moe_w4a8.TILES_PREFILL}]
+        assert calls == [{"tiles": True}]
         ref.moe_experts_w4a8(*args, 1.5, r)
         assert not out.isnan().any() and float((out - r).double().norm() / r.double().norm()) < 2e-2
 

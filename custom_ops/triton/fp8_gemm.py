@@ -21,8 +21,8 @@ walks its share of the K blocks into FP32 partials [splits, M, N]; the split tha
 at its tile (a per-tile counter) sums them in ascending split order and rounds once, in the
 same launch (fp8.py).
 
-Up to GEMV_M rows (decode at batch 1 and 2) the GEMV of fp8_gemv.py runs instead, same grid
-and split-K.
+For one row (decode at batch 1) the GEMV of fp8_gemv.py runs instead, same grid and split-K; the
+bf16 tiles (`_fp8_tiles_kernel`) run by knob only.
 
 fp8_linear from x in the activation dtype: up to FUSED_QUANT_M rows the GEMM or GEMV program
 quantizes each block of x it reads with the act-quant kernel's function (QUANT_X); wider, the
@@ -44,8 +44,8 @@ from custom_ops.triton.fp8_gemv import _fp8_gemv_kernel
 BLOCK_M_MAX = 64
 PREFILL_M = 1024
 FUSED_QUANT_M = 16            # fp8_linear quantizes x inside the GEMM up to this many rows
-GEMV_M = 2                    # up to this many rows the CUDA-core GEMV runs (benchmarks/sm90_build.py)
-GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_STAGES = 64, 128, 3
+GEMV_M = 1                    # up to this many rows the CUDA-core GEMV runs (native-gemm-paths-h200.json)
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_STAGES = 64, 128, 1
 TILES_BLOCK_M, TILES_BLOCK_N, TILES_BLOCK_K, TILES_WARPS, TILES_STAGES = 128, 128, 64, 8, 3
 
 
@@ -199,14 +199,13 @@ def triton_fp8_linear(x, w, ws, out, groups: int = 1, **knobs) -> None:
 
 
 def gemm_path(M: int) -> str:
-    """'gemv' up to GEMV_M rows, 'tiles' (bf16 tensor cores on tiles dequantized in registers)
-    from PREFILL_M, 'mma' (FP8 tensor cores, per-32 promotion) between. The sm_90 builds
-    (sm90-build-cpu.json) decide the ends: the 16-row MMA tile spends 10.97 instructions a
-    weight with x quantized inside against the GEMV's 5.84; the 128 x 128 'tiles' K loop issues
-    660 cycles of instructions a 2.1 MFLOP block against 735 of bf16 tensor work, where the MMA
-    kernel's 64 x 128 tile issues about twice its FP8 tensor time in promotion (on the H200 at
-    2,048 rows cuBLAS bf16 took 0.36-0.53x its time, native-gemm-h200.json)."""
-    return "gemv" if M <= GEMV_M else "tiles" if M >= PREFILL_M else "mma"
+    """'gemv' for one row, 'mma' (FP8 tensor cores, per-32 promotion) beyond. H200, Flash's five
+    dense shapes in one run (native-gemm-paths-h200.json): at one row the unpipelined GEMV took
+    0.83-0.93x the MMA kernel's time from codes and 0.72-0.81x from bf16 x (fp8_linear); three
+    pipeline stages made it 1.7-3.1x slower than the MMA kernel; at eight rows and more it lost.
+    The bf16 tiles ('tiles', by knob) took 1.59-2.23x the MMA kernel's time at 2,048 rows at
+    128 x 128, 1.16-1.20x at their best tile."""
+    return "gemv" if M <= GEMV_M else "mma"
 
 
 def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | None = None,

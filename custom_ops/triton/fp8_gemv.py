@@ -2,10 +2,12 @@
 launcher is fp8_gemm._gemm): the weight read as int32 words of four E4M3 codes, converted by the
 hardware's FP8 conversion in inline PTX (fp8.E4M3_WORD_PTX; the interpreter's form decodes byte by
 byte), multiplied on CUDA cores with x's FP8-QAT values (exact FP32 products), each word's sum
-scaled by its block's scale, the words summed after the K loop; the loads software-pipelined.
-Where an MMA tile would hold one real row in 16, its in-GEMM quantization of x and its padding
-dominate (benchmarks/sm90_build.py: 10.97 thread instructions a weight in the 16-row tile's K
-loop with x quantized inside, 5.84 in the GEMV's).
+scaled by its block's scale, the words summed after the K loop. Where an MMA tile would hold one
+real row in 16, its in-GEMM quantization of x and its padding dominate (benchmarks/sm90_build.py:
+10.97 thread instructions a weight in the 16-row tile's K loop with x quantized inside, 5.42 in
+the GEMV's); on the H200 it took 0.72-0.81x the MMA kernel's time at one row from bf16 x
+(native-gemm-paths-h200.json). Its loads are not pipelined by default: three stages (cp.async
+through shared memory) made it 1.7-3.1x slower than the MMA kernel in the same run.
 """
 from __future__ import annotations
 
@@ -27,9 +29,8 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
     Each word's four products with x's FP8-QAT values (x quantized here per 32 with QUANT_X,
     else its codes times its scales: the same values) are summed and scaled by the word's 32x32
     block scale into an FP32 accumulator per word; the words are summed once, after the K loop.
-    The K loop's loads are software-pipelined STAGES deep (the weight words through shared
-    memory), so a program keeps that many K blocks of its rows in flight. Grouped, split-K and
-    the output as in `_fp8_gemm_kernel`."""
+    STAGES > 1 software-pipelines the K loop's loads (the weight words through shared memory).
+    Grouped, split-K and the output as in `_fp8_gemm_kernel`."""
     W: tl.constexpr = BLOCK_K // 4                      # words a row a K block
     n0 = tl.program_id(1) * BLOCK_N
     rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

@@ -18,9 +18,9 @@ moe_experts: tokens sorted by expert, grouped GEMM tiles, a deterministic reduct
      a word), a word's nibbles turned into E4M3 values four at a time (`fp4.e2m1_word_values`: on
      CUDA a few lines of PTX, since the work per weight, not the bytes, bounds these GEMVs) and
      multiplied with the activation in FP32 (exact products), each word's sum scaled by its
-     group's scale, the words summed after the K loop, the loop's loads pipelined FP4_STAGES
-     deep; the FP32 partials summed in split order by tile-wise kernels (the up GEMMs' before
-     the epilogue). At decode widths a tile holds about
+     group's scale, the words summed after the K loop (FP4_STAGES: the loop's loads not
+     pipelined); the FP32 partials summed in split order by tile-wise kernels (the up GEMMs'
+     before the epilogue). At decode widths a tile holds about
      one real row, so MMA tiles bought nothing: on the H200, one token's six experts' up GEMMs
      ran 1.5x and down GEMMs 2.0x faster as GEMVs than as bf16-dequant MMA tiles.
   3. Reduce (moe_tiles.reduce_pairs): out[t] = Σ of the token's valid slots in ascending
@@ -47,7 +47,7 @@ BLOCK_N_DOWN = 128
 BLOCK_K = 64
 FP4_BLOCK_K = 128        # the FP4 GEMVs (H200, one token: 64 x 128 and 32 x 256 blocks fastest)
 FP4_BLOCK_N = 64
-FP4_STAGES = 3           # the GEMVs' K loop loads pipelined this deep (benchmarks/sm90_build.py)
+FP4_STAGES = 1           # the GEMVs' loads unpipelined: 3 stages took 1.38-1.54x (native-gemm-paths-h200.json)
 
 
 @triton.jit

@@ -38,8 +38,6 @@ BLOCK_N_UP = 64
 BLOCK_N_DOWN = 64
 DECODE_PAIRS = 384         # 64 tokens x top-6: up to here moe.py's FP4 GEMVs (H200: faster than these at 1-64 tokens)
 GEMV_PAIRS_PER_EXPERT = 2  # a GEMV reads its expert's weights once per pair, an MMA tile once per tile
-PREFILL_PAIRS_PER_EXPERT = 128      # from here the 'tiles' path's 128-row tiles are mostly full
-TILES_PREFILL = {"block_m": 128, "block_n_up": 128, "block_n_down": 128, "num_warps": 8}
 
 
 @triton.jit
@@ -158,25 +156,20 @@ def w4a8_expert_gemms(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, *, block_m
     return hq, hs, y, order
 
 
-def expert_path(pairs: int, experts: int) -> tuple[str, dict]:
-    """(path, knobs): 'gemv' (moe.py's FP4 GEMVs, a pass over an expert's weights per pair)
-    while the (token, slot) pairs are few, at most DECODE_PAIRS and GEMV_PAIRS_PER_EXPERT per
-    expert on average; 'tiles' (moe.py's MMA tiles on FP4 weight tiles dequantized to bf16, one
-    pass per tile) beyond, at run_experts' tiles, and at TILES_PREFILL from
-    PREFILL_PAIRS_PER_EXPERT pairs per expert. The sm_90 builds (sm90-build-cpu.json) count
-    fewer instructions a tile weight for 'tiles' than for the FP8-MMA tiles above ('mma': 10.22
-    against 10.81 at 16 rows, 8.16 against 20.56 at 64), whose per-32 scale promotion after
-    every 32-deep dot bounds them at prefill; 128 x 128 'tiles' issue fewer instructions a FLOP
-    than bf16 tensor cores take (8.2 a weight, no spills)."""
-    if pairs <= min(DECODE_PAIRS, GEMV_PAIRS_PER_EXPERT * experts):
-        return "gemv", {}
-    return "tiles", dict(TILES_PREFILL) if pairs >= PREFILL_PAIRS_PER_EXPERT * experts else {}
+def expert_path(pairs: int, experts: int) -> str:
+    """'gemv' (moe.py's FP4 GEMVs, a pass over an expert's weights per pair) while the (token,
+    slot) pairs are few, at most DECODE_PAIRS and GEMV_PAIRS_PER_EXPERT per expert on average;
+    'tiles' (moe.py's MMA tiles on FP4 weight tiles dequantized to bf16, one pass per tile)
+    beyond. H200, one run (native-gemm-paths-h200.json): flash-slice's 16 experts at 6 / 16 /
+    96 tokens 244.6 / 265.3 / 417.5 µs as 'tiles' against 346.5 / 357.2 / 826.6 µs on the
+    FP8-MMA tiles above ('mma'); Flash's 384 at 2,048 tokens 7,270 µs against 11,334."""
+    return "gemv" if pairs <= min(DECODE_PAIRS, GEMV_PAIRS_PER_EXPERT * experts) else "tiles"
 
 
 def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out, *, path: str | None = None,
                             **knobs) -> None:
-    """`v41::moe_experts_w4a8` (same signature). `path` (default: `expert_path`'s, with its
-    knobs; knobs without a path imply 'gemv'): 'gemv', moe.py's tile grouping with FP4 GEMVs
+    """`v41::moe_experts_w4a8` (same signature). `path` (default `expert_path`; knobs without a
+    path imply 'gemv'): 'gemv', moe.py's tile grouping with FP4 GEMVs
     (`run_experts` with scales); 'tiles', moe.py's MMA tile kernels with each FP4 weight tile
     dequantized exactly to x's dtype in registers (no per-32 scale promotion after the dots: the
     scales are in the tile); 'mma', the FP8-MMA kernels above. Every product is exact in FP32,
@@ -186,8 +179,7 @@ def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out,
     if x.dtype not in TL_DTYPES or w1.dtype != torch.int8 or w1.stride() != w3.stride() or \
             s1.stride() != s3.stride() or not fits(x, (w1, w3, w2, s1, s3, s2), w1.shape[1], out, knobs):
         return _ref.moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
-    if path is None:
-        path, knobs = ("gemv", knobs) if knobs else expert_path(ids.numel(), w1.shape[0])
+    path = path or ("gemv" if knobs else expert_path(ids.numel(), w1.shape[0]))
     if path not in ("gemv", "mma", "tiles"):
         raise ValueError(f"moe_experts_w4a8: path {path!r} is not 'gemv', 'mma' or 'tiles'")
     if path == "mma":
