@@ -138,6 +138,8 @@ else:
             # bf16 tiles (by default from 1,024 rows; they do not split) at every width
             paths = ("gemv", "mma", "tiles") if M <= 16 else (None, "tiles")
             for split_k, path in itertools.product((1, 3), paths):
+                if path == "tiles" and split_k > 1:
+                    continue                            # the tiles do not split
                 out = torch.full((M, N), float("nan"))
                 triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k, path=path)
                 assert torch.equal(out, r), (split_k, path)
