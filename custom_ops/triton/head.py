@@ -1,7 +1,7 @@
 """Triton impl of `v41::f32_linear` (custom_ops/head.py is the definition): with x in bf16 the
 FP32 weight is split into three bf16 parts on tensor cores (`common.skinny_gemm`'s split_w: the
-products exact, FP32 sums), one program per F32_ROWS_BLOCK rows and 64 weight rows, no split of
-K, written straight into out. One row stays with the reference (cuBLAS's GEMV read the LM head
+products exact, FP32 sums), one program per row tile and 64 weight rows, no split of K,
+written straight into out. One row stays with the reference (cuBLAS's GEMV read the LM head
 at about the read rate on the H200: 0.61 ms for 2.65 GB, native-weights-flash-slice-h200.json),
 as do other dtypes."""
 from __future__ import annotations
