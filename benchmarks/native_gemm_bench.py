@@ -42,21 +42,19 @@ WO_A = (8, 1024, 4096)             # wo_a: groups, rows a group, K a group (Flas
 TINY_DENSE = {"tiny": (96, 64)}
 TINY_EXPERTS = (6, 2, 64, 64)
 # tile variants timed beside the defaults (the "sweep" rows) at SWEEP_M and the first prefill width.
-# The path first: the MMA tiles where the CUDA-core GEMV is the default (up to 2 rows) and the
-# GEMV beside the tiles at 8 and 64 rows, then the GEMV's tiles and stages (64 x 128, 4 warps,
-# 3 stages by default; sm90-build-cpu.json: 5.84 instructions a weight with x quantized inside,
-# 4.9 at 128 rows but 241 registers), then the MMA tiles that beat its defaults on some shapes
-# at 1 and 8 rows in native-gemm-h200.json (2026-12-03; its other tiles lost everywhere and left
-# the list). The CPU dry run takes the first, which runs at any K.
+# The path first: the MMA tiles where the CUDA-core GEMV is the default (one row) and the GEMV
+# beside the tiles at 8 and 64 rows, then the GEMV's tiles and stages (64 x 128, 4 warps,
+# unpipelined by default: native-gemm-paths-h200.json), then the MMA tiles that beat its
+# defaults on some shapes at 1 and 8 rows in native-gemm-h200.json (2026-12-03; its other tiles
+# lost everywhere and left the list). The CPU dry run takes the first, which runs at any K.
 DECODE_SWEEP = ({"path": "mma"}, {"path": "gemv"}, {"path": "gemv", "block_n": 128}, {"path": "gemv", "block_k": 256},
                 {"path": "gemv", "block_n": 32}, {"path": "gemv", "block_n": 128, "num_warps": 8},
                 {"path": "gemv", "num_stages": 1}, {"path": "gemv", "num_stages": 5},
                 {"path": "mma", "block_n": 128, "num_stages": 2}, {"path": "mma", "split_k": 8})
-# the first prefill width: the FP8 MMA kernel (the default there before the bf16 tiles,
-# fp8_gemm.gemm_path) at its old default and a 128 x 128 tile, the bf16 tiles' other tiles and stages
+# the first prefill width: the FP8 MMA kernel (fp8_gemm.gemm_path) at its default and at a 128 x 128
+# tile, and its stages
 PREFILL_SWEEP = ({"path": "mma"}, {"path": "mma", "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
-                 {"path": "tiles", "block_n": 256}, {"path": "tiles", "block_m": 64, "num_warps": 4},
-                 {"path": "tiles", "block_k": 128}, {"path": "tiles", "num_stages": 4})
+                 {"path": "mma", "num_stages": 4}, {"path": "mma", "num_warps": 8})
 # the FP4 GEMVs' default tile (64 x 128, 4 warps, 3 stages) takes 130 registers in the up GEMV
 # and 72 in the down one (sm_90 builds, Triton 3.9, sm90-build-cpu.json); num_stages 1: unpipelined
 EXPERT_SWEEP = ({"block_n_up": 32}, {"block_k": 64}, {"block_n_up": 32, "block_k": 64}, {"num_warps": 8},
@@ -64,9 +62,9 @@ EXPERT_SWEEP = ({"block_n_up": 32}, {"block_k": 64}, {"block_n_up": 32, "block_k
                 {"num_stages": 5}, {"path": "mma"})
 # the expert paths at the first prefill width (the expert kernels were 61% of a native 1x4096
 # prefill's kernels on the FP8-MMA path): the FP8-MMA kernels (the default there before the
-# 'tiles' path: moe_w4a8.expert_path) and their tiles, the 'tiles' path at run_experts' tiles and
-# at 64 x 128 (the default is moe_w4a8.TILES_PREFILL, 128 x 128 with 8 warps; sm90-build-cpu.json:
-# 8.2 instructions a tile weight there without spills, against 20.6 at the FP8 path's 64 x 64)
+# 'tiles' path: moe_w4a8.expert_path) and their tiles, the 'tiles' path at run_experts' tiles (the
+# default) and at 64 x 128 and 128 x 128 (sm90-build-cpu.json: 8.2 instructions a tile weight at
+# 128 x 128 without spills, against 20.6 at the FP8 path's 64 x 64)
 EXPERT_PREFILL_SWEEP = ({"path": "mma"}, {"path": "mma", "block_m": 128},
                         {"path": "mma", "block_n_up": 128, "block_n_down": 128}, {"path": "mma", "num_warps": 8},
                         {"path": "tiles"}, {"path": "tiles", "block_m": 64, "block_n_up": 128, "block_n_down": 128},

@@ -166,40 +166,21 @@ def dense_decode_rows() -> list[dict]:
     return rows
 
 
-def fp8_tiles(block_m: int, block_n: int, block_k: int, warps: int, stages: int = 3):
-    """The W8A8 GEMM on bf16 tensor cores (fp8_gemm.py `_fp8_tiles_kernel`) at a tile."""
-    from custom_ops.triton.fp8_gemm import _fp8_tiles_kernel
-    sig = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*u8", "o_ptr": "*bf16",
-           **dict.fromkeys(("M", "N", "K", "ROWS_G", "stride_xm", "stride_sm", "stride_wn", "stride_wsn", "stride_om"),
-                           "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "DOT_F32"), "constexpr")}
-    return build(_fp8_tiles_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT_F32": False},
-                 aligned=("N", "K", "ROWS_G", "stride_xm", "stride_wn", "stride_om"), num_warps=warps,
-                 num_stages=stages)
-
-
-BF16_CLOCK_FLOPS = 746e12 / (132 * 1.98e9)   # bf16 FLOPs an SM a cycle: native-gemm-h200.json's peak, 132 SMs, boost clock
 FP8_CLOCK_FLOPS = 1261e12 / (132 * 1.98e9)
 
 
 def dense_prefill_rows() -> list[dict]:
-    """The W8A8 GEMM's prefill kernels: the FP8 MMA kernel at its prefill tile (fp8_gemm._tiles:
-    64 x 128, one 32-deep K block an iteration, 3 stages) and the bf16 tiles (_fp8_tiles_kernel)
-    at their default and a wider tile: the K loop's issue cycles (warp instructions over 4 a
-    cycle) against its tensor cycles at the measured peaks, per iteration."""
-    from custom_ops.triton.fp8_gemm import TILES_BLOCK_K, TILES_BLOCK_M, TILES_BLOCK_N, TILES_STAGES, TILES_WARPS
-    rows = []
-    for name, k, (bm, bn, bk, warps), per_clock in (
-            ("_fp8_gemm_kernel", fp8_gemm(64, 128, 1, 3, False, False), (64, 128, 32, 4), FP8_CLOCK_FLOPS),
-            ("_fp8_tiles_kernel", fp8_tiles(TILES_BLOCK_M, TILES_BLOCK_N, TILES_BLOCK_K, TILES_WARPS, TILES_STAGES),
-             (TILES_BLOCK_M, TILES_BLOCK_N, TILES_BLOCK_K, TILES_WARPS), BF16_CLOCK_FLOPS),
-            ("_fp8_tiles_kernel", fp8_tiles(128, 256, 64, 8), (128, 256, 64, 8), BF16_CLOCK_FLOPS)):
-        body = loop_body(k)
-        rows.append({"kernel": name, "tile": f"{bm}x{bn}x{bk}", "num_warps": warps, **resources(k),
-                     "thread_instructions_per_weight": per_weight(body, warps, bn * bk),
-                     "loop_issue_cycles": len(body) * warps / 4,
-                     "loop_tensor_cycles": round(2 * bm * bn * bk / per_clock, 1),
-                     "loop_mma": sum(op.startswith(("HGMMA", "QGMMA", "HMMA")) for op in body)})
-    return rows
+    """The W8A8 GEMM's prefill kernel: the FP8 MMA kernel at its prefill tile (fp8_gemm._tiles:
+    64 x 128, one 32-deep K block an iteration, 3 stages): the K loop's issue cycles (warp
+    instructions over 4 a cycle) against its tensor cycles at the measured FP8 peak, per iteration."""
+    bm, bn, bk, warps = 64, 128, 32, 4
+    k = fp8_gemm(bm, bn, 1, 3, False, False)
+    body = loop_body(k)
+    return [{"kernel": "_fp8_gemm_kernel", "tile": f"{bm}x{bn}x{bk}", "num_warps": warps, **resources(k),
+             "thread_instructions_per_weight": per_weight(body, warps, bn * bk),
+             "loop_issue_cycles": len(body) * warps / 4,
+             "loop_tensor_cycles": round(2 * bm * bn * bk / FP8_CLOCK_FLOPS, 1),
+             "loop_mma": sum(op.startswith(("HGMMA", "QGMMA", "HMMA")) for op in body)}]
 
 
 def skinny_rows() -> list[dict]:

@@ -49,15 +49,13 @@ def test_fp8_gemv_builds_for_hopper():
                    for r in one_row), (gemm, one_row)
 
 
-def test_fp8_prefill_kernels_build_for_hopper():
-    """The W8A8 GEMM's prefill kernels: the bf16 tiles (the default from 1,024 rows) build
-    without spills, multiply with warpgroup MMA, and their K loop issues fewer cycles of
-    instructions than its bf16 tensor work takes; the FP8 MMA kernel's issues more than its
-    FP8 tensor work (the per-32 promotion), which is why the tiles are the default."""
-    mma, *tiles = B.dense_prefill_rows()
+def test_fp8_prefill_kernel_builds_for_hopper():
+    """The W8A8 GEMM's prefill kernel builds without spills and multiplies with warpgroup MMA;
+    its K loop issues more cycles of instructions than its FP8 tensor work takes (the per-32
+    promotion: why it reaches a fraction of the FP8 peak, docs/kernels.md)."""
+    (mma,) = B.dense_prefill_rows()
+    assert mma["spilled_bytes"] == 0 and mma["loop_mma"], mma
     assert mma["loop_issue_cycles"] > mma["loop_tensor_cycles"], mma
-    for r in tiles:
-        assert r["spilled_bytes"] == 0 and r["loop_mma"] and r["loop_issue_cycles"] < r["loop_tensor_cycles"], r
 
 
 def test_skinny_gemm_builds_for_hopper():

@@ -134,12 +134,9 @@ else:
             ref.fp8_block_gemm(xq, xs, w, ws, r)
             assert torch.equal(r.double(), exact)
             # K = 256: 8 blocks, 4 per iteration, as 4 + 4; K = 64: 2 blocks, 1 per iteration, 2 splits
-            # of 1; the GEMV (by default up to 2 rows) and the MMA tiles at every width up to 16, the
-            # bf16 tiles (by default from 1,024 rows; they do not split) at every width
-            paths = ("gemv", "mma", "tiles") if M <= 16 else (None, "tiles")
+            # of 1; the GEMV (by default at one row) and the MMA tiles at every width up to 16
+            paths = ("gemv", "mma") if M <= 16 else (None,)
             for split_k, path in itertools.product((1, 3), paths):
-                if path == "tiles" and split_k > 1:
-                    continue                            # the tiles do not split
                 out = torch.full((M, N), float("nan"))
                 triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k, path=path)
                 assert torch.equal(out, r), (split_k, path)
@@ -149,8 +146,7 @@ else:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("M,G,kw", [(1, 1, {}), (7, 1, {"split_k": 3}), (16, 3, {}), (5, 3, {"split_k": 2}),
                                         (33, 1, {}), (33, 3, {"split_k": 2}), (1, 1, {"path": "mma"}),
-                                        (2, 3, {"split_k": 2}), (3, 1, {"path": "gemv"}),
-                                        (40, 3, {"path": "tiles", "block_m": 32, "block_n": 32})])
+                                        (2, 3, {"split_k": 2}), (3, 1, {"path": "gemv"})])
     def test_fp8_linear_equals_quant_then_gemm(g, dtype, M, G, kw):
         """`fp8_linear` on x in the activation dtype == `fp8_act_quant` then `fp8_block_gemm`,
         bitwise: up to 16 rows x is quantized inside the GEMM or GEMV (the same codes and scales,
@@ -191,8 +187,7 @@ else:
     def test_fp8_block_gemm_grouped(g, M):
         """groups = 3 (wo_a's form): x [M, 3·K], w [3·R, K]; group g's output columns are x's g-th
         slice times w's g-th rows. Exactly summable inputs: kernel == reference == float64 per
-        group, bitwise, with 64-wide tiles narrowed to the group's 32 rows, split or not, and on
-        the bf16 tiles."""
+        group, bitwise, with 64-wide tiles narrowed to the group's 32 rows, split or not."""
         G, R, K = 3, 32, 256
         xq, xs, w, ws = fp8_grouped_case(g, M, G, R, K, exact=True)
         x, wd = dequant_act(xq, xs), quant.dequant_fp8_block(w, ws, torch.float64)
@@ -200,7 +195,7 @@ else:
         r = torch.empty(M, G * R)
         ref.fp8_block_gemm(xq, xs, w, ws, r, G)
         assert torch.equal(r.double(), exact)
-        for split_k, path in ((1, None), (3, None), (1, "tiles")):
+        for split_k, path in ((1, None), (3, None)):
             out = torch.full((M, G * R), float("nan"))
             triton_fp8_block_gemm(xq, xs, w, ws, out, G, split_k=split_k, path=path)
             assert torch.equal(out, r), (split_k, path)
@@ -213,9 +208,7 @@ else:
                                       (33, {"unroll": 2, "split_k": 3}), (2, {"unroll": 5}),
                                       (1, {"path": "mma"}), (2, {"path": "mma", "split_k": 2}),
                                       (3, {"path": "gemv"}), (7, {"path": "gemv", "block_m": 4, "block_n": 32}),
-                                      (1, {"block_k": 64, "split_k": 2}), (2, {"block_k": 128}),
-                                      (7, {"path": "tiles"}), (70, {"path": "tiles", "block_m": 64, "block_n": 64}),
-                                      (33, {"path": "tiles", "block_k": 64})])
+                                      (1, {"block_k": 64, "split_k": 2}), (2, {"block_k": 128})])
     def test_fp8_block_gemm_bound(g, M, kw):
         N, K = 96, 320
         xq, xs, w, ws = fp8_gemm_case(g, M, N, K)

@@ -21,8 +21,7 @@ walks its share of the K blocks into FP32 partials [splits, M, N]; the split tha
 at its tile (a per-tile counter) sums them in ascending split order and rounds once, in the
 same launch (fp8.py).
 
-For one row (decode at batch 1) the GEMV of fp8_gemv.py runs instead, same grid and split-K; the
-bf16 tiles (`_fp8_tiles_kernel`) run by knob only.
+For one row (decode at batch 1) the GEMV of fp8_gemv.py runs instead, same grid and split-K.
 
 fp8_linear from x in the activation dtype: up to FUSED_QUANT_M rows the GEMM or GEMV program
 quantizes each block of x it reads with the act-quant kernel's function (QUANT_X); wider, the
@@ -46,7 +45,6 @@ PREFILL_M = 1024
 FUSED_QUANT_M = 16            # fp8_linear quantizes x inside the GEMM up to this many rows
 GEMV_M = 1                    # up to this many rows the CUDA-core GEMV runs (native-gemm-paths-h200.json)
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_STAGES = 64, 128, 1
-TILES_BLOCK_M, TILES_BLOCK_N, TILES_BLOCK_K, TILES_WARPS, TILES_STAGES = 128, 128, 64, 8, 3
 
 
 def _tiles(M: int) -> tuple[int, int, int]:
@@ -134,45 +132,6 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
     store_tile(acc, rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, SPLIT_K)
 
 
-@triton.jit
-def _fp8_tiles_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, M, N, K, ROWS_G, stride_xm, stride_sm, stride_wn,
-                      stride_wsn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      DOT_F32: tl.constexpr):
-    """The W8A8 GEMM on bf16 tensor cores, program (m, n): each [BLOCK_M, BLOCK_K] tile of x's
-    codes times its scales and each [BLOCK_K, BLOCK_N] weight tile times its 32x32 blocks'
-    scales, dequantized in registers, are exact in bf16 (four significant bits times a power of
-    two), so one bf16 dot a K block with FP32 accumulation multiplies them exactly and no
-    per-32 promotion follows it; only the order of the FP32 sums differs from the reference.
-    BLOCK_K (a multiple of 32) divides K. DOT_F32: the dot in FP32 (the interpreter; the same
-    exact products). Grouped as `_fp8_gemm_kernel`."""
-    n0 = tl.program_id(1) * BLOCK_N
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = n0 + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    G: tl.constexpr = BLOCK_K // GROUP_K
-    rg = tl.arange(0, G)
-    mmask = rm < M
-    nmask = rn < N
-    group = (n0 // ROWS_G).to(tl.int64)
-    a_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + group * K + rk[None, :]
-    sa_ptrs = xs_ptr + rm.to(tl.int64)[:, None] * stride_sm + group * (K // GROUP_K) + rg[None, :]
-    b_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
-    sb_ptrs = ws_ptr + (rn // GROUP_K).to(tl.int64)[None, :] * stride_wsn + rg[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptrs + k0, mask=mmask[:, None], other=0.0).to(tl.float32)
-        sa = tl.load(sa_ptrs + k0 // GROUP_K, mask=mmask[:, None], other=0.0)
-        a = tl.reshape(tl.reshape(a, [BLOCK_M, G, GROUP_K]) * sa[:, :, None], [BLOCK_M, BLOCK_K])
-        b = tl.load(b_ptrs + k0, mask=nmask[None, :], other=0.0).to(tl.float32)
-        sb = e8m0_to_f32(tl.load(sb_ptrs + k0 // GROUP_K, mask=nmask[None, :], other=127).to(tl.int32))
-        b = tl.reshape(tl.reshape(b, [G, GROUP_K, BLOCK_N]) * sb[:, None, :], [BLOCK_K, BLOCK_N])
-        if DOT_F32:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-    store_tile(acc, rm, rn, M, N, o_ptr, stride_om, o_ptr, 0, 0, o_ptr, False)
-
-
 def _block_m(M: int) -> int:
     return min(BLOCK_M_MAX, max(16, triton.next_power_of_2(M)))
 
@@ -187,9 +146,9 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, groups: int = 1, **knobs) -> None:
 def triton_fp8_linear(x, w, ws, out, groups: int = 1, **knobs) -> None:
     """`v41::fp8_linear` (same signature): up to FUSED_QUANT_M rows x is quantized inside the
     GEMM (each program quantizes the blocks it reads: no act-quant launch, no FP8 copy of x);
-    wider (or for the 'tiles' path), `triton_fp8_act_quant` first, since every column tile would
-    quantize x again. Knobs: `_gemm`'s."""
-    if x.shape[0] > FUSED_QUANT_M or x.dtype not in TL_DTYPES or knobs.get("path") == "tiles":
+    wider, `triton_fp8_act_quant` first, since every column tile would quantize x again. Knobs:
+    `_gemm`'s."""
+    if x.shape[0] > FUSED_QUANT_M or x.dtype not in TL_DTYPES:
         q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
         s = torch.empty(x.shape[0], x.shape[1] // GROUP, dtype=torch.float32, device=x.device)
         triton_fp8_act_quant(x, q, s)
@@ -202,9 +161,7 @@ def gemm_path(M: int) -> str:
     """'gemv' for one row, 'mma' (FP8 tensor cores, per-32 promotion) beyond. H200, Flash's five
     dense shapes in one run (native-gemm-paths-h200.json): at one row the unpipelined GEMV took
     0.83-0.93x the MMA kernel's time from codes and 0.72-0.81x from bf16 x (fp8_linear); three
-    pipeline stages made it 1.7-3.1x slower than the MMA kernel; at eight rows and more it lost.
-    The bf16 tiles ('tiles', by knob) took 1.59-2.23x the MMA kernel's time at 2,048 rows at
-    128 x 128, 1.16-1.20x at their best tile."""
+    pipeline stages made it 1.7-3.1x slower than the MMA kernel; at eight rows and more it lost."""
     return "gemv" if M <= GEMV_M else "mma"
 
 
@@ -212,24 +169,20 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
           block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
           split_k: int | None = None, unroll: int | None = None, num_warps: int | None = None,
           num_stages: int | None = None) -> bool:
-    """Launch the kernel of `path` (default `gemm_path`): `_fp8_gemv_kernel`, `_fp8_gemm_kernel`
-    or `_fp8_tiles_kernel` (x as codes and scales only: fp8_linear quantizes first there), or
-    return False where it does not apply. Knobs: tile sizes (block_m: the GEMV's rows a program;
-    block_k: the GEMV's and the tiles' K block), split-K count (None: `split_count`; the tiles
-    do not split), pipeline stages, the MMA kernel's K blocks per iteration (None: `_tiles`, one
+    """Launch the kernel of `path` (default `gemm_path`): `_fp8_gemv_kernel` or
+    `_fp8_gemm_kernel`, or return False where it does not apply. Knobs: tile sizes (block_m: the
+    GEMV's rows a program; block_k: the GEMV's K block), split-K count (None: `split_count`),
+    pipeline stages, the MMA kernel's K blocks per iteration (None: `_tiles`, one
     block per iteration where its count does not divide K), warps. Split-K sums FP32 partials in
     a fixed order: deterministic, and only the order of the FP32 sums differs from one split."""
     K, R = _ref.gemm_group_shape(x, w, groups)
     M, N = x.shape[0], w.shape[0]
     path = path or gemm_path(M)
-    if path not in ("gemv", "mma", "tiles"):
-        raise ValueError(f"fp8_block_gemm: path {path!r} is not 'gemv', 'mma' or 'tiles'")
+    if path not in ("gemv", "mma"):
+        raise ValueError(f"fp8_block_gemm: path {path!r} is not 'gemv' or 'mma'")
     if path == "gemv" and (w.stride(0) % 4 or w.storage_offset() % 4):
         path = "mma"                               # no int32 view of the codes
-    if path == "tiles" and quant_x:
-        raise ValueError("fp8_block_gemm: the 'tiles' path takes x as codes and scales")
-    tile_n, tile_unroll, stages = {"gemv": (GEMV_BLOCK_N, GEMV_BLOCK_K // GROUP, GEMV_STAGES),
-                                   "tiles": (TILES_BLOCK_N, TILES_BLOCK_K // GROUP, TILES_STAGES)}.get(path) or _tiles(M)
+    tile_n, tile_unroll, stages = (GEMV_BLOCK_N, GEMV_BLOCK_K // GROUP, GEMV_STAGES) if path == "gemv" else _tiles(M)
     bn = block_n or (tile_n if groups == 1 else min(tile_n, R & -R))   # a power of two dividing R
     if K % GROUP or out.dtype not in TL_DTYPES or (groups > 1 and (R % bn or bn < 16)) or \
             x.stride(-1) != 1 or w.stride(-1) != 1 or out.stride(-1) != 1:
@@ -240,19 +193,14 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
     if path == "mma":
         bm, unroll = block_m or _block_m(M), unroll or (tile_unroll if KB % tile_unroll == 0 else 1)
     else:                                          # the K block: the knob's or the default, if it divides K
-        bm = block_m or (min(GEMV_M, triton.next_power_of_2(M)) if path == "gemv" else TILES_BLOCK_M)
+        bm = block_m or min(GEMV_M, triton.next_power_of_2(M))
         unroll = (block_k or GROUP * tile_unroll) // GROUP
         unroll = unroll if KB % unroll == 0 else 1
     if KB % unroll:
         raise ValueError(f"unroll={unroll} does not divide the {KB} K blocks of 32")
     grid_m, grid_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
     wsc = ws.view(torch.uint8)
-    launch = dict(num_warps=num_warps or (TILES_WARPS if path == "tiles" else 4), num_stages=num_stages or stages)
-    if path == "tiles":
-        _fp8_tiles_kernel[(grid_m, grid_n)](
-            x, xs, w, wsc, out, M, N, K, R, x.stride(0), xs.stride(0), w.stride(0), wsc.stride(0), out.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=unroll * GROUP, DOT_F32=not x.is_cuda, **launch)
-        return True
+    launch = dict(num_warps=num_warps or 4, num_stages=num_stages or stages)
     splits = min(KB // unroll, split_k or split_count(grid_m * grid_n, KB, M, K, out.device))
     per = triton.cdiv(KB // unroll, splits) * unroll
     splits = triton.cdiv(KB, per)                   # no empty split
