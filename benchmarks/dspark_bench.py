@@ -11,7 +11,11 @@ untimed, then `--steps` engine steps are timed (wall clock around LLMEngine.step
 the tokens to the host, so the device has finished); tokens_per_s = tokens generated in those
 steps / their time, ms_per_step = their median, host_ms_by_phase = each phase's median host time
 in those steps (benchmarks/profiling.phases_timed: no profiler; `runner.spec.accept` and `_sample`
-include the wait for the device). The weights are loaded once and each variant
+include the wait for the device); floor_ms = the step's floor (benchmarks/floor.py: bytes at the
+copy rate or GEMM FLOPs at the measured peaks; a DSpark step's verify forward plus its draft) and
+floor_tokens_per_s the tokens/s that floor allows at the measured tokens per step: the ratio of
+the two variants' floor_tokens_per_s bounds DSpark's speedup for a runtime at its floors (where
+a verify step's rows reach more routed experts than one token's, it falls). The weights are loaded once and each variant
 builds its engine from them in turn (one engine's compute weights in memory at a time). Both
 variants run eager by default; `--no-enforce-eager` compiles both, and `--cudagraph-mode FULL`
 (the default on CUDA then) replays plain decode steps, DSpark's verify steps (widths 6 x batch)
@@ -35,7 +39,7 @@ import time
 
 import torch
 
-from benchmarks.floor import weight_bytes
+from benchmarks.floor import held_state_bytes, step_floor, weight_bytes
 from benchmarks.profiling import SPEC_PHASES, STEP_PHASES, kernel_gaps, median_by_phase, phases_timed, profile_step
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.sequence import SamplingParams
@@ -79,11 +83,28 @@ def case(eng: LLMEngine, bs: int, ctx: int, steps: int, profile: str | None = No
            "tokens_per_step": round(tokens / steps / bs, 3), "host_ms_by_phase": median_by_phase(host)}
     if gaps:
         out["step_gaps"] = gaps
+    out |= floor(eng, bs, ctx, out["tokens_per_step"])
     if spec is not None:
         drafts = spec.stats["drafts"] - before["drafts"]
         accepted = spec.stats["accepted"] - before["accepted"]
         out["measured_acceptance_length"] = round(1 + accepted / max(drafts, 1), 3)
     return out
+
+
+def floor(eng: LLMEngine, bs: int, ctx: int, tokens_per_step: float) -> dict:
+    """The step's floor (benchmarks/floor.py) and the tokens/s it would allow at the measured
+    tokens per step: plain, a decode step; DSpark, its verify forward (1 + K rows a request, each
+    sampled) and the draft's (K rows a request; its context rings' bytes left out)."""
+    model, state = eng.runner.model, held_state_bytes(eng.runner.cache.geo, bs, ctx)
+    spec = eng.runner.spec
+    if spec is None:
+        ms = step_floor(model, "decode", bs, ctx, state)["floor_ms"]
+        parts = {}
+    else:
+        verify = step_floor(model, "verify", bs, 1 + K, state)["floor_ms"]
+        draft = step_floor(spec.draft, "verify", bs, K, 0)["floor_ms"]
+        ms, parts = verify + draft, {"floor_ms_verify": verify, "floor_ms_draft": draft}
+    return {"floor_ms": round(ms, 4), **parts, "floor_tokens_per_s": round(tokens_per_step * bs / ms * 1e3, 2)}
 
 
 def engine_args(a, variant: str) -> EngineArgs:

@@ -7,7 +7,8 @@ reach (min(E, k·n) of E: exact for one token, the worst case above), of the emb
 looked up, of the RoPE tables nothing worth counting; plus the KV pages and slot state the
 requests hold (at 1,024-token contexts the sparse attention and the indexer read all of it).
 FLOPs: 2 x the weight elements each token multiplies (the routed experts k of E, the FP32 head
-once per sampled row), at the FP8 peak for FP8/FP4 weights and the bf16 peak for the rest (FP32
+once per sampled row: a request's last in decode and prefill, every row in a DSpark verify step
+or draft), at the FP8 peak for FP8/FP4 weights and the bf16 peak for the rest (FP32
 weights too: a lower bound of their time, so the floor stays a floor); attention's own FLOPs
 are left out.
 """
@@ -44,11 +45,16 @@ def _elements(t: torch.Tensor) -> int:
 
 
 def step_floor(model, kind: str, requests: int, tokens_each: int, state_bytes: int) -> dict:
-    """{'bytes', 'flops', 'bytes_ms', 'flops_ms', 'floor_ms'} of one decode step (one token per request) or prefill step
-    (`tokens_each` per request) of `model` (a v41.model.Transformer); `state_bytes`: the KV
-    pages and slot state the requests hold."""
+    """{'bytes', 'flops', 'bytes_ms', 'flops_ms', 'floor_ms'} of one decode step (one token per request), prefill step
+    (`tokens_each` per request) or verify step (`tokens_each` per request, each row sampled: a
+    DSpark verify forward, or the draft's) of `model` (a v41.model.Transformer, or a
+    v41.dspark.DSpark: its blocks, heads and the target's shared embedding and head);
+    `state_bytes`: the KV pages and slot state the requests hold."""
     from v41.moe import MoE
+    if kind not in ("decode", "prefill", "verify"):
+        raise ValueError(f"step_floor: kind {kind!r} is not 'decode', 'prefill' or 'verify'")
     tokens = requests * (1 if kind == "decode" else tokens_each)
+    sampled = tokens if kind == "verify" else requests
     partial: dict[int, float] = {}        # storage -> fraction of it a step reads
     per_token: dict[int, float] = {}      # storage -> fraction of it each token multiplies
     for m in model.modules():
@@ -66,13 +72,13 @@ def step_floor(model, kind: str, requests: int, tokens_each: int, state_bytes: i
         nbytes += t.nbytes * partial.get(ptr, 1.0)
         if t.dim() < 2 or t.dtype == torch.uint8 or ptr == emb.untyped_storage().data_ptr():
             continue                      # norms, sinks, biases, E8M0 scales, the lookup table
-        rows = requests if ptr == head.untyped_storage().data_ptr() else tokens * per_token.get(ptr, 1.0)
+        rows = sampled if ptr == head.untyped_storage().data_ptr() else tokens * per_token.get(ptr, 1.0)
         peak = PEAK_TFLOPS["fp8" if t.dtype in (torch.float8_e4m3fn, torch.int8) else "bf16"]
         flops += 2 * _elements(t) * rows
         flops_s += 2 * _elements(t) * rows / (peak * 1e12)
     floor = max(nbytes / COPY_RATE, flops_s) * 1e3
-    return {"bytes": int(nbytes), "flops": int(flops), "flops_ms": round(flops_s * 1e3, 3),
-            "bytes_ms": round(nbytes / COPY_RATE * 1e3, 3), "floor_ms": round(floor, 3)}
+    return {"bytes": int(nbytes), "flops": int(flops), "flops_ms": round(flops_s * 1e3, 4),
+            "bytes_ms": round(nbytes / COPY_RATE * 1e3, 4), "floor_ms": round(floor, 4)}
 
 
 def held_state_bytes(geo, requests: int, tokens_each: int) -> int:

@@ -129,6 +129,14 @@ def test_bench_smoke(tmp_path):
         host = r["host_ms_by_phase"]
         assert ("runner.spec.propose" in host) == (r["variant"] == "dspark")
         assert 0 < host["runner.prepare"] < host["runner.run"] <= r["ms_per_step"] * 1.5, host
+        # the floor: a DSpark step's is its verify forward's and its draft's
+        assert r["floor_tokens_per_s"] == pytest.approx(r["tokens_per_step"] * r["requests"] / r["floor_ms"] * 1e3,
+                                                        rel=1e-2)
+        assert ("floor_ms_draft" in r) == (r["variant"] == "dspark")
+        if r["variant"] == "dspark":
+            assert r["floor_ms"] == pytest.approx(r["floor_ms_verify"] + r["floor_ms_draft"], abs=2e-3)
+            plain = next(p for p in rows if p["variant"] == "plain" and p["requests"] == r["requests"])
+            assert r["floor_ms_verify"] >= plain["floor_ms"] > 0 and r["floor_ms_draft"] > 0
     assert res["forced_acceptance"] == L
     assert all(r["tokens_per_step"] == 1 for r in rows[:2])
     # three timed steps: 1 + floor/ceil counts of 2.51 accepted drafts, and as many tokens per step

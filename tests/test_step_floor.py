@@ -44,3 +44,32 @@ def test_state_and_prefill_flops(engine):
     head = 2 * model.head.numel()                 # once per sampled row, not per token
     assert p2["flops"] - p1["flops"] == pytest.approx(p1["flops"] - head, abs=2)
     assert p1["flops"] > head
+
+
+def test_verify_step_samples_every_row(engine):
+    """A DSpark verify step reads what a prefill of as many rows reads, and multiplies the FP32
+    head on every row (not once a request); an unknown kind is refused by name."""
+    model = engine.runner.model
+    p, v = step_floor(model, "prefill", 2, 6, 0), step_floor(model, "verify", 2, 6, 0)
+    assert v["bytes"] == p["bytes"]
+    assert v["flops"] - p["flops"] == pytest.approx(2 * model.head.numel() * (12 - 2), abs=2)
+    with pytest.raises(ValueError, match="'draft' is not"):
+        step_floor(model, "draft", 1, 1, 0)
+
+
+def test_draft_floor_counts_its_blocks_and_the_shared_head():
+    """The DSpark draft's floor: its stages' weights (the routed experts its rows reach), its
+    heads, and the target's head it shares, read once; more rows reach more experts and
+    embedding rows."""
+    eng = LLMEngine(EngineArgs(model="toy", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=256,
+                               max_model_len=320, speculative_method="dspark"))
+    from v41.moe import MoE
+    draft, cfg = eng.runner.spec.draft, eng.cfg
+    one, four = step_floor(draft, "verify", 1, 1, 0), step_floor(draft, "verify", 4, 5, 0)
+    assert draft.head.nbytes < one["bytes"] < weight_bytes(draft)
+    moes = [m for m in draft.modules() if isinstance(m, MoE)]
+    assert len(moes) == cfg.n_draft
+    reach = lambda m, rows: min(m.gate.shape[0], m.top_k * rows) / m.gate.shape[0]    # noqa: E731
+    routed = sum((reach(m, 20) - reach(m, 1)) * (m.w1.nbytes + m.w3.nbytes + m.w2.nbytes) for m in moes)
+    assert routed > 0
+    assert four["bytes"] - one["bytes"] == pytest.approx(routed + cfg.hidden_size * 4 * 19, abs=4)
