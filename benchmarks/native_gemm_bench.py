@@ -49,7 +49,9 @@ TINY_EXPERTS = (6, 2, 64, 64)
 # lost everywhere and left the list). The CPU dry run takes the first, which runs at any K.
 DECODE_SWEEP = ({"path": "mma"}, {"path": "gemv"}, {"path": "gemv", "block_n": 128}, {"path": "gemv", "block_k": 256},
                 {"path": "gemv", "block_n": 32}, {"path": "gemv", "block_n": 128, "num_warps": 8},
-                {"path": "gemv", "num_stages": 1}, {"path": "gemv", "num_stages": 5},
+                {"path": "gemv", "num_warps": 8}, {"path": "gemv", "num_warps": 2},
+                {"path": "gemv", "block_n": 128, "block_k": 256}, {"path": "gemv", "block_k": 64},
+                {"path": "gemv", "split_k": 2}, {"path": "gemv", "split_k": 8}, {"path": "gemv", "num_stages": 2},
                 {"path": "mma", "block_n": 128, "num_stages": 2}, {"path": "mma", "split_k": 8})
 # the first prefill width: the FP8 MMA kernel (fp8_gemm.gemm_path) at its default and at a 128 x 128
 # tile, and its stages
@@ -79,6 +81,8 @@ def parse(argv=None):
                    help="CPU under the Triton interpreter on tiny shapes; prints, writes nothing")
     p.add_argument("--out", default="benchmarks/results/native-gemm-h200.json")
     p.add_argument("--no-sweep", action="store_true", help="the defaults only, no sweep rows")
+    p.add_argument("--one-row", action="store_true",
+                   help="the dense GEMMs at one row and their sweep only (no wo_a, experts or prefill: a short call)")
     return p.parse_args(argv)
 
 
@@ -90,8 +94,10 @@ def main(argv=None) -> dict:
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("error: needs a CUDA device (or --dry-run)")
     dev = "cpu" if args.dry_run else "cuda"
-    res = run(dev, TINY_DENSE if args.dry_run else DENSE, (1, 3) if args.dry_run else DECODE,
-              (40,) if args.dry_run else PREFILL, TINY_EXPERTS if args.dry_run else EXPERTS, sweep=not args.no_sweep,
+    decode = (1,) if args.one_row else (1, 3) if args.dry_run else DECODE
+    prefill = () if args.one_row else (40,) if args.dry_run else PREFILL
+    experts = None if args.one_row else TINY_EXPERTS if args.dry_run else EXPERTS
+    res = run(dev, TINY_DENSE if args.dry_run else DENSE, decode, prefill, experts, sweep=not args.no_sweep,
               checkpoint=None if args.dry_run else lambda out: emit(out, args))
     emit(res, args)
     return res
@@ -128,13 +134,12 @@ def timer(dev: str):
 
 def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=None) -> dict:
     """The rows (module docstring); `checkpoint(out)`, when given, after each group of rows, so
-    a run cut by its time limit keeps what it measured."""
+    a run cut by its time limit keeps what it measured; `experts` None: the dense rows only."""
     import torch
 
     import custom_ops  # noqa: F401
     import custom_ops.triton  # noqa: F401  (registers the CUDA impls)
-    from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_fp8_linear, \
-        triton_moe_experts_w4a8
+    from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_fp8_linear
     from tests.kernel_cases import fp8_gemm_case
 
     timed = timer(dev)
@@ -169,7 +174,7 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=Non
                 row["quant_then_gemm_us"] = timed(lambda: [(triton_fp8_act_quant(xb, xq, xs),
                                                             triton_fp8_block_gemm(xq, xs, a, b, o))
                                                            for a, b in ws_], copies)
-            for kw in dense_sweep if M in sweep_m else prefill_sweep if M == prefill[0] else ():
+            for kw in dense_sweep if M in sweep_m else prefill_sweep if M in prefill[:1] else ():
                 t = variant(timed, lambda: [triton_fp8_block_gemm(xq, xs, a, b, o, **kw) for a, b in ws_], copies)
                 srow = {**case_row(name, M, N, K, t, wbytes, copy_rate, fp8_peak), "knobs": kw}
                 if M in decode:
@@ -184,6 +189,20 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=Non
             out["dense"].append(row)
     if checkpoint:
         checkpoint(out)
+    if experts is not None:
+        other_rows(out, dev, g, timed, decode, prefill, experts, sweep_m, expert_sweep, expert_prefill_sweep,
+                   copy_rate, fp8_peak, budget, checkpoint)
+    for row in out["dense"] + out["experts"] + out["sweep"]:      # shares of the read-only ceiling too
+        row["pct_read"] = 100 * row["weight_TBps"] * 1e12 / read_rate
+        if "cublas_bf16_us" in row:
+            row["cublas_bf16_pct_read"] = 100 * 2 * row["N"] * row["K"] / (row["cublas_bf16_us"] * 1e-6) / read_rate
+    return out
+
+
+def other_rows(out, dev, g, timed, decode, prefill, experts, sweep_m, expert_sweep, expert_prefill_sweep, copy_rate,
+               fp8_peak, budget, checkpoint) -> None:
+    """wo_a's rows, the experts' (Flash's, with their sweeps) and flash-slice's expert paths."""
+    from custom_ops.triton import triton_moe_experts_w4a8
     wo_a_rows(out, dev, g, timed, decode, copy_rate, fp8_peak, budget, small=dev == "cpu")
     if checkpoint:
         checkpoint(out)
@@ -203,11 +222,6 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=Non
     if checkpoint:
         checkpoint(out)
     slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if dev == "cpu" else SLICE_EXPERTS, copy_rate, fp8_peak)
-    for row in out["dense"] + out["experts"] + out["sweep"]:      # shares of the read-only ceiling too
-        row["pct_read"] = 100 * row["weight_TBps"] * 1e12 / read_rate
-        if "cublas_bf16_us" in row:
-            row["cublas_bf16_pct_read"] = 100 * 2 * row["N"] * row["K"] / (row["cublas_bf16_us"] * 1e-6) / read_rate
-    return out
 
 
 def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak) -> None:

@@ -67,6 +67,13 @@ if not INTERPRETED:
         assert res["read_rate_TBps"] > 0
         assert all(row["pct_read"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
 
+    def test_bench_one_row(tmp_path):
+        """--one-row: the dense GEMMs at one row and their sweep, nothing else (a short device call)."""
+        res = dry_run(tmp_path, "native_gemm_bench.py", "--one-row")
+        assert [(row["gemm"], row["M"]) for row in res["dense"]] == [("tiny", 1)]
+        assert not res["experts"] and [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1)]
+        assert res["dense"][0]["pct_read"] > 0 and res["sweep"][0]["linear_us"] > 0
+
     def test_experts_profile_dry_run(tmp_path):
         """benchmarks/experts_profile.py --dry-run profiles the expert chain on tiny CPU shapes."""
         res = dry_run(tmp_path, "experts_profile.py", "--widths", "1,3", "--calls", "2")
