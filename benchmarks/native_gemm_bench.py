@@ -187,8 +187,8 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=Non
                 row["scaled_mm_us"] = timed(lambda: torch._scaled_mm(xq, w.T, scale_a=one, scale_b=one,
                                                                      out_dtype=torch.bfloat16), 1)
             out["dense"].append(row)
-    if checkpoint:
-        checkpoint(out)
+        if checkpoint:
+            checkpoint(out)
     if experts is not None:
         other_rows(out, dev, g, timed, decode, prefill, experts, sweep_m, expert_sweep, expert_prefill_sweep,
                    copy_rate, fp8_peak, budget, checkpoint)
