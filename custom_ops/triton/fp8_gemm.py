@@ -44,7 +44,8 @@ BLOCK_M_MAX = 64
 PREFILL_M = 1024
 FUSED_QUANT_M = 16            # fp8_linear quantizes x inside the GEMM up to this many rows
 GEMV_M = 1                    # up to this many rows the CUDA-core GEMV runs (native-gemm-paths-h200.json)
-GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_STAGES = 64, 128, 1
+# the GEMV's weight rows a program (128: native-gemm-one-row-h200.json), K block, pipeline stages
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_STAGES = 128, 128, 1
 
 
 def _tiles(M: int) -> tuple[int, int, int]:
