@@ -15,8 +15,9 @@ include the wait for the device); floor_ms = the step's floor (benchmarks/floor.
 copy rate or GEMM FLOPs at the measured peaks; a DSpark step's verify forward plus its draft) and
 floor_tokens_per_s the tokens/s that floor allows at the measured tokens per step: the ratio of
 the two variants' floor_tokens_per_s bounds DSpark's speedup for a runtime at its floors (where
-a verify step's rows reach more routed experts than one token's, it falls). The weights are loaded once and each variant
-builds its engine from them in turn (one engine's compute weights in memory at a time). Both
+a verify step's rows reach more routed experts than one token's, it falls; counted for whole
+presets by benchmarks/dspark_floor.py). The weights are loaded once and each variant builds its
+engine from them in turn (one engine's compute weights in memory at a time). Both
 variants run eager by default; `--no-enforce-eager` compiles both, and `--cudagraph-mode FULL`
 (the default on CUDA then) replays plain decode steps, DSpark's verify steps (widths 6 x batch)
 and the draft (per request count) as CUDA graphs; TR_HYBRID replays token graphs of every step.
