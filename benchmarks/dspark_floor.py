@@ -2,7 +2,8 @@
 device (no weights are built, so the `flash` preset counts too): the bytes a plain decode step of
 one request reads against a DSpark step's (the verify forward of 1 + K rows and the draft's K
 rows), by benchmarks/floor.py's rule: every resident tensor once, of a MoE layer's routed experts
-the ones its rows can reach (min(E, k·rows) of E), of the embedding the rows looked up, the FP32
+the ones its rows can reach (min(E, k·rows) of E), of the embedding (and the draft's Markov
+embedding) the rows looked up, the FP32
 head once a forward; the Engram tables stay on the host and the KV state is left out (8 MB a
 request at flash-slice's 1,024 tokens). `bound` = L × plain / DSpark bytes: DSpark's speedup at
 acceptance length L (tokens a step) for a runtime whose steps run at their byte floors.
@@ -53,8 +54,8 @@ def forward_bytes(cfg, sizes: dict, rows: int, draft: bool) -> int:
                "mtp": (cfg.dspark_n_routed_experts, cfg.dspark_num_experts_per_tok)}
     total = 0
     for name, b in sizes.items():
-        if name == "embed.weight":
-            total += b * rows // cfg.vocab_size
+        if name == "embed.weight" or (draft and name.endswith("markov_head.embed.weight")):
+            total += b * rows // cfg.vocab_size          # lookup tables: the rows looked up
         elif name == "head.weight":
             total += b
         elif name.startswith("mtp.") != draft:

@@ -3,9 +3,10 @@ rate, or its weight GEMMs' FLOPs at the measured tensor-core peak, whichever is 
 
 Bytes: every device tensor of the model once (weights and their scales), except what a step
 touches only in part: of each MoE layer's routed experts the ones `requests x top_k` tokens can
-reach (min(E, k·n) of E: exact for one token, the worst case above), of the embedding the rows
-looked up, of the RoPE tables nothing worth counting; plus the KV pages and slot state the
-requests hold (at 1,024-token contexts the sparse attention and the indexer read all of it).
+reach (min(E, k·n) of E: exact for one token, the worst case above), of the embedding (and the
+DSpark draft's Markov embedding) the rows looked up, of the RoPE tables nothing worth counting;
+plus the KV pages and slot state the requests hold (at 1,024-token contexts the sparse attention
+and the indexer read all of it).
 FLOPs: 2 x the weight elements each token multiplies (the routed experts k of E, the FP32 head
 once per sampled row: a request's last in decode and prefill, every row in a DSpark verify step
 or draft), at the FP8 peak for FP8/FP4 weights and the bf16 peak for the rest (FP32
@@ -64,14 +65,16 @@ def step_floor(model, kind: str, requests: int, tokens_each: int, state_bytes: i
                 partial[t.untyped_storage().data_ptr()] = min(e, k * tokens) / e
                 per_token[t.untyped_storage().data_ptr()] = k / e
     emb, head = model.embed_weight, model.head
-    partial[emb.untyped_storage().data_ptr()] = min(1.0, tokens / emb.shape[0])
+    lookups = {t.untyped_storage().data_ptr(): t for t in (emb, getattr(model, "markov_embed", None)) if t is not None}
+    for ptr, table in lookups.items():            # the embedding, and the DSpark draft's Markov embedding
+        partial[ptr] = min(1.0, tokens / table.shape[0])
     nbytes, flops, flops_s = float(state_bytes), 0.0, 0.0
     for ptr, (name, t) in _tensors(model).items():
         if name.endswith((".cos", ".sin")):
             continue                      # RoPE tables: a row per position
         nbytes += t.nbytes * partial.get(ptr, 1.0)
-        if t.dim() < 2 or t.dtype == torch.uint8 or ptr == emb.untyped_storage().data_ptr():
-            continue                      # norms, sinks, biases, E8M0 scales, the lookup table
+        if t.dim() < 2 or t.dtype == torch.uint8 or ptr in lookups:
+            continue                      # norms, sinks, biases, E8M0 scales, the lookup tables
         rows = sampled if ptr == head.untyped_storage().data_ptr() else tokens * per_token.get(ptr, 1.0)
         peak = PEAK_TFLOPS["fp8" if t.dtype in (torch.float8_e4m3fn, torch.int8) else "bf16"]
         flops += 2 * _elements(t) * rows

@@ -60,7 +60,7 @@ def test_verify_step_samples_every_row(engine):
 def test_draft_floor_counts_its_blocks_and_the_shared_head():
     """The DSpark draft's floor: its stages' weights (the routed experts its rows reach), its
     heads, and the target's head it shares, read once; more rows reach more experts and
-    embedding rows."""
+    rows of the two embeddings."""
     eng = LLMEngine(EngineArgs(model="toy", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=256,
                                max_model_len=320, speculative_method="dspark"))
     from v41.moe import MoE
@@ -72,4 +72,5 @@ def test_draft_floor_counts_its_blocks_and_the_shared_head():
     reach = lambda m, rows: min(m.gate.shape[0], m.top_k * rows) / m.gate.shape[0]    # noqa: E731
     routed = sum((reach(m, 20) - reach(m, 1)) * (m.w1.nbytes + m.w3.nbytes + m.w2.nbytes) for m in moes)
     assert routed > 0
-    assert four["bytes"] - one["bytes"] == pytest.approx(routed + cfg.hidden_size * 4 * 19, abs=4)
+    markov_row = draft.markov_embed[0].nbytes            # the Markov embedding: a lookup, by rows too
+    assert four["bytes"] - one["bytes"] == pytest.approx(routed + (cfg.hidden_size * 4 + markov_row) * 19, abs=4)
