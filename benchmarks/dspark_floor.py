@@ -15,16 +15,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
 
 import torch
 
 from v41.config import load_config
 from v41.loader.load import fp32_copy_names
+from v41.loader.placement import ROUTED_EXPERT
 from v41.loader.schema import checkpoint_schema, is_host_table
 
 K = 5                                      # DSpark drafts five tokens
-_EXPERT = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.")
 
 
 def resident_bytes(cfg, weight_format: str) -> dict[str, int]:
@@ -60,7 +59,7 @@ def forward_bytes(cfg, sizes: dict, rows: int, draft: bool) -> int:
             total += b
         elif name.startswith("mtp.") != draft:
             continue
-        elif m := _EXPERT.match(name):
+        elif m := ROUTED_EXPERT.match(name):
             e, k = experts[m.group(1)]
             total += b * min(e, k * rows) // e
         else:

@@ -68,7 +68,7 @@ def fp8_qat_words(x0, x1, x2, x3, W: tl.constexpr):
     m = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
     R: tl.constexpr = x0.shape[0]
     k = group_exponent(tl.max(tl.reshape(m, [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), axis=3, keep_dims=True))
-    up = tl.reshape(tl.broadcast_to(pow2(k), [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), [R, 1, W])
-    down = tl.reshape(tl.broadcast_to(pow2(-k), [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), [R, 1, W])
+    k = tl.reshape(tl.broadcast_to(k, [R, 1, W // (GROUP_K // 4), GROUP_K // 4]), [R, 1, W])
+    up, down = pow2(k), pow2(-k)
     return (round_e4m3(x0 * down) * up, round_e4m3(x1 * down) * up, round_e4m3(x2 * down) * up,
             round_e4m3(x3 * down) * up)

@@ -1,9 +1,9 @@
 """Triton impl of `v41::f32_linear` (custom_ops/head.py is the definition): with x in bf16 the
 FP32 weight is split into three bf16 parts on tensor cores (`common.skinny_gemm`'s split_w: the
 products exact, FP32 sums), one program per row tile and 64 weight rows, no split of K,
-written straight into out. One row stays with the reference (cuBLAS's GEMV read the LM head
-at about the read rate on the H200: 0.61 ms for 2.65 GB, native-weights-flash-slice-h200.json),
-as do other dtypes."""
+written straight into out. One row stays with the reference, as do other dtypes: on the H200
+cuBLAS's GEMV read the 2.65 GB LM head at one row in 621 µs against the split's 640, while from
+5 rows the split took 760 µs against cuBLAS's 1,097 (kernels-lm-head-h200.json)."""
 from __future__ import annotations
 
 import torch

@@ -277,9 +277,9 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
     (`scales` = their E8M0 scales as uint8, (s1, s3, s2): a GEMV per pair, both GEMMs split
     over K, `splits` or `fp4_splits` of each GEMM's K, their FP32 partials summed in split
     order by the tile-wise sum kernels, their loads pipelined `num_stages` deep (FP4_STAGES: 1,
-    not pipelined);
-    `tiles`: the tile kernels, each weight tile dequantized exactly to x's dtype in registers). `hidden`, when given, receives (h, order, y): w2's
-    input rows in expert order, the sort, the per-pair outputs, for the tests."""
+    not pipelined); `tiles`: the tile kernels, each weight tile dequantized exactly to x's dtype
+    in registers). `hidden`, when given, receives (h, order, y): w2's input rows in expert
+    order, the sort, the per-pair outputs, for the tests."""
     T, D = x.shape
     E, I = w1.shape[:2]
     k = ids.shape[1]

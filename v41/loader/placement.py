@@ -27,7 +27,8 @@ from v41.loader.load import fp32_copy_names, wo_a_names
 from v41.loader.schema import TensorSpec, checkpoint_schema, is_host_table
 
 RULES = ("dp-attention", "tp")
-_EXPERT = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.(\d+)\.")
+# a routed expert's tensor: group 1 its part (layers or mtp), group 2 its expert number
+ROUTED_EXPERT = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.(\d+)\.")
 _TP_ROWS = re.compile(r"(^(embed|head)\.weight$|\.attn\.(wq_b|wo_a)\.(weight|scale)$|\.attn\.attn_sink$"
                       r"|\.ffn\.shared_experts\.(w1|w3)\.(weight|scale)$)")
 _TP_COLS = re.compile(r"(\.attn\.wo_b\.(weight|scale)$|\.ffn\.shared_experts\.w2\.(weight|scale)$)")
@@ -78,7 +79,7 @@ def placement(cfg: V41Config, gpus: int, rule: str = "dp-attention", processed: 
         if is_host_table(name):
             host += t.nbytes
             continue
-        m = _EXPERT.match(name)
+        m = ROUTED_EXPERT.match(name)
         if m:
             per = n_exp[m.group(1)] // gpus            # whole experts in contiguous blocks
             r = ranks[int(m.group(2)) // per]
