@@ -73,6 +73,13 @@ EXPERT_PREFILL_SWEEP = ({"path": "mma"}, {"path": "mma", "block_m": 128},
                         {"path": "tiles", "block_m": 128, "block_n_up": 128, "block_n_down": 128, "num_warps": 8,
                          "block_k": 32})
 SWEEP_M = (1, 8, 64)
+# --slice-experts: the 'tiles' path's candidates at flash-slice's widths (its K loops pipelined
+# by Triton's default; the GEMVs ran 2-3.5x faster unpipelined, native-gemm-paths-h200.json),
+# split over K (the tiles of a verify step are about one per expert: 16 x 36 programs for 132 SMs)
+SLICE_TILES_SWEEP = ({"num_stages": 1}, {"num_stages": 2}, {"splits": 2}, {"splits": 4}, {"splits": 8},
+                     {"splits": 4, "num_stages": 1}, {"splits": 4, "num_stages": 2}, {"block_k": 128},
+                     {"block_k": 128, "num_stages": 1}, {"block_n_up": 32, "block_n_down": 32},
+                     {"block_n_up": 128, "block_n_down": 128}, {"num_warps": 8}, {"block_m": 16})
 
 
 def parse(argv=None):
@@ -83,6 +90,8 @@ def parse(argv=None):
     p.add_argument("--no-sweep", action="store_true", help="the defaults only, no sweep rows")
     p.add_argument("--one-row", action="store_true",
                    help="the dense GEMMs at one row and their sweep only (no wo_a, experts or prefill: a short call)")
+    p.add_argument("--slice-experts", action="store_true",
+                   help="flash-slice's expert paths at 1, 6, 16 and 96 tokens and the 'tiles' path's sweep only")
     return p.parse_args(argv)
 
 
@@ -94,6 +103,10 @@ def main(argv=None) -> dict:
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("error: needs a CUDA device (or --dry-run)")
     dev = "cpu" if args.dry_run else "cuda"
+    if args.slice_experts:
+        res = slice_experts_run(dev, checkpoint=None if args.dry_run else lambda out: emit(out, args))
+        emit(res, args)
+        return res
     decode = (1,) if args.one_row else (1, 3) if args.dry_run else DECODE
     prefill = () if args.one_row else (40,) if args.dry_run else PREFILL
     experts = None if args.one_row else TINY_EXPERTS if args.dry_run else EXPERTS
@@ -224,20 +237,46 @@ def other_rows(out, dev, g, timed, decode, prefill, experts, sweep_m, expert_swe
     slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if dev == "cpu" else SLICE_EXPERTS, copy_rate, fp8_peak)
 
 
-def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak) -> None:
+def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak, tiles_sweep=(), checkpoint=None) -> None:
     """flash-slice's experts (16, top-6) at DSpark's verify widths (6 tokens a request, 1 and 16
     requests) and plain decode's, each path in turn at each width: with 16 experts a verify
     step's rows reach most of them, the case `expert_path` sends to the MMA tiles ('tiles')
-    from 6 tokens on. Rows in out["experts"] with "path" and "experts" set."""
+    from 6 tokens on. Rows in out["experts"] with "path" and "experts" set; the 'tiles' path
+    with each of `tiles_sweep`'s knobs in out["sweep"]."""
     E, k, D, I = experts
     weights, per_expert = expert_weights(E, D, I, dev)
     for T in (1, 6, 16, 96):
         x, ids, wts, o, hit = expert_inputs(g, T, E, k, D, dev)
-        for path in ("gemv", "mma", "tiles"):
-            us = variant(timed, lambda: experts_call(x, ids, wts, *weights, o, path=path), 1)
-            row = case_row("experts_w4a8", T, 3 * I, D, us, hit * per_expert, copy_rate, fp8_peak,
-                           flops=2 * 3 * T * k * D * I)
-            out["experts"].append({**row, "experts": E, "experts_hit": hit, "path": path})
+        for kw in [{"path": p} for p in ("gemv", "mma", "tiles")] + [{"path": "tiles", **kw} for kw in tiles_sweep]:
+            us = variant(timed, lambda: experts_call(x, ids, wts, *weights, o, **kw), 1)
+            row = {**case_row("experts_w4a8", T, 3 * I, D, us, hit * per_expert, copy_rate, fp8_peak,
+                              flops=2 * 3 * T * k * D * I), "experts": E, "experts_hit": hit, "path": kw["path"]}
+            if len(kw) == 1:
+                out["experts"].append(row)
+            else:
+                out["sweep"].append({**row, "knobs": kw})
+        if checkpoint:
+            checkpoint(out)
+
+
+def slice_experts_run(dev, checkpoint=None) -> dict:
+    """--slice-experts: the copy and read rates, then `slice_expert_rows` with SLICE_TILES_SWEEP
+    (--dry-run: tiny experts, its first two knobs)."""
+    import torch
+    timed = timer(dev)
+    g = torch.Generator().manual_seed(0)
+    copy_rate, read_rate = measure_copy(dev, timed), measure_read(dev, timed)
+    out = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)",
+           "torch": torch.__version__, "triton": __import__("triton").__version__,
+           "date": datetime.date.today().isoformat(), "copy_rate_TBps": copy_rate / 1e12,
+           "read_rate_TBps": read_rate / 1e12, "experts": [], "sweep": []}
+    cpu = dev == "cpu"
+    slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if cpu else SLICE_EXPERTS, copy_rate, float("nan"),
+                      SLICE_TILES_SWEEP[:2] if cpu else SLICE_TILES_SWEEP, checkpoint)
+    for row in out["experts"] + out["sweep"]:
+        row["pct_read"] = 100 * row["weight_TBps"] * 1e12 / read_rate
+        del row["pct_fp8_peak"]        # no FP8 peak measured in this mode
+    return out
 
 
 def wo_a_rows(out, dev, g, timed, widths, copy_rate, fp8_peak, budget, small: bool) -> None:

@@ -74,6 +74,16 @@ if not INTERPRETED:
         assert not res["experts"] and [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1)]
         assert res["dense"][0]["pct_read"] > 0 and res["sweep"][0]["linear_us"] > 0
 
+    def test_bench_slice_experts(tmp_path):
+        """--slice-experts: flash-slice's expert paths at its four widths and the 'tiles' path
+        with its sweep's knobs (two of them on the CPU), nothing else (a short device call)."""
+        res = dry_run(tmp_path, "native_gemm_bench.py", "--slice-experts")
+        assert [(row["M"], row["path"]) for row in res["experts"]] == \
+            [(T, p) for T in (1, 6, 16, 96) for p in ("gemv", "mma", "tiles")]
+        assert [(row["M"], row["knobs"]) for row in res["sweep"]] == \
+            [(T, {"path": "tiles", **kw}) for T in (1, 6, 16, 96) for kw in ({"num_stages": 1}, {"num_stages": 2})]
+        assert all(row["us"] > 0 and row["pct_read"] > 0 for row in res["experts"] + res["sweep"])
+
     def test_experts_profile_dry_run(tmp_path):
         """benchmarks/experts_profile.py --dry-run profiles the expert chain on tiny CPU shapes."""
         res = dry_run(tmp_path, "experts_profile.py", "--widths", "1,3", "--calls", "2")
@@ -371,6 +381,42 @@ else:
         row_err = (out - r).double().norm(dim=1) / r.double().norm(dim=1).clamp(min=1e-30)
         tight = 1e-5 if dtype == torch.float32 else 1e-2
         assert (row_err[int(pad):] <= tight).float().mean() >= 0.75
+        assert float((out - r).double().norm() / r.double().norm()) < 2e-2
+
+    @pytest.mark.parametrize("kw", [{"splits": 3, "num_stages": 1}, {"splits": 2, "block_k": 32}],
+                             ids=["split3-unpipelined", "split2-k32"])
+    def test_moe_experts_w4a8_tiles_split_k(g, monkeypatch, kw):
+        """The 'tiles' path with K split (the up GEMM's D = 192 in 3 splits of 64, the down's
+        I = 96 in 3 of 32; or each in 2 splits of 32-wide blocks), unpipelined or not: the FP32
+        partials summed in split order, every output written. Only the order of the FP32 sums
+        differs from the unsplit tiles, so most rows agree with theirs to FP32 rounding (an FP8
+        step of w2's input can move one element of a row), and all with the reference's
+        tolerance."""
+        rne_bf16_casts(monkeypatch)
+        T, E, D, I, k = 24, 7, 192, 96, 3
+        args = w4a8_case(g, T, E, D, I, k, dtype=torch.float32)
+        r, whole = torch.empty(T, D), torch.full((T, D), float("nan"))
+        ref.moe_experts_w4a8(*args, 1.5, r)
+        triton_moe_experts_w4a8(*args, 1.5, whole, path="tiles")
+        from custom_ops.triton import moe as moe_kernels
+        grids = {}
+
+        class Recorded:        # a kernel whose launches' grids are kept
+            def __init__(self, name):
+                self.name, self.kernel = name, getattr(moe_kernels, name)
+
+            def __getitem__(self, grid):
+                grids.setdefault(self.name, []).append(grid)
+                return self.kernel[grid]
+        for name in ("_moe_up_kernel", "_moe_up_sum_kernel", "_moe_down_kernel", "_moe_down_sum_kernel"):
+            monkeypatch.setattr(moe_kernels, name, Recorded(name))
+        out = torch.full((T, D), float("nan"))
+        triton_moe_experts_w4a8(*args, 1.5, out, path="tiles", **kw)
+        assert (grids["_moe_up_kernel"][0][2], grids["_moe_down_kernel"][0][2]) == (kw["splits"],) * 2
+        assert len(grids["_moe_up_sum_kernel"]) == len(grids["_moe_down_sum_kernel"]) == 1
+        assert not out.isnan().any()
+        row_err = (out - whole).double().norm(dim=1) / whole.double().norm(dim=1).clamp(min=1e-30)
+        assert (row_err <= 1e-5).float().mean() >= 0.75
         assert float((out - r).double().norm() / r.double().norm()) < 2e-2
 
     def test_moe_experts_w4a8_splits_k_by_shape(g, monkeypatch):

@@ -128,6 +128,7 @@ native)
 formats)
   # bf16 and native engines side by side, alternating cases; both compile at once (one cold native compile alone: 229 s, native-weights-flash-slice-h200.json)
   step "weight_formats_bench"
+  export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))   # two compiles share the cores
   timeout 570 $py benchmarks/weight_formats_bench.py --out "$OUT/native-weights-flash-slice-h200.json" \
     > "$OUT/formats.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/formats.log" | cut -c1-200 | tail -12 ;;

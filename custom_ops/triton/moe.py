@@ -105,13 +105,16 @@ def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, D, I, k_
 
 
 @triton.jit
-def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr, n_tiles, I, D, k,
-                   limit, stride_x, stride_w1e, stride_w1n, stride_w3e, stride_w3n, stride_se, stride_sn, stride_h,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr, part_ptr, n_tiles,
+                   I, D, k, k_split, limit, stride_x, stride_w1e, stride_w1n, stride_w3e, stride_w3n, stride_se,
+                   stride_sn, stride_h, stride_ps, stride_pu,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                    DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr):
-    """One (tile, N block): the tile's token rows against w1[e] and w3[e], then the epilogue.
-    FP4: w1 and w3 packed E2M1 (s1, s3 their scales, strides shared), each tile dequantized
-    exactly (`fp4_tile`) to x's dtype before its dot; BLOCK_K divides D."""
+    """One (tile, N block, K split): the tile's token rows against w1[e] and w3[e] over the
+    split's K range, then the epilogue, or (SPLIT) the FP32 sums into the partials [splits, 2,
+    rows, I] as the GEMVs' (_moe_up_sum_kernel finishes them). FP4: w1 and w3 packed E2M1 (s1,
+    s3 their scales, strides shared), each tile dequantized exactly (`fp4_tile`) to x's dtype
+    before its dot; BLOCK_K divides D."""
     r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
@@ -126,7 +129,8 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
     sc = e * stride_se + rn.to(tl.int64) * stride_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, D, BLOCK_K):
+    k_lo = tl.program_id(2) * k_split
+    for k0 in range(k_lo, tl.minimum(D, k_lo + k_split), BLOCK_K):
         ks = k0 + rk
         kmask = ks < D
         a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -143,7 +147,13 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
             wu = wu.to(tl.float32)
         acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
         acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
-    swiglu_store(acc_g, acc_u, wt, rows, rn, rmask, nmask, h_ptr, stride_h, limit, BLOCK_M, BLOCK_N)
+    if SPLIT:
+        at = part_ptr + tl.program_id(2) * stride_ps + rows.to(tl.int64)[:, None] * I + rn[None, :]
+        m = rmask[:, None] & nmask[None, :]
+        tl.store(at, acc_g, mask=m)
+        tl.store(at + stride_pu, acc_u, mask=m)
+    else:
+        swiglu_store(acc_g, acc_u, wt, rows, rn, rmask, nmask, h_ptr, stride_h, limit, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -185,12 +195,13 @@ def _moe_up_sum_kernel(part_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr, n_tiles, I
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles, D, I,
-                     stride_h, stride_w2e, stride_w2n, stride_se, stride_sn, stride_y,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, part_ptr, n_tiles, D, I, k_split,
+                     stride_h, stride_w2e, stride_w2n, stride_se, stride_sn, stride_y, stride_ps,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                      DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr):
-    """One (tile, N block): h rows · w2[e]ᵀ, rounded, at the pairs' own rows of y. FP4: as the
-    up kernel's."""
+    """One (tile, N block, K split): h rows · w2[e]ᵀ over the split's K range, rounded, at the
+    pairs' own rows of y, or (SPLIT) the FP32 sums at the pairs' rows of the partials [splits,
+    pairs, D] (_moe_down_sum_kernel finishes them). FP4: as the up kernel's."""
     r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
@@ -202,7 +213,8 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles,
     b = w2_ptr + e * stride_w2e + rn.to(tl.int64) * stride_w2n
     sc = s2_ptr + e * stride_se + rn.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    k_lo = tl.program_id(2) * k_split
+    for k0 in range(k_lo, tl.minimum(I, k_lo + k_split), BLOCK_K):
         ks = k0 + rk
         kmask = ks < I
         a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -214,8 +226,11 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles,
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PREC)
-    tl.store(y_ptr + pair[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=rmask[:, None] & nmask[None, :])
+    m = rmask[:, None] & nmask[None, :]
+    if SPLIT:
+        tl.store(part_ptr + tl.program_id(2) * stride_ps + pair[:, None] * D + rn[None, :], acc, mask=m)
+    else:
+        tl.store(y_ptr + pair[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -278,7 +293,7 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
     over K, `splits` or `fp4_splits` of each GEMM's K, their FP32 partials summed in split
     order by the tile-wise sum kernels, their loads pipelined `num_stages` deep (FP4_STAGES: 1,
     not pipelined); `tiles`: the tile kernels, each weight tile dequantized exactly to x's dtype
-    in registers). `hidden`, when given, receives (h, order, y): w2's input rows in expert
+    in registers, `splits` (default 1) and `num_stages` (default Triton's) as `tile_gemms`). `hidden`, when given, receives (h, order, y): w2's input rows in expert
     order, the sort, the per-pair outputs, for the tests."""
     T, D = x.shape
     E, I = w1.shape[:2]
@@ -295,26 +310,51 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
     h = torch.empty(T * k, I, dtype=x.dtype, device=dev)
     y = torch.empty(T * k, D, dtype=x.dtype, device=dev)
     if scales is None or tiles:
-        interp = dev.type == "cpu"
-        f32, prec = interp and x.dtype != torch.float32, "ieee" if interp else dot_precision(x)
-        bk, bnu, bnd = block_k or BLOCK_K, block_n_up or BLOCK_N_UP, block_n_down or BLOCK_N_DOWN
-        fp4 = scales is not None
-        s1, s3, s2 = scales if fp4 else (w1, w3, w2)         # unread without FP4
-        bku, bkd = (math.gcd(bk, D), math.gcd(bk, I)) if fp4 else (bk, bk)      # FP4: dividing K
-        common = dict(BLOCK_M=bm, DOT_F32=f32, PREC=prec, FP4=fp4, ASM=not interp, num_warps=num_warps)
-        _moe_up_kernel[(n_tiles, triton.cdiv(I, bnu))](
-            xq, w1, w3, s1, s3, order, wts, meta, h, n_tiles, I, D, k, limit, xq.stride(0), w1.stride(0),
-            w1.stride(1), w3.stride(0), w3.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-            BLOCK_N=bnu, BLOCK_K=bku, **common)
-        _moe_down_kernel[(n_tiles, triton.cdiv(D, bnd))](
-            h, w2, s2, order, meta, y, n_tiles, D, I, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
-            s2.stride(1), y.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, **common)
+        tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, bm, k, block_n_up,
+                   block_n_down, block_k, splits or 1, num_warps, num_stages)
     else:
         fp4_gemvs(xq, ids, order, meta, n_tiles, wts, w1, w3, w2, scales, limit, h, y, bm, block_n_up, block_n_down,
                   block_k, splits, num_warps, num_stages or FP4_STAGES)
     reduce_pairs(y, ids, E, out)
     if hidden is not None:
         hidden.extend((h, order, y))
+
+
+def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, bm, k, block_n_up, block_n_down,
+               block_k, splits, num_warps, stages) -> None:
+    """Steps 1-2 as MMA tiles (FP4 `scales` given: each weight tile dequantized in registers):
+    the up tiles and their epilogue -> h, the down tiles -> y; with `splits` > 1 each GEMM's K
+    is split as the GEMVs' is (`_k_split`), its FP32 partials summed in split order by the same
+    tile-wise kernels. `stages` None: Triton's default pipelining of the K loop."""
+    P, I = h.shape
+    D = y.shape[1]
+    interp = xq.device.type == "cpu"
+    f32, prec = interp and xq.dtype != torch.float32, "ieee" if interp else dot_precision(xq)
+    bk, bnu, bnd = block_k or BLOCK_K, block_n_up or BLOCK_N_UP, block_n_down or BLOCK_N_DOWN
+    fp4 = scales is not None
+    s1, s3, s2 = scales if fp4 else (w1, w3, w2)         # unread without FP4
+    bku, bkd = (math.gcd(bk, D), math.gcd(bk, I)) if fp4 else (bk, bk)      # FP4: dividing K
+    ku, su = _k_split(D, bku, splits)
+    kd, sd = _k_split(I, bkd, splits)
+    pu = torch.empty(su, 2, P, I, dtype=torch.float32, device=h.device) if su > 1 else h
+    pd = torch.empty(sd, P, D, dtype=torch.float32, device=h.device) if sd > 1 else y
+    common = dict(BLOCK_M=bm, DOT_F32=f32, PREC=prec, FP4=fp4, ASM=not interp, num_warps=num_warps)
+    if stages is not None:
+        common["num_stages"] = stages
+    _moe_up_kernel[(n_tiles, triton.cdiv(I, bnu), su)](
+        xq, w1, w3, s1, s3, order, wts, meta, h, pu, n_tiles, I, D, k, ku, limit, xq.stride(0), w1.stride(0),
+        w1.stride(1), w3.stride(0), w3.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+        pu.stride(0), pu.stride(1) if su > 1 else 0, BLOCK_N=bnu, BLOCK_K=bku, SPLIT=su > 1, **common)
+    if su > 1:
+        _moe_up_sum_kernel[(n_tiles, triton.cdiv(I, 32))](
+            pu, order, wts, meta, h, n_tiles, I, su, limit, pu.stride(0), pu.stride(1), h.stride(0),
+            BLOCK_M=bm, BLOCK_N=32, num_warps=4)
+    _moe_down_kernel[(n_tiles, triton.cdiv(D, bnd), sd)](
+        h, w2, s2, order, meta, y, pd, n_tiles, D, I, kd, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
+        s2.stride(1), y.stride(0), pd.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, SPLIT=sd > 1, **common)
+    if sd > 1:
+        _moe_down_sum_kernel[(n_tiles, triton.cdiv(D, 128))](
+            pd, order, meta, y, n_tiles, D, sd, pd.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=128, num_warps=4)
 
 
 def fp4_gemvs(xq, ids, order, meta, n_tiles, wts, w1, w3, w2, scales, limit, h, y, bm, block_n_up, block_n_down,
