@@ -59,6 +59,18 @@ class Linear(nn.Module):
         return quant.matmul(x, self.weight.T)
 
 
+def stack_rows(*weights):
+    """Weights of one input, their rows one after another: a GEMM for several projections, each
+    output's dot unchanged. Native ones stack their codes and their 32x32 block scales, so
+    each weight's rows must be a whole number of blocks."""
+    if isinstance(weights[0], quant.BlockScaled):
+        if any(w.q.shape[0] % 32 for w in weights[:-1]):
+            raise ValueError(f"stack_rows: FP8 weights of {[w.q.shape[0] for w in weights]} rows do not end "
+                             "on 32-row scale blocks")
+        return quant.BlockScaled(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]))
+    return torch.cat(weights)
+
+
 def fp8_linear(x, w, scale, groups: int = 1):
     """x @ dequant(w, scale)ᵀ with x FP8-quantized per 32 first, on the native weight: the
     `v41::fp8_linear` op (custom_ops/gemm.py); in x's dtype. With `groups` G, x's last dim

@@ -9,7 +9,7 @@ from torch import nn
 
 import custom_ops  # noqa: F401
 from v41 import quant
-from v41.layers import Linear, acc_dtype
+from v41.layers import Linear, acc_dtype, stack_rows
 from v41.moe_route import route
 from v41.parallel import tensor_parallel
 
@@ -26,7 +26,8 @@ class MoE(nn.Module):
         if self.native:   # plain tensors on the module: packed E2M1 codes and their E8M0 scales
             (self.w1, self.s1), (self.w3, self.s3), (self.w2, self.s2) = (
                 (t.q, t.scale) for t in (self.w1, self.w3, self.w2))
-        self.s_w1, self.s_w3 = Linear(w["shared_experts.w1"], "fp8"), Linear(w["shared_experts.w3"], "fp8")
+        # the shared expert's gate and up projections share their input: one GEMM, rows w1 then w3
+        self.s_w13 = Linear(stack_rows(w["shared_experts.w1"], w["shared_experts.w3"]), "fp8")
         self.s_w2 = Linear(w["shared_experts.w2"], "fp8")
         self.top_k, self.route_scale, self.limit = top_k, route_scale, limit
         # tensor parallelism (v41.parallel): this rank's whole experts [first, first + n_local)
@@ -55,7 +56,7 @@ class MoE(nn.Module):
         else:
             ops.moe_experts(x, ids, w, self.w1, self.w3, self.w2, self.limit, y)
         if self.shared_here:
-            g = self.s_w1(x).to(acc).clamp(max=self.limit)
-            u = self.s_w3(x).to(acc).clamp(-self.limit, self.limit)
+            g, u = self.s_w13(x).to(acc).chunk(2, -1)
+            g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
             y = y + self.s_w2((F.silu(g) * u).to(x.dtype)).to(acc)
         return (y if self.tp is None else self.tp.all_reduce(y)).to(x.dtype)
