@@ -11,7 +11,7 @@ import custom_ops  # noqa: F401
 from custom_ops import gemm
 from tests import harness as H
 from v41 import quant
-from v41.layers import Linear
+from v41.layers import Linear, stack_rows
 from v41.model import prepare_weights, weight_bytes
 from v41.moe import MoE
 
@@ -57,6 +57,21 @@ def test_native_linear_matches_dequantized(dtype):
     assert ((nat.double() - exact).abs() <= bound).all()
     with pytest.raises(ValueError, match="kind 'fp8'"):
         Linear(quant.BlockScaled(q, s), "bf16")
+
+
+def test_stacked_rows_give_each_projection(dtype=torch.float32):
+    """stack_rows: one Linear over two weights' rows gives each one's output in its columns,
+    native or dequantized; native rows that would split a 32-row scale block are refused."""
+    g = torch.Generator().manual_seed(4)
+    (q1, s1), (q3, s3) = (quant.quant_fp8_block(torch.randn(64, 96, generator=g) * 0.05) for _ in range(2))
+    x = torch.randn(5, 96, generator=g)
+    nat = Linear(stack_rows(quant.BlockScaled(q1, s1), quant.BlockScaled(q3, s3)), "fp8")(x)
+    deq = Linear(stack_rows(*(quant.dequant_fp8_block(q, s, dtype) for q, s in ((q1, s1), (q3, s3)))), "fp8")(x)
+    for out in (nat, deq):
+        assert torch.equal(out[:, :64], Linear(quant.BlockScaled(q1, s1), "fp8")(x))
+        assert torch.equal(out[:, 64:], Linear(quant.BlockScaled(q3, s3), "fp8")(x))
+    with pytest.raises(ValueError, match="32-row scale blocks"):
+        stack_rows(quant.BlockScaled(q1[:48], s1[:2]), quant.BlockScaled(q3, s3))
 
 
 def test_native_moe_matches_dequantized(toy_cfg, toy_weights):
