@@ -232,26 +232,28 @@ def w4a8_down(block_m: int, block_n: int, warps: int, asm: bool = True):
                  aligned=("D", "stride_h", "stride_we", "stride_wn", "stride_se", "stride_y"), num_warps=warps)
 
 
-def fp4_tiles(which: str, block_m: int, block_n: int, block_k: int, warps: int, fp4: bool = True):
+def fp4_tiles(which: str, block_m: int, block_n: int, block_k: int, warps: int, fp4: bool = True,
+              split: bool = False):
     """moe.py's MMA tile kernel `which` ('up' or 'down') on FP4 weights dequantized per tile to
     bf16 (run_experts(tiles=True), the W4A8 op's 'tiles' path), PTX codes; fp4 False: on bf16
     weights (the dequantized engine's experts)."""
     from custom_ops.triton.moe import _moe_down_kernel, _moe_up_kernel
-    consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT_F32": False, "PREC": "tf32",
-              "FP4": fp4, "ASM": True}
+    consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split, "DOT_F32": False,
+              "PREC": "tf32", "FP4": fp4, "ASM": True}
     wt = "*i8" if fp4 else "*bf16"
     if which == "up":
         fn = _moe_up_kernel
         sig = {"xq_ptr": "*bf16", "w1_ptr": wt, "w3_ptr": wt, "s1_ptr": "*u8", "s3_ptr": "*u8",
-               "order_ptr": "*i32", "wts_ptr": "*fp32", "meta_ptr": "*i32", "h_ptr": "*bf16",
-               **dict.fromkeys(("n_tiles", "I", "D", "k"), "i32"), "limit": "fp32",
+               "order_ptr": "*i32", "wts_ptr": "*fp32", "meta_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32",
+               **dict.fromkeys(("n_tiles", "I", "D", "k", "k_split"), "i32"), "limit": "fp32",
                **dict.fromkeys(("stride_x", "stride_w1e", "stride_w1n", "stride_w3e", "stride_w3n", "stride_se",
-                                "stride_sn", "stride_h"), "i32")}
+                                "stride_sn", "stride_h", "stride_ps", "stride_pu"), "i32")}
     else:
         fn = _moe_down_kernel
         sig = {"h_ptr": "*bf16", "w2_ptr": wt, "s2_ptr": "*u8", "order_ptr": "*i32", "meta_ptr": "*i32",
-               "y_ptr": "*bf16", **dict.fromkeys(("n_tiles", "D", "I"), "i32"),
-               **dict.fromkeys(("stride_h", "stride_w2e", "stride_w2n", "stride_se", "stride_sn", "stride_y"), "i32")}
+               "y_ptr": "*bf16", "part_ptr": "*fp32", **dict.fromkeys(("n_tiles", "D", "I", "k_split"), "i32"),
+               **dict.fromkeys(("stride_h", "stride_w2e", "stride_w2n", "stride_se", "stride_sn", "stride_y",
+                                "stride_ps"), "i32")}
     sig.update(dict.fromkeys(consts, "constexpr"))
     aligned = ("I", "D", "stride_x", "stride_h", "stride_w1e", "stride_w1n", "stride_w3e", "stride_w3n", "stride_w2e",
                "stride_w2n", "stride_se", "stride_sn", "stride_y")

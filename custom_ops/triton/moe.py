@@ -105,6 +105,19 @@ def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, D, I, k_
 
 
 @triton.jit
+def split_range(k_split, K, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(first K, length) of a tile program's split (SPLIT), or (0, K). The first K is declared
+    a multiple of BLOCK_K (as `_k_split` makes it) and the kernels move their pointers there and
+    loop from 0: without the hint the split sm_90 builds took 235 registers at 16 x 64 tiles
+    (94 unsplit), and looping from it 128 (benchmarks/sm90_build.py; 96 as written)."""
+    if SPLIT:
+        k_lo = tl.multiple_of(tl.program_id(2) * k_split, BLOCK_K)
+        return k_lo, tl.minimum(K - k_lo, k_split)
+    else:
+        return 0, K
+
+
+@triton.jit
 def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr, part_ptr, n_tiles,
                    I, D, k, k_split, limit, stride_x, stride_w1e, stride_w1n, stride_w3e, stride_w3n, stride_se,
                    stride_sn, stride_h, stride_ps, stride_pu,
@@ -123,16 +136,17 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < I
     rk = tl.arange(0, BLOCK_K)
-    a_rows = xq_ptr + tok[:, None] * stride_x
-    b1 = w1_ptr + e * stride_w1e + rn.to(tl.int64) * stride_w1n
-    b3 = w3_ptr + e * stride_w3e + rn.to(tl.int64) * stride_w3n
-    sc = e * stride_se + rn.to(tl.int64) * stride_sn
+    k_lo, k_len = split_range(k_split, D, SPLIT, BLOCK_K)
+    w_lo = k_lo // 2 if FP4 else k_lo          # packed FP4: two values a byte
+    a_rows = xq_ptr + tok[:, None] * stride_x + k_lo
+    b1 = w1_ptr + e * stride_w1e + rn.to(tl.int64) * stride_w1n + w_lo
+    b3 = w3_ptr + e * stride_w3e + rn.to(tl.int64) * stride_w3n + w_lo
+    sc = e * stride_se + rn.to(tl.int64) * stride_sn + k_lo // 32
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k_lo = tl.program_id(2) * k_split
-    for k0 in range(k_lo, tl.minimum(D, k_lo + k_split), BLOCK_K):
+    for k0 in range(0, k_len, BLOCK_K):
         ks = k0 + rk
-        kmask = ks < D
+        kmask = ks < k_len
         a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         if FP4:
             wg = fp4_tile(b1, s1_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, ASM).to(a.dtype)
@@ -209,14 +223,14 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, part_ptr
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < D
     rk = tl.arange(0, BLOCK_K)
-    a_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
-    b = w2_ptr + e * stride_w2e + rn.to(tl.int64) * stride_w2n
-    sc = s2_ptr + e * stride_se + rn.to(tl.int64) * stride_sn
+    k_lo, k_len = split_range(k_split, I, SPLIT, BLOCK_K)
+    a_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h + k_lo
+    b = w2_ptr + e * stride_w2e + rn.to(tl.int64) * stride_w2n + (k_lo // 2 if FP4 else k_lo)
+    sc = s2_ptr + e * stride_se + rn.to(tl.int64) * stride_sn + k_lo // 32
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k_lo = tl.program_id(2) * k_split
-    for k0 in range(k_lo, tl.minimum(I, k_lo + k_split), BLOCK_K):
+    for k0 in range(0, k_len, BLOCK_K):
         ks = k0 + rk
-        kmask = ks < I
+        kmask = ks < k_len
         a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         if FP4:
             w = fp4_tile(b, sc, k0, nmask, BLOCK_K, BLOCK_N, ASM).to(a.dtype)
