@@ -23,6 +23,8 @@
 #                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm;
 #                                     # --mhc: mhc_mix with its projection split more ways
 #   tools/gpu_checks.sh OUT formats   # weight_formats_bench: bf16 and native engines in one run, alternating
+#   tools/gpu_checks.sh OUT slice-experts  # native_gemm_bench --slice-experts: flash-slice's expert paths,
+#                                     # the 'tiles' path split over K / unpipelined / other tiles (~4 min)
 #   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
 #   tools/gpu_checks.sh OUT serve     # flash-slice server + serve_bench on chat text prompts
 #
@@ -132,6 +134,11 @@ formats)
   timeout 570 $py benchmarks/weight_formats_bench.py --out "$OUT/native-weights-flash-slice-h200.json" \
     > "$OUT/formats.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/formats.log" | cut -c1-200 | tail -12 ;;
+slice-experts)
+  step "native_gemm_bench --slice-experts"
+  timeout 450 $py benchmarks/native_gemm_bench.py --slice-experts --out "$OUT/experts-slice-tiles-h200.json" \
+    > "$OUT/slice-experts.log" 2>&1
+  echo "rc=$?"; tail -2 "$OUT/slice-experts.log" ;;
 wo-a)
   step "kernel_bench --wo-a"
   timeout 240 $py benchmarks/kernel_bench.py --wo-a --out "$OUT/kernels-wo-a-h200.json" > "$OUT/wo-a.log" 2>&1
@@ -171,7 +178,7 @@ serve)
   echo "rc=$?"; grep -E 'TTFT|TPOT|ITL|throughput' "$OUT/serve-bench.log"
   kill $pid; wait $pid 2> /dev/null ;;
 *)
-  echo "unknown part $PART: tests, graphtests, harness, graphs, hybrid, dspark, dspark-eager, native, native-gemm, wo-a, formats, replay or serve" >&2; exit 2 ;;
+  echo "unknown part $PART: tests, graphtests, harness, graphs, hybrid, dspark, dspark-eager, native, native-gemm, slice-experts, wo-a, formats, replay or serve" >&2; exit 2 ;;
 esac
 if [ "${PACK_CACHE:-0}" = 1 ] && [ -d .cache/gpu-compile ]; then
   step "packing .cache/gpu-compile"
