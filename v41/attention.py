@@ -16,7 +16,7 @@ import custom_ops  # noqa: F401  (registers torch.ops.v41)
 from v41 import quant
 from v41.config import V41Config
 from v41.topology import LayerSpec, Role
-from v41.layers import Linear, RMSNorm, Rope, acc_dtype, fp8_linear
+from v41.layers import Linear, RMSNorm, Rope, acc_dtype, fp8_linear, stack_rows
 from v41.parallel import tensor_parallel
 
 ops = torch.ops.v41
@@ -53,9 +53,10 @@ class Attention(nn.Module):
         self.sink = w["attn_sink"]
         if spec.role is Role.FULL:
             self.ratio = spec.ratio
-            kind = "f32" if spec.ratio == 2 else "bf16"
-            self.c_wkv = Linear(w["compressor.wkv"], kind)
-            self.c_wgate = Linear(w["compressor.wgate"], "f32") if spec.ratio == 2 else None
+            if spec.ratio == 2:     # the pooled values and their gates share the input: one GEMM
+                self.c_wkv_gate = Linear(stack_rows(w["compressor.wkv"], w["compressor.wgate"]), "f32")
+            else:
+                self.c_wkv = Linear(w["compressor.wkv"], "bf16")
             self.c_norm = RMSNorm(w["compressor.norm"], eps)
             self.i_wk, self.i_knorm = Linear(w["indexer.wk"], "bf16"), RMSNorm(w["indexer.k_norm"], eps)
         if spec.scores:
@@ -114,7 +115,7 @@ class Attention(nn.Module):
         RoPE, FP4/32 QAT), written for the groups this batch completes."""
         owner = cache.owner(self.spec.layer)
         if self.ratio == 2:
-            v, g = self.c_wkv(x), self.c_wgate(x)
+            v, g = self.c_wkv_gate(x).chunk(2, -1)
             pooled = torch.empty_like(v)
             ops.compress_pool(v, g, batch.positions, batch.batch_ids, batch.tail_src, batch.tail_dst,
                               owner.tail_v, owner.tail_g, pooled)
