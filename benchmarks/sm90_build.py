@@ -299,6 +299,11 @@ def main(argv=None) -> dict:
             rows.append({"kernel": f"_moe_{which}_kernel FP4", "tile": f"{bm}x{bn}x{bk}", "num_warps": nw, **resources(k),
                          "thread_instructions_per_weight": per_weight(loop_body(k), nw, per * bn * bk),
                          "tile_rows": bm})
+            if (bm, bn, bk, nw) in ((16, 64, 64, 4), (64, 64, 64, 4)):        # split over K (the splits knob)
+                k = fp4_tiles(which, bm, bn, bk, nw, split=True)
+                rows.append({"kernel": f"_moe_{which}_kernel FP4 split", "tile": f"{bm}x{bn}x{bk}", "num_warps": nw,
+                             **resources(k), "thread_instructions_per_weight": per_weight(loop_body(k), nw, per * bn * bk),
+                             "tile_rows": bm})
             if (bm, bn, bk, nw) in ((64, 64, 64, 4), (128, 128, 64, 8)):      # the same tiles on bf16 weights
                 k = fp4_tiles(which, bm, bn, bk, nw, fp4=False)
                 rows.append({"kernel": f"_moe_{which}_kernel bf16", "tile": f"{bm}x{bn}x{bk}", "num_warps": nw,
