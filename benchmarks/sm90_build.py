@@ -288,9 +288,9 @@ def main(argv=None) -> dict:
     if not tools_present():
         ap.error(f"this Triton build ships no CUDA ptxas/cuobjdump in {NVIDIA_BIN}")
     import torch
-    rows = [fp4_gemv_row(w, bn, bk, nw, asm) for w in ("up", "down") for bn, bk, nw in
-            ((64, 128, 4), (32, 256, 4), (64, 128, 8)) for asm in (True, False)]
-    rows += [fp4_gemv_row(w, 64, 128, 4, True, stages=1) for w in ("up", "down")]     # unpipelined
+    rows = [fp4_gemv_row(w, bn, bk, nw, asm, stages=3) for w in ("up", "down") for bn, bk, nw in
+            ((64, 128, 4), (32, 256, 4), (64, 128, 8)) for asm in (True, False)]     # pipelined 3 deep
+    rows += [fp4_gemv_row(w, 64, 128, 4, True, stages=1) for w in ("up", "down")]     # unpipelined (the default)
     rows += dense_decode_rows() + dense_prefill_rows() + skinny_rows()
     for bm, bn, bk, nw in ((16, 64, 64, 4), (64, 64, 64, 4), (128, 64, 64, 4), (64, 128, 64, 4), (128, 128, 64, 8),
                            (128, 128, 32, 8)):
