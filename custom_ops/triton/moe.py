@@ -13,6 +13,8 @@ moe_experts: tokens sorted by expert, grouped GEMM tiles, a deterministic reduct
      FP8 QAT per 32 along I (BLOCK_N is a multiple of 32) -> h [pairs in expert order, I].
   2. Down kernel, grid (tiles, D / BLOCK_N): h tile · w2[e]ᵀ, rounded to the activation dtype,
      stored at the pair's own row of y [T·k, D].
+  Asked for `splits`, steps 1-2 also split K over a third grid axis, their FP32 partials summed
+  in split order by the GEMVs' tile-wise sum kernels (below), the epilogue after the sum.
   FP4 experts (`moe_experts_w4a8` up to its DECODE_PAIRS): steps 1-2 as GEMVs, grid (sorted
      rows, N blocks, K splits): the packed weights loaded as int32 words along K (eight values
      a word), a word's nibbles turned into E4M3 values four at a time (`fp4.e2m1_word_values`: on
@@ -307,8 +309,9 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
     over K, `splits` or `fp4_splits` of each GEMM's K, their FP32 partials summed in split
     order by the tile-wise sum kernels, their loads pipelined `num_stages` deep (FP4_STAGES: 1,
     not pipelined); `tiles`: the tile kernels, each weight tile dequantized exactly to x's dtype
-    in registers, `splits` (default 1) and `num_stages` (default Triton's) as `tile_gemms`). `hidden`, when given, receives (h, order, y): w2's input rows in expert
-    order, the sort, the per-pair outputs, for the tests."""
+    in registers, `splits` (default 1) and `num_stages` (default Triton's) as `tile_gemms`).
+    `hidden`, when given, receives (h, order, y): w2's input rows in expert order, the sort,
+    the per-pair outputs, for the tests."""
     T, D = x.shape
     E, I = w1.shape[:2]
     k = ids.shape[1]
