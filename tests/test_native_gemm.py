@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -32,63 +30,6 @@ if not INTERPRETED:
     @pytest.mark.parametrize("order", ["forward", "reversed"])
     def test_native_gemm_under_triton_interpreter(order):
         run_under_interpreter(__file__, order, timeout=900)
-
-    def dry_run(tmp_path, script: str, *args) -> dict:
-        """benchmarks/<script> --dry-run in a fresh interpreter: the JSON it prints (it writes no file)."""
-        import json
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        dest = tmp_path / "out.json"
-        r = subprocess.run([sys.executable, f"benchmarks/{script}", "--dry-run", "--out", str(dest), *args],
-                           cwd=root, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-4000:]
-        assert not dest.exists()
-        return json.loads(r.stdout)
-
-    def test_bench_dry_run(tmp_path):
-        """benchmarks/native_gemm_bench.py --dry-run runs every timed path (both GEMMs, wo_a grouped
-        and per group, cuBLAS bf16, _scaled_mm, the copy and read rates, the experts' FP8-MMA path, a prefill tile) on
-        tiny CPU shapes, prints its JSON and writes no file."""
-        res = dry_run(tmp_path, "native_gemm_bench.py")
-        plain = [row for row in res["dense"] if row["gemm"] == "tiny"]
-        assert [row["M"] for row in plain] == [1, 3, 40]
-        assert [("linear_us" in row, "quant_then_gemm_us" in row) for row in plain] == [(True, True)] * 2 + [(False,) * 2]
-        assert [(row["gemm"], row["M"]) for row in res["dense"] if "groups" in row] == [
-            ("wo_a_grouped", 1), ("wo_a_per_group", 1), ("wo_a_grouped", 3), ("wo_a_per_group", 3)]
-        assert [row["M"] for row in res["experts"] if "path" not in row] == [1, 3, 40]
-        assert [(row["M"], row["path"]) for row in res["experts"] if "path" in row] == \
-            [(T, p) for T in (1, 6, 16, 96) for p in ("gemv", "mma", "tiles")]
-        assert "scaled_mm_us" in plain[-1] and res["fp8_peak_TFLOPs"] > 0
-        assert all(row["us"] > 0 and row["weight_bytes"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
-        assert [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1), ("tiny", 40), ("experts_w4a8", 1),
-                                                                     ("experts_w4a8", 40)]
-        assert [row["knobs"] for row in res["sweep"][2:]] == [{"path": "mma"}, {"path": "mma"}]
-        # one row: the MMA tiles where the GEMV is the default, on codes and from bf16 x
-        assert res["sweep"][0]["knobs"] == {"path": "mma"} and res["sweep"][0]["linear_us"] > 0
-        assert res["read_rate_TBps"] > 0
-        assert all(row["pct_read"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
-
-    def test_bench_one_row(tmp_path):
-        """--one-row: the dense GEMMs at one row and their sweep, nothing else (a short device call)."""
-        res = dry_run(tmp_path, "native_gemm_bench.py", "--one-row")
-        assert [(row["gemm"], row["M"]) for row in res["dense"]] == [("tiny", 1)]
-        assert not res["experts"] and [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1)]
-        assert res["dense"][0]["pct_read"] > 0 and res["sweep"][0]["linear_us"] > 0
-
-    def test_bench_slice_experts(tmp_path):
-        """--slice-experts: flash-slice's expert paths at its four widths and the 'tiles' path
-        with its sweep's knobs (two of them on the CPU), nothing else (a short device call)."""
-        res = dry_run(tmp_path, "native_gemm_bench.py", "--slice-experts")
-        assert [(row["M"], row["path"]) for row in res["experts"]] == \
-            [(T, p) for T in (1, 6, 16, 96) for p in ("gemv", "mma", "tiles")]
-        assert [(row["M"], row["knobs"]) for row in res["sweep"]] == \
-            [(T, {"path": "tiles", **kw}) for T in (1, 6, 16, 96) for kw in ({"num_stages": 1}, {"num_stages": 2})]
-        assert all(row["us"] > 0 and row["pct_read"] > 0 for row in res["experts"] + res["sweep"])
-
-    def test_experts_profile_dry_run(tmp_path):
-        """benchmarks/experts_profile.py --dry-run profiles the expert chain on tiny CPU shapes."""
-        res = dry_run(tmp_path, "experts_profile.py", "--widths", "1,3", "--calls", "2")
-        assert [w["tokens"] for w in res["widths"]] == [1, 3]
-        assert all(w["kernels_us"] and w["kernels_sum_us"] > 0 and w["graph_us"] > 0 for w in res["widths"])
 
 else:
     import torch
