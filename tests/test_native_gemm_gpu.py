@@ -169,6 +169,18 @@ def test_moe_experts_w4a8_paths(T, path):
     assert_experts_close(out, r, T)
 
 
+@pytest.mark.parametrize("kw", [{"splits": 4}, {"splits": 4, "num_stages": 1}, {"num_stages": 1}],
+                         ids=["split4", "split4-unpipelined", "unpipelined"])
+@pytest.mark.parametrize("T", [6, 96])
+def test_moe_experts_w4a8_tiles_knobs(T, kw):
+    """The 'tiles' path split over K and/or unpipelined (the knobs `native_gemm_bench
+    --slice-experts` times) at a verify step's widths, compiled for sm_90 with its PTX."""
+    from custom_ops.triton.moe_w4a8 import triton_moe_experts_w4a8
+    args, r, out = experts_case(T)
+    triton_moe_experts_w4a8(*args, 10.0, out, path="tiles", **kw)
+    assert_experts_close(out, r, T)
+
+
 def assert_experts_close(out, r, T):
     assert not out.isnan().any()
     if T > 1:
