@@ -28,9 +28,10 @@ SERVE_MODEL ?= v41/assets/toy-trained
 serve: setup
 	$(BIN)/python -m v41.serve --model $(SERVE_MODEL) --served-model-name $(notdir $(SERVE_MODEL)) $(filter-out $(notdir $(SERVE_MODEL)),toy)
 
-# one worker per core, whole files per worker (a file's tests share their compiles)
+# one worker per core, whole files per worker (a file's tests share their compiles), the files
+# in collection order: tests/conftest.py puts the longest first
 test: setup $(VENV)/.eval-installed
-	$(BIN)/python -m pytest -q -n auto --dist loadfile
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu

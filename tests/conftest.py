@@ -13,6 +13,20 @@ os.environ.setdefault("V41_CACHE", os.path.join(os.path.dirname(__file__), "..",
 torch.set_num_threads(1)  # tiny ops: one thread is fastest and keeps reductions fixed
 
 
+# `make test`'s wall time is its busiest worker's. pytest-xdist (--dist loadfile, with
+# --no-loadscope-reorder) hands out files in collection order, so the longest go first and the
+# short ones fill in at the end (its default order, most tests first, left a two-test file of
+# 157 s to the last minutes). The longest files by cpu-suite-20261205.json's file seconds:
+LONGEST_FIRST = ("test_dspark_compiled.py", "test_compiled_invariance.py", "test_native_gemm.py",
+                 "test_token_graphs.py", "test_server.py", "test_dspark_engine.py", "test_tensor_parallel.py",
+                 "test_compile_segments.py", "test_schedule_invariance.py", "test_prefix_cache.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))      # stable: files keep their order
+
+
 @pytest.fixture(scope="session")
 def toy_cfg():
     from v41.config import preset
