@@ -159,12 +159,8 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=Non
     g = torch.Generator().manual_seed(0)
     copy_rate, read_rate = measure_copy(dev, timed), measure_read(dev, timed)
     fp8_peak, bf16_peak = measure_peaks(dev, timed, 256 if dev == "cpu" else 8192)
-    out = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)",
-           "torch": torch.__version__, "triton": __import__("triton").__version__,
-           "date": datetime.date.today().isoformat(), "copy_rate_TBps": copy_rate / 1e12,
-           "read_rate_TBps": read_rate / 1e12,
-           "fp8_peak_TFLOPs": fp8_peak / 1e12, "bf16_peak_TFLOPs": bf16_peak / 1e12, "dense": [],
-           "experts": [], "sweep": []}
+    out = {**header(dev, copy_rate, read_rate), "fp8_peak_TFLOPs": fp8_peak / 1e12,
+           "bf16_peak_TFLOPs": bf16_peak / 1e12, "dense": [], "experts": [], "sweep": []}
     sweep_m = () if not sweep else (1,) if dev == "cpu" else SWEEP_M
     dense_sweep, expert_sweep = (DECODE_SWEEP[:1], EXPERT_SWEEP[-1:]) if dev == "cpu" else (DECODE_SWEEP, EXPERT_SWEEP)
     prefill_sweep = () if not sweep else PREFILL_SWEEP[-1:] if dev == "cpu" else PREFILL_SWEEP
@@ -205,11 +201,25 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=Non
     if experts is not None:
         other_rows(out, dev, g, timed, decode, prefill, experts, sweep_m, expert_sweep, expert_prefill_sweep,
                    copy_rate, fp8_peak, budget, checkpoint)
-    for row in out["dense"] + out["experts"] + out["sweep"]:      # shares of the read-only ceiling too
+    read_shares(out, read_rate)
+    return out
+
+
+def header(dev, copy_rate, read_rate) -> dict:
+    """The result's device, versions, date and measured copy and read rates."""
+    import torch
+    return {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)",
+            "torch": torch.__version__, "triton": __import__("triton").__version__,
+            "date": datetime.date.today().isoformat(), "copy_rate_TBps": copy_rate / 1e12,
+            "read_rate_TBps": read_rate / 1e12}
+
+
+def read_shares(out, read_rate) -> None:
+    """Each row's share of the read-only ceiling too (and cuBLAS's where timed)."""
+    for row in out.get("dense", []) + out["experts"] + out["sweep"]:
         row["pct_read"] = 100 * row["weight_TBps"] * 1e12 / read_rate
         if "cublas_bf16_us" in row:
             row["cublas_bf16_pct_read"] = 100 * 2 * row["N"] * row["K"] / (row["cublas_bf16_us"] * 1e-6) / read_rate
-    return out
 
 
 def other_rows(out, dev, g, timed, decode, prefill, experts, sweep_m, expert_sweep, expert_prefill_sweep, copy_rate,
@@ -247,14 +257,13 @@ def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak, tiles_sw
     weights, per_expert = expert_weights(E, D, I, dev)
     for T in (1, 6, 16, 96):
         x, ids, wts, o, hit = expert_inputs(g, T, E, k, D, dev)
-        for kw in [{"path": p} for p in ("gemv", "mma", "tiles")] + [{"path": "tiles", **kw} for kw in tiles_sweep]:
+
+        def row(**kw):
             us = variant(timed, lambda: experts_call(x, ids, wts, *weights, o, **kw), 1)
-            row = {**case_row("experts_w4a8", T, 3 * I, D, us, hit * per_expert, copy_rate, fp8_peak,
-                              flops=2 * 3 * T * k * D * I), "experts": E, "experts_hit": hit, "path": kw["path"]}
-            if len(kw) == 1:
-                out["experts"].append(row)
-            else:
-                out["sweep"].append({**row, "knobs": kw})
+            return {**case_row("experts_w4a8", T, 3 * I, D, us, hit * per_expert, copy_rate, fp8_peak,
+                               flops=2 * 3 * T * k * D * I), "experts": E, "experts_hit": hit, "path": kw["path"]}
+        out["experts"] += [row(path=p) for p in ("gemv", "mma", "tiles")]
+        out["sweep"] += [{**row(path="tiles", **kw), "knobs": {"path": "tiles", **kw}} for kw in tiles_sweep]
         if checkpoint:
             checkpoint(out)
 
@@ -266,16 +275,11 @@ def slice_experts_run(dev, checkpoint=None) -> dict:
     timed = timer(dev)
     g = torch.Generator().manual_seed(0)
     copy_rate, read_rate = measure_copy(dev, timed), measure_read(dev, timed)
-    out = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)",
-           "torch": torch.__version__, "triton": __import__("triton").__version__,
-           "date": datetime.date.today().isoformat(), "copy_rate_TBps": copy_rate / 1e12,
-           "read_rate_TBps": read_rate / 1e12, "experts": [], "sweep": []}
+    out = {**header(dev, copy_rate, read_rate), "experts": [], "sweep": []}
     cpu = dev == "cpu"
-    slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if cpu else SLICE_EXPERTS, copy_rate, float("nan"),
+    slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if cpu else SLICE_EXPERTS, copy_rate, None,
                       SLICE_TILES_SWEEP[:2] if cpu else SLICE_TILES_SWEEP, checkpoint)
-    for row in out["experts"] + out["sweep"]:
-        row["pct_read"] = 100 * row["weight_TBps"] * 1e12 / read_rate
-        del row["pct_fp8_peak"]        # no FP8 peak measured in this mode
+    read_shares(out, read_rate)
     return out
 
 
@@ -351,11 +355,14 @@ def experts_native(E: int, n: int, k: int, dev):
 
 
 def case_row(name, M, N, K, us, wbytes, copy_rate, fp8_peak, flops=None) -> dict:
+    """A case's figures; `fp8_peak` None (not measured): no share of it."""
     flops = flops if flops is not None else 2 * M * N * K
     rate = wbytes / (us * 1e-6)
-    return {"gemm": name, "M": M, "N": N, "K": K, "us": us, "weight_bytes": wbytes,
-            "weight_TBps": rate / 1e12, "pct_copy": 100 * rate / copy_rate,
-            "TFLOPs": flops / (us * 1e-6) / 1e12, "pct_fp8_peak": 100 * flops / (us * 1e-6) / fp8_peak}
+    row = {"gemm": name, "M": M, "N": N, "K": K, "us": us, "weight_bytes": wbytes,
+           "weight_TBps": rate / 1e12, "pct_copy": 100 * rate / copy_rate, "TFLOPs": flops / (us * 1e-6) / 1e12}
+    if fp8_peak is not None:
+        row["pct_fp8_peak"] = 100 * flops / (us * 1e-6) / fp8_peak
+    return row
 
 
 def measure_copy(dev, timed) -> float:
