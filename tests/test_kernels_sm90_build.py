@@ -100,8 +100,7 @@ def test_fp4_tile_kernels_build_for_hopper(block_m, block_n, block_k, warps, spl
     path) at its default tile and the prefill sweep's 128 x 128, and split over K at the
     decode widths' 16-row tiles and at 64: no spills, and the dots run on tensor cores
     (Hopper's warpgroup MMA from 64 rows). Split at 16 rows, the registers stay near the
-    unsplit build's (94 and 72 here on 2026-12-05), not the 235 a split range without its
-    alignment took."""
+    unsplit build's (94 and 72 in sm90-build-cpu.json)."""
     for which in ("up", "down"):
         k = B.fp4_tiles(which, block_m, block_n, block_k, warps, split=split)
         assert 0 < registers(k) <= 255
