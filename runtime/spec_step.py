@@ -38,12 +38,12 @@ def step_fields(T: int, B: int, cursor_width: int) -> dict:
     image destinations (`keep_context`), the verified rows and drafts (`accept`), the accepted
     rows' ring destinations (`commit`), the rejected rows (`roll_back`); per request: the last
     rows and the forced counts (`accept`), the staged tails' slots and rows, the cursors' slots
-    and values (`roll_back`)."""
+    and values (`roll_back`), the draft's inputs when no draft graph runs it (`propose`)."""
     per_row = ("verify_ring", "ctx_pos", "ctx_dest", "ctx_image_dest", "verify_rows", "verify_drafts", "rejected",
                "accepted_dest")
     per_request = ("last", "forced", "tail_slots", "tail_rows", "cursor_slots")
     return ({f"spec_{k}": (T,) for k in per_row} | {f"spec_{k}": (B,) for k in per_request}
-            | {"spec_cursors": (B, cursor_width)})
+            | {"spec_cursors": (B, cursor_width), "spec_draft_inputs": (4 * B,)})
 
 
 class SpecStep:
@@ -158,16 +158,19 @@ class SpecStep:
         flat = bufs.put("spec_verify_drafts", np.fromiter(chain.from_iterable(drafts[j] for _, j in verify), np.int64))
         forced = bufs.put("spec_forced", self._forced_counts(verify)) if self.forced is not None else None
         r = d0 = f = 0
+        verdicts = []
         for (k, sampled), js in order:
             n = len(js)
             target = rows.index_select(0, idx[r:r + n * (k + 1)]).view(n, k + 1, -1)
             d = flat[d0:d0 + n * k].view(n, k)
             tokens = self._draws(target, [seqs[j] for j in js]) if sampled else target.argmax(-1)
-            a, nxt = match_accept(tokens, d) if forced is None else forced_accept(tokens, d, forced[f:f + n])
+            # forced counts are built in 0..k on the host (_forced_counts): no range check on the device
+            a, nxt = match_accept(tokens, d) if forced is None else forced_accept(tokens, d, forced[f:f + n], check=False)
+            verdicts.append(torch.stack([a, nxt], 1))
             r, d0, f = r + n * (k + 1), d0 + n * k, f + n
-            for j, (aj, t) in zip(js, torch.stack([a, nxt], 1).tolist()):     # one copy back
-                out[j] = (aj, list(drafts[j][:aj]) + [t])
-                self._count(k, aj)
+        for (k, j), (aj, t) in zip(verify, torch.cat(verdicts).tolist()):     # one copy back for every group
+            out[j] = (aj, list(drafts[j][:aj]) + [t])
+            self._count(k, aj)
         return last, out
 
     @staticmethod
@@ -288,8 +291,10 @@ class SpecStep:
         cols = np.array([(s.token_ids[-1], s.num_computed - 1, s.slot, max(s.decoder_start or 0, s.swa_floor))
                          for s in seqs], np.int64).T.copy()
         tokens = self.graphs.propose(cols) if self.graphs is not None else None
-        if tokens is None:
-            tokens = self.draft(*torch.as_tensor(cols, device=self.runner.device), self.draft_rings).tokens
+        if tokens is None:      # checked on the host, copied through the step buffers: no device read
+            self.draft.check_inputs(*cols, self.draft_rings.shape[1])
+            inputs = self.runner.bufs.put("spec_draft_inputs", cols.reshape(-1)).view(4, -1)
+            tokens = self.draft(*inputs, self.draft_rings, check=False).tokens
         return tokens
 
     @property

@@ -152,6 +152,34 @@ def test_a_step_reads_only_the_sampled_ids(toy_weights, mode):
         assert eng.bm.stats["hit_tokens"] > 0
 
 
+@pytest.mark.parametrize("forced", [None, 3.51], ids=["verified", "forced"])
+def test_a_dspark_step_reads_its_verdicts_and_drafts(toy_weights, forced):
+    """DSpark (greedy and seeded sampled requests, chunked prompts; acceptance verified or, the
+    benchmark's mode, forced): a step reads, in this order, the verdicts of the requests that
+    verified ([n, 2]: accepted count and next token, every group in one copy), the sampled ids of
+    those that did not, and the next drafts ([n, k]); nothing else, so no range check, input
+    check or copy of the draft's inputs waits for the device."""
+    reqs, seqs = H.prompts((5, 16, 33), seed=4), []
+    extra = {} if forced is None else {"spec_decode_acceptance_length": forced}
+
+    def add(eng, step):
+        if step == 0:
+            for i, p in enumerate(reqs):
+                sampled = {"temperature": 0.7, "seed": i} if i == 1 else {}
+                seqs.append(eng.add_request(p, SamplingParams(max_tokens=14, ignore_eos=True, **sampled)))
+
+    eng = H.make_engine(toy_weights, dtype="float32", speculative_method="dspark", max_prefill_chunk=12, **extra)
+    k = eng.runner.spec.k
+    per_step = counted_steps(eng, add)
+    verdict_steps = 0
+    for reads, _ in per_step:
+        assert [r[0] for r in reads] in (["tolist"], ["tolist", "tolist"], ["tolist"] * 3), reads
+        kinds = [("verdicts" if s[1:] == (2,) else "drafts" if s[1:] == (k,) else "ids") for _, s, _ in reads]
+        assert len(set(kinds)) == len(kinds) and kinds == sorted(kinds, key=["verdicts", "ids", "drafts"].index), reads
+        verdict_steps += "verdicts" in kinds
+    assert verdict_steps >= 3 and [len(s.completion_token_ids) for s in seqs] == [14] * 3, per_step
+
+
 SCENARIOS = [
     H.CHUNKS,
     H.PREEMPT,
