@@ -41,21 +41,24 @@ import time
 import torch
 
 from benchmarks.floor import held_state_bytes, step_floor, weight_bytes
-from benchmarks.profiling import SPEC_PHASES, STEP_PHASES, kernel_gaps, median_by_phase, phases_timed, profile_step
+from benchmarks.profiling import (SPEC_PHASES, STEP_PHASES, idle_by_phase, kernel_gaps, median_by_phase, phases_timed,
+                                  profile_step)
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.sequence import SamplingParams
 
 K = 5                     # DSpark drafts five tokens
+PROFILED = 3              # steps after the timed ones with --profile: profile_step, kernel_gaps, idle_by_phase
 
 
 def case(eng: LLMEngine, bs: int, ctx: int, steps: int, profile: str | None = None, title: str = "") -> dict:
     """Time `steps` decode steps of `bs` requests after their prompts; `profile`: then one more
     step under torch.profiler, its tables appended to that file (benchmarks/profiling.py), and on
     CUDA one more under the device-only profiler: its idle intervals with the kernels around
-    them (`step_gaps`: where the device waits for the host inside a step)."""
+    them (`step_gaps`: where the device waits for the host inside a step), and one more under
+    the host and device profiler: that idle time by the host phase it waited for (`step_idle`)."""
     g = torch.Generator().manual_seed(bs)
     vocab = min(120000, eng.cfg.vocab_size)
-    p = SamplingParams(max_tokens=(steps + 3) * (K + 1) + 1, ignore_eos=True)     # none finishes while measured
+    p = SamplingParams(max_tokens=(steps + PROFILED + 1) * (K + 1) + 1, ignore_eos=True)    # none finishes while measured
     seqs = [eng.add_request(torch.randint(3, vocab, (ctx,), generator=g).tolist(), p) for _ in range(bs)]
     while any(s.num_computed < s.num_prompt_tokens for s in seqs):
         eng.step()
@@ -73,10 +76,12 @@ def case(eng: LLMEngine, bs: int, ctx: int, steps: int, profile: str | None = No
             ts.append(time.perf_counter() - t)
     tokens = sum(len(s.completion_token_ids) for s in seqs) - n0
     assert not any(s.is_finished for s in seqs), "a request finished while timed"
-    gaps = {}
+    gaps = idle = {}
     if profile:
-        profile_step(eng, title, profile, STEP_PHASES + (SPEC_PHASES if spec is not None else ()))
+        phases = STEP_PHASES + (SPEC_PHASES if spec is not None else ())
+        profile_step(eng, title, profile, phases)
         gaps = kernel_gaps(eng.step, top=8)
+        idle = idle_by_phase(eng, phases)
         assert not any(s.is_finished for s in seqs), "a request finished while profiled"
     for s in seqs:
         eng.abort(s.request_id)
@@ -84,6 +89,8 @@ def case(eng: LLMEngine, bs: int, ctx: int, steps: int, profile: str | None = No
            "tokens_per_step": round(tokens / steps / bs, 3), "host_ms_by_phase": median_by_phase(host)}
     if gaps:
         out["step_gaps"] = gaps
+    if idle:
+        out["step_idle"] = idle
     out |= floor(eng, bs, ctx, out["tokens_per_step"])
     if spec is not None:
         drafts = spec.stats["drafts"] - before["drafts"]
@@ -114,7 +121,7 @@ def engine_args(a, variant: str) -> EngineArgs:
     batch = max(a.batch_sizes)
     return EngineArgs(model=a.model, device=a.device, dtype=a.dtype, load_format="dummy" if a.dummy else "auto",
                       max_num_seqs=batch, max_num_batched_tokens=max(a.max_num_batched_tokens, batch * (K + 1)),
-                      max_model_len=a.ctx + (a.steps + 2) * (K + 1) + 8, enable_prefix_caching=False,
+                      max_model_len=a.ctx + (a.steps + PROFILED + 1) * (K + 1) + 8, enable_prefix_caching=False,
                       num_pages=a.num_pages, enforce_eager=a.enforce_eager, cudagraph_mode=a.cudagraph_mode,
                       weight_format=a.weight_format, **spec)
 

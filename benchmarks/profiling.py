@@ -6,7 +6,8 @@
 it launched) and the profiler's tables sorted by device and by host time. Every profile of a run
 goes to one file: a device call brings back few files. The profiler inflates host times several
 fold; `phases_timed` gives the same phases' host times of ordinary steps (perf_counter, no sync).
-`kernel_time` sums a call's kernels; `kernel_gaps` finds where the device sat idle between them.
+`kernel_time` sums a call's kernels; `kernel_gaps` finds where the device sat idle between them,
+`idle_by_phase` which host phase it was waiting for.
 """
 from __future__ import annotations
 
@@ -113,24 +114,75 @@ def kernel_gaps(fn, top: int = 12) -> dict:
                          if e.device_type == torch.autograd.DeviceType.CUDA], top)
 
 
-def gaps_between(events, top: int = 12) -> dict:
-    """Of device events (start µs, end µs, name): their span, busy time (overlaps merged), idle
-    time, and the `top` largest idle intervals with the events on either side, in ms."""
+def idle_intervals(events, start: float | None = None) -> tuple[list, float, float]:
+    """Of device events (start µs, end µs, name), from `start` (default: the first event's):
+    ([(idle from, idle to, event before, event after)], busy µs with overlaps merged, end µs)."""
     events = sorted(events)
-    if not events:
-        return {}
-    busy, gaps, end, last = 0.0, [], events[0][0], None
+    end = events[0][0] if start is None else start
+    busy, idle, last = 0.0, [], None
     for a, b, name in events:
-        if a > end and last is not None:
-            gaps.append((a - end, last, name))
+        if a > end:
+            idle.append((end, a, last, name))
         busy += max(0.0, b - max(a, end))
         if b >= end:
             end, last = b, name
-    span = end - events[0][0]
-    gaps.sort(key=lambda g: -g[0])
+    return idle, busy, end
+
+
+def gaps_between(events, top: int = 12) -> dict:
+    """Of device events (start µs, end µs, name): their span, busy time (overlaps merged), idle
+    time, and the `top` largest idle intervals with the events on either side, in ms."""
+    if not events:
+        return {}
+    idle, busy, end = idle_intervals(events)
+    span = end - min(e[0] for e in events)
+    gaps = sorted(((b - a, x, y) for a, b, x, y in idle), key=lambda g: -g[0])
     return {"span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3), "idle_ms": round((span - busy) / 1e3, 3),
             "events": len(events),
             "largest": [{"ms": round(g / 1e3, 3), "after": x[:80], "before": y[:80]} for g, x, y in gaps[:top]]}
+
+
+def idle_by_phase(eng, phases=STEP_PHASES) -> dict:
+    """One `eng.step()` under the profiler, host and device, its phases named: from the step's
+    start on the host to its last kernel, the device's idle time, each moment of it given to the
+    innermost phase the host ran then (the device waited for that phase's work), 'engine' outside
+    every phase. ms; {} without CUDA. A step that starts after the one before synchronized (its
+    sampled ids came back) finds the device idle: so the idle before its first kernel counts.
+    The profiler slows the host several fold: compare the phases' shares, not their ms."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
+    if not torch.cuda.is_available():
+        eng.step()
+        return {}
+    with phases_named(eng, phases), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("step:engine"):
+            eng.step()
+        torch.cuda.synchronize()
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    ranges = [(e.time_range.start, e.time_range.end, e.name[5:]) for e in prof.events()
+              if e.device_type == cpu and e.name.startswith("step:")]
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+               if e.device_type == cuda and not e.name.startswith("step:")]
+    return attribute_idle(kernels, ranges)
+
+
+def attribute_idle(kernels, ranges) -> dict:
+    """`kernels` (start µs, end µs, name) on the device; `ranges` (start µs, end µs, phase) on
+    the host, nested, the outermost 'engine' (the step): the step's span (its start to its last
+    kernel's end), busy and idle ms, and the idle ms by the innermost range running then."""
+    step = next(r for r in ranges if r[2] == "engine")
+    if not kernels:
+        return {}
+    idle, busy, end = idle_intervals(kernels, start=step[0])
+    by: dict = {}
+    for a, b, _, _ in idle:
+        cuts = sorted({a, b} | {t for r in ranges for t in r[:2] if a < t < b})
+        for x, y in zip(cuts, cuts[1:]):
+            inner = max((r for r in ranges if r[0] <= x and y <= r[1]), key=lambda r: (r[0], -r[1]), default=None)
+            name = inner[2] if inner is not None else "engine"
+            by[name] = by.get(name, 0.0) + (y - x)
+    return {"span_ms": round((end - step[0]) / 1e3, 3), "busy_ms": round(busy / 1e3, 3),
+            "idle_ms": round(sum(b - a for a, b, _, _ in idle) / 1e3, 3),
+            "idle_ms_by_phase": {k: round(v / 1e3, 3) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}}
 
 
 def phase_summary(events) -> list[str]:

@@ -1,5 +1,5 @@
 """benchmarks/profiling.py's arithmetic on device events (the profiling itself needs a GPU)."""
-from benchmarks.profiling import gaps_between
+from benchmarks.profiling import attribute_idle, gaps_between
 
 
 def test_gaps_between_merges_overlaps_and_names_the_largest_idle_intervals():
@@ -14,3 +14,22 @@ def test_an_event_inside_another_leaves_the_outer_one_as_the_last_before_a_gap()
     g = gaps_between([(0, 10e3, "outer"), (2e3, 3e3, "inner"), (15e3, 16e3, "next")])
     assert g["busy_ms"] == 11.0 and g["largest"] == [{"ms": 5.0, "after": "outer", "before": "next"}]
     assert gaps_between([]) == {}
+
+
+def test_idle_time_goes_to_the_innermost_host_phase_running_then():
+    """The device idles before its first kernel (the step's host start at 0) and between
+    kernels; each idle moment belongs to the innermost phase the host ran then, 'engine' outside
+    every phase."""
+    kernels = [(3e3, 10e3, "forward"), (14e3, 15e3, "scatter"), (20e3, 22e3, "draft")]
+    ranges = [(0, 22e3, "engine"), (1e3, 11e3, "runner.run"), (1e3, 2e3, "runner.prepare"),
+              (11e3, 13e3, "runner.spec.accept"), (15e3, 19e3, "runner.spec.propose"),
+              (16e3, 18e3, "runner.spec.roll_back")]
+    got = attribute_idle(kernels, ranges)
+    assert (got["span_ms"], got["busy_ms"], got["idle_ms"]) == (22.0, 10.0, 12.0)
+    # idle 0-3: engine 0-1, prepare 1-2, run 2-3; 10-14: run 10-11, accept 11-13, engine 13-14;
+    # 15-20: propose 15-16 and 18-19, roll_back 16-18, engine 19-20
+    assert got["idle_ms_by_phase"] == {"engine": 3.0, "runner.run": 2.0, "runner.spec.accept": 2.0,
+                                       "runner.spec.propose": 2.0, "runner.spec.roll_back": 2.0,
+                                       "runner.prepare": 1.0}
+    assert sum(got["idle_ms_by_phase"].values()) == got["idle_ms"]
+    assert attribute_idle([], ranges) == {}
