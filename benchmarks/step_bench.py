@@ -2,8 +2,9 @@
 16 and 64 (contexts of 1,024 tokens) and prefill steps of 1x4096 and 8x1024 tokens, timed with
 CUDA events after warm-up, median of several steps, each case beside the summed kernel time of
 more steps of it under torch.profiler (`device_ms`, decode: the median of three; wall / device
-says how host-bound it is; `kernels`: their count; `replayed`: of the timed and the profiled
-steps, how many replayed; FULL: `graph_ms`, the width's graphs replayed back to back, timed with
+says how host-bound it is; `kernels`: their count; `step_idle`: one more step's device idle time
+(from the step's host start) by the host phase it waited for; `replayed`: of the timed and the
+profiled steps, how many replayed; FULL: `graph_ms`, the width's graphs replayed back to back, timed with
 CUDA events, and `graph_gaps`, one replay's device span, busy and idle time and its largest idle
 intervals);
 decode cases also carry each engine phase's median host time over the timed steps
@@ -36,7 +37,7 @@ import time
 import torch
 
 from benchmarks.floor import held_state_bytes, step_floor, weight_bytes
-from benchmarks.profiling import kernel_gaps, kernel_time, median_by_phase, phases_timed, profile_step
+from benchmarks.profiling import idle_by_phase, kernel_gaps, kernel_time, median_by_phase, phases_timed, profile_step
 from runtime.cuda_graph import CUDAGraphRunner
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.piece_check import METRICS, by_piece, compare_pieces
@@ -64,8 +65,9 @@ def timed(fn) -> float:
 
 def decode_ms(eng, bs: int, ctx: int, steps: int) -> tuple[float, float, dict, dict]:
     """(wall ms median, kernel ms: the median of three more steps', median host ms per phase of
-    the timed steps, {kernels: their median count, and with graphs how many of those steps
-    replayed, graph_ms}) of decode steps at batch `bs`."""
+    the timed steps, {kernels: their median count, on CUDA one more step's idle time by host
+    phase (`step_idle`), and with graphs how many of those steps replayed, graph_ms}) of decode
+    steps at batch `bs`."""
     g = torch.Generator().manual_seed(bs)
     seqs = [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (ctx,), generator=g).tolist(),
                             SamplingParams(max_tokens=steps + DECODE_MARGIN, ignore_eos=True)) for _ in range(bs)]
@@ -77,10 +79,11 @@ def decode_ms(eng, bs: int, ctx: int, steps: int) -> tuple[float, float, dict, d
         ts = [timed(eng.step) for _ in range(steps)]
     timed_end = graphs.replays if graphs is not None else 0
     profiled = [kernel_time(eng.step) for _ in range(3)]
+    idle = idle_by_phase(eng)       # one more step: the device's idle time by the host phase it waited for
     if any(s.is_finished for s in seqs):
         raise RuntimeError(f"decode at batch {bs}: a request finished inside the measured steps")
     dev = statistics.median(ms for ms, _ in profiled)
-    extra = {"kernels": statistics.median(n for _, n in profiled)}
+    extra = {"kernels": statistics.median(n for _, n in profiled)} | ({"step_idle": idle} if idle else {})
     if graphs is not None:
         extra["replayed"] = [timed_end - before, graphs.replays - timed_end]
     if isinstance(graphs, CUDAGraphRunner):
