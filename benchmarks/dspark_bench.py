@@ -58,7 +58,8 @@ def case(eng: LLMEngine, bs: int, ctx: int, steps: int, profile: str | None = No
     the host and device profiler: that idle time by the host phase it waited for (`step_idle`)."""
     g = torch.Generator().manual_seed(bs)
     vocab = min(120000, eng.cfg.vocab_size)
-    p = SamplingParams(max_tokens=(steps + PROFILED + 1) * (K + 1) + 1, ignore_eos=True)    # none finishes while measured
+    # none finishes while measured
+    p = SamplingParams(max_tokens=(steps + PROFILED + 1) * (K + 1) + 1, ignore_eos=True)
     seqs = [eng.add_request(torch.randint(3, vocab, (ctx,), generator=g).tolist(), p) for _ in range(bs)]
     while any(s.num_computed < s.num_prompt_tokens for s in seqs):
         eng.step()

@@ -164,8 +164,10 @@ class SpecStep:
             target = rows.index_select(0, idx[r:r + n * (k + 1)]).view(n, k + 1, -1)
             d = flat[d0:d0 + n * k].view(n, k)
             tokens = self._draws(target, [seqs[j] for j in js]) if sampled else target.argmax(-1)
-            # forced counts are built in 0..k on the host (_forced_counts): no range check on the device
-            a, nxt = match_accept(tokens, d) if forced is None else forced_accept(tokens, d, forced[f:f + n], check=False)
+            if forced is None:
+                a, nxt = match_accept(tokens, d)
+            else:       # counts built in 0..k on the host (_forced_counts): no range check on the device
+                a, nxt = forced_accept(tokens, d, forced[f:f + n], check=False)
             verdicts.append(torch.stack([a, nxt], 1))
             r, d0, f = r + n * (k + 1), d0 + n * k, f + n
         for (k, j), (aj, t) in zip(verify, torch.cat(verdicts).tolist()):     # one copy back for every group
