@@ -76,9 +76,11 @@ class DraftGraphRunner:
                  len(self.sizes), report["seconds"], self.sizes[-1])
         return report
 
-    def propose(self, cols: np.ndarray) -> torch.Tensor | None:
+    def propose(self, cols: np.ndarray, on_device: tuple | None = None) -> torch.Tensor | None:
         """The proposed tokens [B, T] of B requests (`cols` [4, B]: anchors, anchor positions,
-        slots, context floors), or None when B is above the largest captured count."""
+        slots, context floors), or None when B is above the largest captured count.
+        `on_device`: (anchors, anchor positions) [B] on the device, copied over cols' first two
+        rows after the host's copy (those rows then only bound the checks)."""
         B = cols.shape[1]
         if not B or B > self.sizes[-1]:
             return None
@@ -86,6 +88,9 @@ class DraftGraphRunner:
         d.check_inputs(cols[ANCHORS], cols[POSITIONS], cols[SLOTS], cols[FLOORS], self.spec.draft_rings.shape[1])
         b = self.sizes[bisect.bisect_left(self.sizes, B)]
         self._stage(cols, b)
+        if on_device is not None:
+            self.dev[ANCHORS, :B].copy_(on_device[0])
+            self.dev[POSITIONS, :B].copy_(on_device[1])
         self.graphs[b].replay()
         self.replays += 1
         return self.outputs[b][:B]

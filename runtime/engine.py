@@ -188,7 +188,8 @@ class LLMEngine:
         verified = {}
         if self.runner.spec is not None and sb.spec:
             drafts = sb.drafts
-            rows, verified = self.runner.spec.accept(rows, [drafts[i] for i in np.flatnonzero(final)], seqs)
+            at = np.flatnonzero(final)
+            rows, verified = self.runner.spec.accept(rows, [drafts[i] for i in at], seqs, sb, at)
         if len(verified) == len(seqs):      # DSpark's steady state: acceptance chose every token
             toks, errors = [-1] * len(seqs), {}
         else:

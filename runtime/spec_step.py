@@ -14,6 +14,11 @@
   its graph runs, `roll_back`: rejected rows get their saved ring bytes back, the staged tail of
   the last committed even position moves into the slot, the cursor is written from the accepted
   tokens.
+
+In a step where every request that samples verified (DSpark's steady state), `accept` launches
+the commit's scatter and the next drafts from the verdicts on the device, before the host reads
+them (`_draft_ahead`): the device runs the draft while the host does its bookkeeping, instead of
+waiting for it between the verdicts and the draft.
 """
 from __future__ import annotations
 
@@ -38,10 +43,12 @@ def step_fields(T: int, B: int, cursor_width: int) -> dict:
     image destinations (`keep_context`), the verified rows and drafts (`accept`), the accepted
     rows' ring destinations (`commit`), the rejected rows (`roll_back`); per request: the last
     rows and the forced counts (`accept`), the staged tails' slots and rows, the cursors' slots
-    and values (`roll_back`), the draft's inputs when no draft graph runs it (`propose`)."""
+    and values (`roll_back`), the draft's inputs when no draft graph runs it (`propose`); the
+    keyed rows' requests and offsets and the requests' first positions of a draft launched
+    ahead (`_draft_ahead`)."""
     per_row = ("verify_ring", "ctx_pos", "ctx_dest", "ctx_image_dest", "verify_rows", "verify_drafts", "rejected",
-               "accepted_dest")
-    per_request = ("last", "forced", "tail_slots", "tail_rows", "cursor_slots")
+               "accepted_dest", "ahead_order", "ahead_offset")
+    per_request = ("last", "forced", "tail_slots", "tail_rows", "cursor_slots", "ahead_starts")
     return ({f"spec_{k}": (T,) for k in per_row} | {f"spec_{k}": (B,) for k in per_request}
             | {"spec_cursors": (B, cursor_width), "spec_draft_inputs": (4 * B,)})
 
@@ -64,6 +71,10 @@ class SpecStep:
         self._verify = None
         self._ctx = None
         self._rollback = None   # (sb, verify rows, accepted counts, starts): `commit` to `roll_back`
+        self._ahead = None      # (requests, proposed tokens) drafted by `accept`, for `propose`
+        cuda = runner.device.type == "cuda"     # the verdicts come back through a pinned buffer
+        self._verdicts = torch.zeros(runner.max_seqs, 2, dtype=torch.long, pin_memory=cuda)
+        self._verdicts_copied = torch.cuda.Event() if cuda else None
         self.graphs = None      # runtime.draft_graphs.DraftGraphRunner, when the target is graphed
         # benchmark only (EngineArgs.spec_decode_acceptance_length L): the mean accepted drafts
         # per verify step, L - 1, whatever the target says; None: real verification
@@ -137,10 +148,12 @@ class SpecStep:
             ops.scatter_rows(ring, key, dest)
 
     # ---- acceptance and commit -------------------------------------------------------------
-    def accept(self, rows: torch.Tensor, drafts: list, seqs: list) -> tuple[torch.Tensor, dict]:
+    def accept(self, rows: torch.Tensor, drafts: list, seqs: list, sb=None, at=None) -> tuple[torch.Tensor, dict]:
         """`rows`: the sampled rows of the final requests (runner.run, final_only), their drafts
         and their requests. Returns each request's last row (what a plain step samples) and, for
-        the verify requests, {index: (accepted count, [accepted drafts..., next token])}."""
+        the verify requests, {index: (accepted count, [accepted drafts..., next token])}. With
+        the step's batch `sb` and each final request's index in it (`at`): when every final
+        request verified, the next drafts are launched before the verdicts are read (`_draft_ahead`)."""
         bufs = self.runner.bufs
         cnt = np.array([1 + len(d) for d in drafts], np.int64)
         ends = np.cumsum(cnt) - 1
@@ -170,10 +183,58 @@ class SpecStep:
                 a, nxt = forced_accept(tokens, d, forced[f:f + n], check=False)
             verdicts.append(torch.stack([a, nxt], 1))
             r, d0, f = r + n * (k + 1), d0 + n * k, f + n
-        for (k, j), (aj, t) in zip(verify, torch.cat(verdicts).tolist()):     # one copy back for every group
+        verdicts = torch.cat(verdicts)
+        if sb is not None and len(verify) == len(seqs) and self._fits_ahead(verify, seqs):
+            got = self._copy_back(verdicts)             # queued before the draft: read while it runs
+            self._draft_ahead(sb, at[[j for _, j in verify]], verify, verdicts)
+            got = got()
+        else:
+            got = verdicts.tolist()
+        for (k, j), (aj, t) in zip(verify, got):        # one copy back for every group
             out[j] = (aj, list(drafts[j][:aj]) + [t])
             self._count(k, aj)
         return last, out
+
+    def _fits_ahead(self, verify: list, seqs: list) -> bool:
+        """Every draft of these verify requests starts inside the draft's RoPE table whatever
+        they accept (the anchor at most k past the step's first row)."""
+        return max(seqs[j].num_computed + k for k, j in verify) + self.draft.T < self.draft.max_pos
+
+    def _copy_back(self, verdicts: torch.Tensor):
+        """The verdicts [n, 2] to the host: on CUDA a non-blocking copy into a pinned buffer now
+        and a wait for it later. Returns the call that gives them as lists."""
+        if self._verdicts_copied is None:
+            return verdicts.tolist
+        host = self._verdicts[:len(verdicts)]
+        host.copy_(verdicts, non_blocking=True)
+        self._verdicts_copied.record()
+        return lambda: (self._verdicts_copied.synchronize(), host.tolist())[1]
+
+    @torch.inference_mode()
+    def _draft_ahead(self, sb, at: np.ndarray, verify: list, verdicts: torch.Tensor) -> None:
+        """`commit`'s scatter and `propose`'s draft for the verify requests (batch indices `at`,
+        in `verify`'s order), from the verdicts [n, 2] on the device: a verify row's context key
+        enters the draft rings where the accepted count reaches its position, and each draft's
+        anchor is the next token, at the step's first position plus the accepted count."""
+        bufs, seqs = self.runner.bufs, [sb.seqs[i] for i in at.tolist()]
+        starts = np.array([s.num_computed for s in sb.seqs], np.int64)
+        accepted = verdicts[:, 0]
+        if self._ctx is not None:
+            keys, pos, vr, ring_dest = self._ctx
+            place = np.zeros(len(sb.seqs), np.int64)     # each verify request's row of the verdicts
+            place[at] = np.arange(len(at))
+            # a verify row is kept when accepted >= its offset from the step's first row
+            offset = np.where(vr >= 0, pos - starts[np.maximum(vr, 0)], self.k + 1)
+            kept = accepted.index_select(0, bufs.put("spec_ahead_order", place[np.maximum(vr, 0)])) >= \
+                bufs.put("spec_ahead_offset", offset)
+            dest = torch.where(kept, bufs.put("spec_accepted_dest", np.where(vr >= 0, ring_dest, -1)), -1)
+            self._scatter(keys, dest, self.runner.cache.ring[self.n:])
+            self._ctx = None        # committed: `commit` has no scatter left
+        # anchors stand in as 0 and positions as their bound in the host's columns (its checks)
+        cols = np.array([(0, starts[i] + k, sb.slots[i], max(s.decoder_start or 0, s.swa_floor))
+                         for (k, _), i, s in zip(verify, at.tolist(), seqs)], np.int64).T.copy()
+        anchor_pos = bufs.put("spec_ahead_starts", starts[at]) + accepted
+        self._ahead = (seqs, self._run_draft(cols, (verdicts[:, 1], anchor_pos)))
 
     @staticmethod
     def _draws(target: torch.Tensor, seqs: list) -> torch.Tensor:
@@ -277,14 +338,20 @@ class SpecStep:
     @torch.inference_mode()
     def propose(self, seqs: list) -> None:
         """Drafts for every request that sampled this step and is still running (anchor: its
-        last token, at position num_computed). While the draft's graph runs, the host rolls the
-        target back (`roll_back`: nothing there reads what the draft writes, or the reverse)."""
-        seqs = [s for s in seqs if s.status is Status.RUNNING and s.may_draft]
-        tokens = self._launch(seqs) if seqs else None
+        last token, at position num_computed), or those `accept` launched ahead for the verify
+        requests (kept for the ones still running). While the draft's graph runs, the host rolls
+        the target back (`roll_back`: nothing there reads what the draft writes, or the reverse)."""
+        if self._ahead is not None:     # `accept` launched the drafts of every verify request
+            seqs, tokens = self._ahead
+            self._ahead = None
+        else:
+            seqs = [s for s in seqs if s.status is Status.RUNNING and s.may_draft]
+            tokens = self._launch(seqs) if seqs else None
         self.roll_back()
         if tokens is not None:
             for s, toks in zip(seqs, tokens[:, :self.k].tolist()):
-                s.spec_token_ids = toks
+                if s.status is Status.RUNNING:          # (drafted ahead: it may have finished)
+                    s.spec_token_ids = toks
 
     def _launch(self, seqs: list) -> torch.Tensor:
         """The draft over `seqs` (its graph when one holds that many requests, else eagerly): the
@@ -292,11 +359,18 @@ class SpecStep:
         # per request: anchor token, its position, STATE slot, context floor
         cols = np.array([(s.token_ids[-1], s.num_computed - 1, s.slot, max(s.decoder_start or 0, s.swa_floor))
                          for s in seqs], np.int64).T.copy()
-        tokens = self.graphs.propose(cols) if self.graphs is not None else None
+        return self._run_draft(cols)
+
+    def _run_draft(self, cols: np.ndarray, on_device: tuple | None = None) -> torch.Tensor:
+        """The draft of `cols` [4, B] (its graph when one holds B requests, else eagerly);
+        `on_device`: (anchors, anchor positions) [B] on the device in place of cols' first two
+        rows, which then only bound the checks."""
+        tokens = self.graphs.propose(cols, on_device) if self.graphs is not None else None
         if tokens is None:      # checked on the host, copied through the step buffers: no device read
             self.draft.check_inputs(*cols, self.draft_rings.shape[1])
             inputs = self.runner.bufs.put("spec_draft_inputs", cols.reshape(-1)).view(4, -1)
-            tokens = self.draft(*inputs, self.draft_rings, check=False).tokens
+            anchors, anchor_pos = on_device if on_device is not None else inputs[:2]
+            tokens = self.draft(anchors, anchor_pos, inputs[2], inputs[3], self.draft_rings, check=False).tokens
         return tokens
 
     @property

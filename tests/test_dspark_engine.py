@@ -307,6 +307,42 @@ def test_roll_back_runs_while_the_draft_runs(toy_weights, reqs, baseline):
     assert eng.runner.spec._rollback is None and eng.bm.all_free
 
 
+def test_drafts_launched_ahead_are_the_drafts_launched_after(toy_weights, reqs, baseline):
+    """In a step where every request that samples verified, the commit's scatter and the next
+    drafts run from the verdicts on the device (SpecStep._draft_ahead). Two engines in
+    lockstep over the same requests and oracle drafts, one never drafting ahead: after every
+    step their draft rings are bit-equal and the real draft proposed the same tokens (the
+    anchors and their positions taken on the device are the host's)."""
+    engs, proposed, ahead = [], ([], []), [0]
+    for i in range(2):
+        eng = H.make_engine(toy_weights, **DSPARK)
+        spec = eng.runner.spec
+        if i == 1:
+            spec._fits_ahead = lambda verify, seqs: False
+        else:
+            launch = spec._draft_ahead
+            spec._draft_ahead = lambda *a: (ahead.__setitem__(0, ahead[0] + 1), launch(*a))[1]
+        real = spec.propose
+
+        def recorded(seqs, _real=real, _out=proposed[i], _eng=eng):
+            _real(seqs)
+            _out.append({s.request_id: list(s.spec_token_ids) for s in _eng.seqs.values()})
+        spec.propose = recorded
+        oracle_drafts(eng, {f"r{j}": t for j, t in baseline.items()}, seed=2)
+        engs.append(eng)
+    p = SamplingParams(max_tokens=14, ignore_eos=True)
+    live = [[e.add_request(r, p, request_id=f"r{j}") for j, r in enumerate(reqs)] for e in engs]
+    n = engs[0].cfg.num_hidden_layers
+    while engs[0].has_unfinished():
+        for e in engs:
+            e.step()
+        assert torch.equal(engs[0].runner.cache.ring[n:], engs[1].runner.cache.ring[n:])
+        assert proposed[0][-1] == proposed[1][-1]
+    assert not engs[1].has_unfinished() and ahead[0] >= 5
+    for seqs in live:
+        assert {j: s.completion_token_ids for j, s in enumerate(seqs)} == baseline
+
+
 def test_steps_whose_every_token_is_verified_do_not_sample(toy_weights, reqs, baseline):
     """A step where acceptance chose every request's token (every final request verified)
     launches no sampling; a step with any other final request samples."""
@@ -319,8 +355,8 @@ def test_steps_whose_every_token_is_verified_do_not_sample(toy_weights, reqs, ba
         sample, accept = eng._sample, eng.runner.spec.accept
         eng._sample = lambda rows, seqs, *a: (sampled.add(now[0]), sample(rows, seqs, *a))[1]
 
-        def counted(rows, drafts, seqs):
-            last, verified = accept(rows, drafts, seqs)
+        def counted(rows, drafts, seqs, *ahead):
+            last, verified = accept(rows, drafts, seqs, *ahead)
             verified_all[now[0]] = len(verified) == len(seqs)
             return last, verified
         eng.runner.spec.accept = counted

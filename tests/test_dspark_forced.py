@@ -54,8 +54,8 @@ def test_forced_tokens_and_state(toy_weights, sampled):
     spec, steps = eng.runner.spec, []
     accept = spec.accept
 
-    def seen(rows, drafts, seqs):
-        last, out = accept(rows, drafts, seqs)
+    def seen(rows, drafts, seqs, *ahead):
+        last, out = accept(rows, drafts, seqs, *ahead)
         steps.extend((list(drafts[j]), a, toks) for j, (a, toks) in out.items())
         return last, out
     spec.accept = seen

@@ -188,12 +188,12 @@ def _seeded_run(weights, reqs, dspark: bool, want: dict | None = None, hook=None
         oracle_drafts(eng, want, seed=3)
         accept = eng.runner.spec.accept
 
-        def counted(rows, drafts, seqs):
+        def counted(rows, drafts, seqs, *ahead):
             nonlocal cut
             for d, s in zip(drafts, seqs):
                 left = s.params.max_tokens - (len(s.token_ids) - s.num_prompt_tokens) - 1
                 cut += 0 < len(d) < min(5, left)
-            return accept(rows, drafts, seqs)
+            return accept(rows, drafts, seqs, *ahead)
         eng.runner.spec.accept = counted
     rng, live, step = random.Random(4), {}, 0
     while len(live) < len(reqs) or eng.has_unfinished():

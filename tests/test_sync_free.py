@@ -58,10 +58,10 @@ def _has_bool_tensor(idx) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
-def counted_steps(eng, add, steps: int = 10_000) -> list:
+def counted_steps(eng, add, steps: int = 10_000, mode: DeviceReads | None = None) -> list:
     """Run the engine to completion (`add(eng, step)` adds requests); per step with work, the
     reads made after `schedule()` returns and the number of requests that sampled."""
-    mode = DeviceReads()
+    mode = mode or DeviceReads()
     schedule = eng.scheduler.schedule
 
     def uncounted_schedule():      # schedule() may read (a restore's checksum): not the step's
@@ -158,7 +158,8 @@ def test_a_dspark_step_reads_its_verdicts_and_drafts(toy_weights, forced):
     benchmark's mode, forced): a step reads, in this order, the verdicts of the requests that
     verified ([n, 2]: accepted count and next token, every group in one copy), the sampled ids of
     those that did not, and the next drafts ([n, k]); nothing else, so no range check, input
-    check or copy of the draft's inputs waits for the device."""
+    check or copy of the draft's inputs waits for the device. Where every request that samples
+    verified, the draft ran before the verdicts were read (launched from them on the device)."""
     reqs, seqs = H.prompts((5, 16, 33), seed=4), []
     extra = {} if forced is None else {"spec_decode_acceptance_length": forced}
 
@@ -169,15 +170,21 @@ def test_a_dspark_step_reads_its_verdicts_and_drafts(toy_weights, forced):
                 seqs.append(eng.add_request(p, SamplingParams(max_tokens=14, ignore_eos=True, **sampled)))
 
     eng = H.make_engine(toy_weights, dtype="float32", speculative_method="dspark", max_prefill_chunk=12, **extra)
-    k = eng.runner.spec.k
-    per_step = counted_steps(eng, add)
-    verdict_steps = 0
+    k, mode = eng.runner.spec.k, DeviceReads()
+    draft = eng.runner.spec.draft
+    draft.forward = lambda *a, _f=draft.forward, **kw: (mode.reads.append(("draft", None, None)), _f(*a, **kw))[1]
+    per_step = counted_steps(eng, add, mode=mode)
+    ahead = behind = 0
     for reads, _ in per_step:
+        ran = [r[0] for r in reads].index("draft") if ("draft", None, None) in reads else None
+        reads = [r for r in reads if r[0] != "draft"]
         assert [r[0] for r in reads] in (["tolist"], ["tolist", "tolist"], ["tolist"] * 3), reads
         kinds = [("verdicts" if s[1:] == (2,) else "drafts" if s[1:] == (k,) else "ids") for _, s, _ in reads]
         assert len(set(kinds)) == len(kinds) and kinds == sorted(kinds, key=["verdicts", "ids", "drafts"].index), reads
-        verdict_steps += "verdicts" in kinds
-    assert verdict_steps >= 3 and [len(s.completion_token_ids) for s in seqs] == [14] * 3, per_step
+        if "verdicts" in kinds:
+            assert ran is not None and (ran == 0) == ("ids" not in kinds), (ran, kinds)
+            ahead, behind = ahead + (ran == 0), behind + (ran != 0)
+    assert ahead >= 3 and behind >= 1 and [len(s.completion_token_ids) for s in seqs] == [14] * 3, per_step
 
 
 SCENARIOS = [
