@@ -260,6 +260,15 @@ def fp4_tiles(which: str, block_m: int, block_n: int, block_k: int, warps: int, 
     return build(fn, sig, consts, aligned=aligned, num_warps=warps)
 
 
+def tile_row(which: str, per: int, block_m: int, block_n: int, block_k: int, warps: int, label: str, **kw) -> dict:
+    """A `fp4_tiles` build's row; `per`: weights a tile reads per BLOCK_N x BLOCK_K (2 for up's w1
+    and w3)."""
+    k = fp4_tiles(which, block_m, block_n, block_k, warps, **kw)
+    return {"kernel": f"_moe_{which}_kernel {label}", "tile": f"{block_m}x{block_n}x{block_k}", "num_warps": warps,
+            **resources(k), "thread_instructions_per_weight": per_weight(loop_body(k), warps, per * block_n * block_k),
+            "tile_rows": block_m}
+
+
 def fp4_gemv(which: str, block_n: int, block_k: int, warps: int, asm: bool = True, stages: int | None = None):
     """The decode FP4 expert GEMV `which` ('up' or 'down') built at a tile."""
     from custom_ops.triton.moe import FP4_STAGES, _fp4_down_gemv, _fp4_up_gemv
@@ -295,20 +304,11 @@ def main(argv=None) -> dict:
     for bm, bn, bk, nw in ((16, 64, 64, 4), (64, 64, 64, 4), (128, 64, 64, 4), (64, 128, 64, 4), (128, 128, 64, 8),
                            (128, 128, 32, 8)):
         for which, per in (("up", 2), ("down", 1)):      # the 'tiles' path: weights dequantized to bf16 per tile
-            k = fp4_tiles(which, bm, bn, bk, nw)
-            rows.append({"kernel": f"_moe_{which}_kernel FP4", "tile": f"{bm}x{bn}x{bk}", "num_warps": nw, **resources(k),
-                         "thread_instructions_per_weight": per_weight(loop_body(k), nw, per * bn * bk),
-                         "tile_rows": bm})
+            rows.append(tile_row(which, per, bm, bn, bk, nw, "FP4"))
             if (bm, bn, bk, nw) in ((16, 64, 64, 4), (64, 64, 64, 4)):        # split over K (the splits knob)
-                k = fp4_tiles(which, bm, bn, bk, nw, split=True)
-                rows.append({"kernel": f"_moe_{which}_kernel FP4 split", "tile": f"{bm}x{bn}x{bk}", "num_warps": nw,
-                             **resources(k), "thread_instructions_per_weight": per_weight(loop_body(k), nw, per * bn * bk),
-                             "tile_rows": bm})
+                rows.append(tile_row(which, per, bm, bn, bk, nw, "FP4 split", split=True))
             if (bm, bn, bk, nw) in ((64, 64, 64, 4), (128, 128, 64, 8)):      # the same tiles on bf16 weights
-                k = fp4_tiles(which, bm, bn, bk, nw, fp4=False)
-                rows.append({"kernel": f"_moe_{which}_kernel bf16", "tile": f"{bm}x{bn}x{bk}", "num_warps": nw,
-                             **resources(k), "thread_instructions_per_weight": per_weight(loop_body(k), nw, per * bn * bk),
-                             "tile_rows": bm})
+                rows.append(tile_row(which, per, bm, bn, bk, nw, "bf16", fp4=False))
     for bm, bn, nw in ((16, 64, 4), (64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (64, 64, 8)):
         for name, make, per in (("_w4a8_up_kernel", w4a8_up, 2), ("_w4a8_down_kernel", w4a8_down, 1)):
             for asm in (True, False):     # per weight decoded: a tile decodes BLOCK_N x 32 of each weight

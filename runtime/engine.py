@@ -180,15 +180,14 @@ class LLMEngine:
             log.debug("step: %d requests, %d rows; encoder %d rows, decoder %d", len(sb.seqs), sb.scheduled_tokens,
                       *(self.runner.rows_run[k] - before[k] for k in ("encoder", "decoder")))
         final = self.runner.final_mask
+        at = np.flatnonzero(final)          # the final requests' indices in the batch
         if final.all():
             seqs, slots = sb.seqs, sb.slots
         else:
-            idx = np.flatnonzero(final)
-            seqs, slots = [sb.seqs[i] for i in idx.tolist()], sb.slots[idx]
+            seqs, slots = [sb.seqs[i] for i in at.tolist()], sb.slots[at]
         verified = {}
         if self.runner.spec is not None and sb.spec:
             drafts = sb.drafts
-            at = np.flatnonzero(final)
             rows, verified = self.runner.spec.accept(rows, [drafts[i] for i in at], seqs, sb, at)
         if len(verified) == len(seqs):      # DSpark's steady state: acceptance chose every token
             toks, errors = [-1] * len(seqs), {}
@@ -200,8 +199,7 @@ class LLMEngine:
         for j, msg in errors.items():
             self._fail(seqs[j], msg)
         if self.runner.spec is not None:
-            pos = np.flatnonzero(final)
-            self.runner.spec.commit(sb, {int(pos[j]): a for j, (a, _) in verified.items() if j not in errors})
+            self.runner.spec.commit(sb, {int(at[j]): a for j, (a, _) in verified.items() if j not in errors})
         self.scheduler.postprocess(sb, {s.seq_id: t for j, (s, t) in enumerate(zip(seqs, toks)) if j not in errors})
         if self.runner.spec is not None:
             self.runner.spec.propose([s for j, s in enumerate(seqs) if j not in errors])

@@ -47,7 +47,7 @@ def step_fields(T: int, B: int, cursor_width: int) -> dict:
     keyed rows' requests and offsets and the requests' first positions of a draft launched
     ahead (`_draft_ahead`)."""
     per_row = ("verify_ring", "ctx_pos", "ctx_dest", "ctx_image_dest", "verify_rows", "verify_drafts", "rejected",
-               "accepted_dest", "ahead_order", "ahead_offset")
+               "accepted_dest", "ahead_place", "ahead_offset")
     per_request = ("last", "forced", "tail_slots", "tail_rows", "cursor_slots", "ahead_starts")
     return ({f"spec_{k}": (T,) for k in per_row} | {f"spec_{k}": (B,) for k in per_request}
             | {"spec_cursors": (B, cursor_width), "spec_draft_inputs": (4 * B,)})
@@ -208,7 +208,11 @@ class SpecStep:
         host = self._verdicts[:len(verdicts)]
         host.copy_(verdicts, non_blocking=True)
         self._verdicts_copied.record()
-        return lambda: (self._verdicts_copied.synchronize(), host.tolist())[1]
+
+        def read() -> list:
+            self._verdicts_copied.synchronize()
+            return host.tolist()
+        return read
 
     @torch.inference_mode()
     def _draft_ahead(self, sb, at: np.ndarray, verify: list, verdicts: torch.Tensor) -> None:
@@ -218,6 +222,7 @@ class SpecStep:
         anchor is the next token, at the step's first position plus the accepted count."""
         bufs, seqs = self.runner.bufs, [sb.seqs[i] for i in at.tolist()]
         starts = np.array([s.num_computed for s in sb.seqs], np.int64)
+        ks = np.array([k for k, _ in verify], np.int64)
         accepted = verdicts[:, 0]
         if self._ctx is not None:
             keys, pos, vr, ring_dest = self._ctx
@@ -225,14 +230,13 @@ class SpecStep:
             place[at] = np.arange(len(at))
             # a verify row is kept when accepted >= its offset from the step's first row
             offset = np.where(vr >= 0, pos - starts[np.maximum(vr, 0)], self.k + 1)
-            kept = accepted.index_select(0, bufs.put("spec_ahead_order", place[np.maximum(vr, 0)])) >= \
+            kept = accepted.index_select(0, bufs.put("spec_ahead_place", place[np.maximum(vr, 0)])) >= \
                 bufs.put("spec_ahead_offset", offset)
             dest = torch.where(kept, bufs.put("spec_accepted_dest", np.where(vr >= 0, ring_dest, -1)), -1)
             self._scatter(keys, dest, self.runner.cache.ring[self.n:])
             self._ctx = None        # committed: `commit` has no scatter left
         # anchors stand in as 0 and positions as their bound in the host's columns (its checks)
-        cols = np.array([(0, starts[i] + k, sb.slots[i], max(s.decoder_start or 0, s.swa_floor))
-                         for (k, _), i, s in zip(verify, at.tolist(), seqs)], np.int64).T.copy()
+        cols = self._columns(seqs, np.zeros_like(ks), starts[at] + ks)
         anchor_pos = bufs.put("spec_ahead_starts", starts[at]) + accepted
         self._ahead = (seqs, self._run_draft(cols, (verdicts[:, 1], anchor_pos)))
 
@@ -356,10 +360,14 @@ class SpecStep:
     def _launch(self, seqs: list) -> torch.Tensor:
         """The draft over `seqs` (its graph when one holds that many requests, else eagerly): the
         proposed tokens [B, T] on the device, not yet waited for."""
-        # per request: anchor token, its position, STATE slot, context floor
-        cols = np.array([(s.token_ids[-1], s.num_computed - 1, s.slot, max(s.decoder_start or 0, s.swa_floor))
-                         for s in seqs], np.int64).T.copy()
-        return self._run_draft(cols)
+        return self._run_draft(self._columns(seqs, [s.token_ids[-1] for s in seqs], [s.num_computed - 1 for s in seqs]))
+
+    @staticmethod
+    def _columns(seqs: list, anchors, anchor_pos) -> np.ndarray:
+        """The draft's inputs of `seqs` [4, B]: anchor tokens, their positions, STATE slots,
+        context floors."""
+        floors = [max(s.decoder_start or 0, s.swa_floor) for s in seqs]
+        return np.array([anchors, anchor_pos, [s.slot for s in seqs], floors], np.int64).reshape(4, len(seqs))
 
     def _run_draft(self, cols: np.ndarray, on_device: tuple | None = None) -> torch.Tensor:
         """The draft of `cols` [4, B] (its graph when one holds B requests, else eagerly);
