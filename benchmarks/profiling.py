@@ -185,6 +185,25 @@ def attribute_idle(kernels, ranges) -> dict:
             "idle_ms_by_phase": {k: round(v / 1e3, 3) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}}
 
 
+def kernel_table(events, order: int = 0) -> str:
+    """Every device kernel of a profile: calls, total and mean µs, by total; then the names of the
+    first `order` kernels in start order."""
+    ks = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                 and not e.name.startswith("step:")), key=lambda e: e.time_range.start)
+    by: dict = {}
+    for e in ks:
+        n, t = by.get(e.name, (0, 0.0))
+        by[e.name] = (n + 1, t + e.time_range.elapsed_us())
+    lines = [f"{len(ks)} kernels, {sum(t for _, t in by.values()) / 1e3:.3f} ms",
+             f"{'calls':>6} {'total us':>10} {'mean us':>8}  kernel"]
+    lines += [f"{n:6d} {t:10.1f} {t / n:8.2f}  {name[:110]}"
+              for name, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1])]
+    if order:
+        lines += [f"first {min(order, len(ks))} kernels in order:"]
+        lines += [f"  {e.time_range.elapsed_us():8.2f}  {e.name[:110]}" for e in ks[:order]]
+    return "\n".join(lines)
+
+
 def phase_summary(events) -> list[str]:
     """Lines `phase: host ms, device span ms` for the `step:` ranges of a profile's events: a
     range's host event gives its host time, its device-side annotation (on CUDA) the span from
@@ -202,9 +221,11 @@ def phase_summary(events) -> list[str]:
             for n in order]
 
 
-def profile_step(eng, title: str, path: str, phases=STEP_PHASES, rows: int = 40) -> float:
+def profile_step(eng, title: str, path: str, phases=STEP_PHASES, rows: int = 40, order: int = 0) -> float:
     """One `eng.step()` under the profiler (CPU and, on CUDA, device activity); appends the
-    summary and tables to `path`. Returns the summed kernel time, ms (NaN on the CPU)."""
+    summary and tables to `path`: on CUDA every kernel by device time, then the first `order`
+    kernels in launch order (a layer's sequence, for fusion work). Returns the summed kernel
+    time, ms (NaN on the CPU)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     cuda = torch.cuda.is_available()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -218,6 +239,6 @@ def profile_step(eng, title: str, path: str, phases=STEP_PHASES, rows: int = 40)
         f.write(f"==== {title}\nkernel time {kernel_ms:.3f} ms\n")
         f.write("\n".join(phase_summary(prof.events())) + "\n\n")
         if cuda:
-            f.write(avg.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70) + "\n\n")
+            f.write(kernel_table(prof.events(), order) + "\n\n")
         f.write(avg.table(sort_by="cpu_time_total", row_limit=rows, max_name_column_width=70) + "\n\n")
     return kernel_ms

@@ -119,18 +119,19 @@ def prefill_ms(eng, n: int, length: int, reps: int) -> tuple[float, float]:
     return statistics.median(ts[1:]), dev
 
 
-def profile(eng, kind: str, path: str, title: str, n: int = 1) -> None:
-    """One step under torch.profiler (decode: `n` requests of 1,024 tokens; prefill: one of
-    4,096), appended to `path` (benchmarks/profiling.py)."""
+def profile(eng, kind: str, path: str, title: str, n: int = 1, order: int = 0, length: int | None = None) -> None:
+    """One step under torch.profiler (decode: `n` requests of `length` (1,024) tokens; prefill:
+    one of `length` (4,096)), appended to `path` (benchmarks/profiling.py; `order`: that many
+    kernels listed in launch order)."""
     g = torch.Generator().manual_seed(7)
-    n, length = (n, 1024) if kind == "decode" else (1, 4096)
+    n, length = (n, length or 1024) if kind == "decode" else (1, length or 4096)
     seqs = [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (length,), generator=g).tolist(),
                             SamplingParams(max_tokens=DECODE_MARGIN, ignore_eos=True)) for _ in range(n)]
     if kind == "decode":
         while any(s.num_computed < s.num_prompt_tokens for s in seqs):
             eng.step()
         eng.step()
-    profile_step(eng, title, path)
+    profile_step(eng, title, path, order=order)
     for s in seqs:
         eng.abort(s.request_id)
 
@@ -274,12 +275,19 @@ def run_cases(eng, cases, variants, use, steps: int, res: dict, save) -> None:
 
 def serve_cases(eng, variants, use, steps: int, res: dict) -> None:
     """Worker mode: `READY {setup}` once, then for each JSON line [kind, requests, tokens] on
-    stdin `CASE [results]` (one per variant), until stdin closes."""
+    stdin `CASE [results]` (one per variant), and for each line {"profile": path, "case": [kind,
+    requests, tokens]} `CASE []` after profiling that step of the first variant (`profile`, the
+    first 120 kernels in order), until stdin closes."""
     keys = ("device", "torch", "triton", "weights_gb", "weights_gib", "compile", "graphs", "engine_ready_seconds")
     print("READY " + json.dumps({k: res.get(k) for k in keys}, default=str), flush=True)
     for line in sys.stdin:
-        out = {"results": []}
-        run_cases(eng, [tuple(json.loads(line))], variants, use, steps, out, lambda: None)
+        req, out = json.loads(line), {"results": []}
+        if isinstance(req, dict):
+            (kind, n, length), v = req["case"], variants[0]
+            use(v)
+            profile(eng, kind, req["profile"], f"{v} {kind}, {n} request(s)", n, order=120, length=length)
+        else:
+            run_cases(eng, [tuple(req)], variants, use, steps, out, lambda: None)
         print("CASE " + json.dumps(out["results"]), flush=True)
 
 

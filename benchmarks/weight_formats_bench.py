@@ -41,6 +41,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--num-pages", type=int, default=1024,
                     help="KV pages of each engine (both share the GPU: neither may size its pool from memory)")
     ap.add_argument("--out", default="benchmarks/results/native-weights-flash-slice-h200.json")
+    ap.add_argument("--profile", default=None,
+                    help="after the cases, each engine profiles a batch-1 decode step in turn into PROFILE.<format>.txt")
     ap.add_argument("--dry-run", action="store_true", help="toy, CPU, eager, small cases; writes nothing")
     a = ap.parse_args(argv)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(HERE),
@@ -71,6 +73,10 @@ def main(argv=None) -> dict:
             if not a.dry_run:
                 with open(a.out, "w") as f:          # after every case: a run cut short keeps what it measured
                     json.dump(res, f, indent=1, default=str)
+        for fmt, p in procs.items() if a.profile else ():    # one engine at a time: the other one idles
+            p.stdin.write(json.dumps({"profile": f"{a.profile}.{NAMES[fmt]}.txt", "case": ["decode", 1, (DRY_CASES if a.dry_run else CASES)[0][2]]}) + "\n")
+            p.stdin.flush()
+            reply(p, "CASE ")
     except BaseException:
         for p in procs.values():      # a worker that failed or a stop: the other one goes too
             p.kill()

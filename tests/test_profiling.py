@@ -1,5 +1,9 @@
 """benchmarks/profiling.py's arithmetic on device events (the profiling itself needs a GPU)."""
-from benchmarks.profiling import attribute_idle, gaps_between
+from types import SimpleNamespace
+
+import torch
+
+from benchmarks.profiling import attribute_idle, gaps_between, kernel_table
 
 
 def test_gaps_between_merges_overlaps_and_names_the_largest_idle_intervals():
@@ -33,3 +37,15 @@ def test_idle_time_goes_to_the_innermost_host_phase_running_then():
                                        "runner.prepare": 1.0}
     assert sum(got["idle_ms_by_phase"].values()) == got["idle_ms"]
     assert attribute_idle([], ranges) == {}
+
+
+def test_the_kernel_table_lists_every_kernel_by_total_then_the_first_in_start_order():
+    def ev(name, a, b, dev=torch.autograd.DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=dev,
+                               time_range=SimpleNamespace(start=a, elapsed_us=lambda: b - a))
+    events = [ev("gemv", 10, 14), ev("norm", 0, 2), ev("gemv", 20, 30), ev("step:runner.run", 0, 40),
+              ev("aten::mm", 0, 50, torch.autograd.DeviceType.CPU)]
+    lines = kernel_table(events, order=2).splitlines()
+    assert lines[0] == "3 kernels, 0.016 ms"
+    assert lines[2].split() == ["2", "14.0", "7.00", "gemv"] and lines[3].split() == ["1", "2.0", "2.00", "norm"]
+    assert lines[4:] == ["first 2 kernels in order:", "      2.00  norm", "      4.00  gemv"]

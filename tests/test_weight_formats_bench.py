@@ -1,5 +1,6 @@
 """benchmarks/weight_formats_bench.py --dry-run: two step_bench workers (toy, CPU, eager), one per
-weight format, given the same cases in turn; the rows alternate bf16 / native with their floors."""
+weight format, given the same cases in turn; the rows alternate bf16 / native with their floors;
+then each profiles a decode step."""
 import json
 import subprocess
 import sys
@@ -8,9 +9,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_weight_formats_bench_dry_run():
-    r = subprocess.run([sys.executable, "benchmarks/weight_formats_bench.py", "--dry-run"], cwd=REPO,
-                       capture_output=True, text=True, timeout=600)
+def test_weight_formats_bench_dry_run(tmp_path):
+    prof = tmp_path / "prof"
+    r = subprocess.run([sys.executable, "benchmarks/weight_formats_bench.py", "--dry-run", "--profile", str(prof)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(res["weights_gb"]) == {"bf16", "native"} and res["weights_gb"]["native"] < res["weights_gb"]["bf16"]
@@ -21,3 +23,6 @@ def test_weight_formats_bench_dry_run():
     # the native engine reads fewer bytes a step than the dequantized one
     for bf, nat in zip(rows[::2], rows[1::2]):
         assert nat["bytes"] < bf["bytes"]
+    # after the cases each engine profiled a batch-1 decode step (on the CPU: host tables only)
+    for fmt in ("bf16", "native"):
+        assert "==== eager decode, 1 request(s)" in (tmp_path / f"prof.{fmt}.txt").read_text()

@@ -22,7 +22,8 @@
 #   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles;
 #                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm;
 #                                     # --mhc: mhc_mix with its projection split more ways
-#   tools/gpu_checks.sh OUT formats   # weight_formats_bench: bf16 and native engines in one run, alternating
+#   tools/gpu_checks.sh OUT formats   # weight_formats_bench: bf16 and native engines in one run, alternating;
+#                                     # then each engine's batch-1 decode step profiled, every kernel listed
 #   tools/gpu_checks.sh OUT slice-experts  # native_gemm_bench --slice-experts: flash-slice's expert paths,
 #                                     # the 'tiles' path split over K / unpipelined / other tiles (~4 min)
 #   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
@@ -132,7 +133,7 @@ formats)
   step "weight_formats_bench"
   export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))   # two compiles share the cores
   timeout 570 $py benchmarks/weight_formats_bench.py --out "$OUT/native-weights-flash-slice-h200.json" \
-    > "$OUT/formats.log" 2>&1
+    --profile "$OUT/formats-decode-b1" > "$OUT/formats.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/formats.log" | cut -c1-200 | tail -12 ;;
 slice-experts)
   step "native_gemm_bench --slice-experts"
