@@ -254,7 +254,7 @@ def main():
             use(v)
             for kind, n in (("decode", 1), ("decode", 64), ("prefill", 1)):
                 if (v, kind) != ("eager", "decode"):
-                    profile(eng, kind, a.profile, f"{v} {kind}, {n} request(s)", n)
+                    profile(eng, kind, a.profile, f"{v} {kind}, {n} request(s)", n, order=120)
 
 
 def run_cases(eng, cases, variants, use, steps: int, res: dict, save) -> None:
