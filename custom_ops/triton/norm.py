@@ -8,6 +8,11 @@ applies the FP8 QAT per group of 32 (bit-exact with v41.quant.fp8_qat; see commo
 Flash: D = 5120 -> chunks of 1024 (5 per pass), one row per program; q_norm (1280), kv_norm
 (512) and the index k_norm (128) pack 1..8 rows per program. FP64 (the oracle) and other dtypes
 fall back to the reference.
+
+`v41::hc_collapse_norm(_fp8)` are the same kernels reading a row as the collapse of the residual
+streams, Σ_k mix[k]·X[k] in FP32 rounded once to X's dtype (hc_collapse's arithmetic, in its
+order), instead of a stored x: one launch instead of two, and no [T, D] row written and read
+back between them.
 """
 from __future__ import annotations
 
@@ -24,8 +29,22 @@ TILE = 2048                   # elements per program per chunk (rows x chunk)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
-                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rows(x_ptr, mix_ptr, r, c, m, rm, stride_x, stride_xk, stride_m, HC: tl.constexpr):
+    """Rows r at columns c in FP32: x itself (HC 0), or the collapse of the HC streams of X
+    (row stride stride_x, stream stride stride_xk) with weights mix[r, k], rounded once to X's
+    dtype. `m` masks the elements, `rm` (shaped like r) the rows."""
+    if HC == 0:
+        return tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0).to(tl.float32)
+    acc = tl.zeros(m.shape, tl.float32)
+    for k in tl.static_range(HC):
+        w = tl.load(mix_ptr + r * stride_m + k, mask=rm, other=0.0).to(tl.float32)
+        acc += w * tl.load(x_ptr + r * stride_x + k * stride_xk + c, mask=m, other=0.0).to(tl.float32)
+    return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, mix_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_xk, stride_m, stride_o,
+                     HC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     r = rows.to(tl.int64)[:, None]
@@ -34,21 +53,21 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
     for d0 in range(0, D, BLOCK_D):
         c = d0 + cols
         m = rmask[:, None] & (c < D)[None, :]
-        x = tl.load(x_ptr + r * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
+        x = _rows(x_ptr, mix_ptr, r, c[None, :], m, rmask[:, None], stride_x, stride_xk, stride_m, HC)
         ss += tl.sum(x * x, axis=1)
     inv = tl.rsqrt(ss / D + eps)
     for d0 in range(0, D, BLOCK_D):
         c = d0 + cols
         m = rmask[:, None] & (c < D)[None, :]
-        x = tl.load(x_ptr + r * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
+        x = _rows(x_ptr, mix_ptr, r, c[None, :], m, rmask[:, None], stride_x, stride_xk, stride_m, HC)
         w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
         y = w[None, :] * (x * inv[:, None])
         tl.store(out_ptr + r * stride_o + c[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
-                         BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+def _rms_norm_fp8_kernel(x_ptr, mix_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_xk, stride_m, stride_o,
+                         HC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     r = rows.to(tl.int64)[:, None, None]
@@ -57,42 +76,50 @@ def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
     for d0 in range(0, D, BLOCK_G * 32):
         c = d0 + col
         m = rmask[:, None, None] & (c < D)
-        x = tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0).to(tl.float32)
+        x = _rows(x_ptr, mix_ptr, r, c, m, rmask[:, None, None], stride_x, stride_xk, stride_m, HC)
         ss += tl.sum(tl.sum(x * x, axis=2), axis=1)
     inv = tl.rsqrt(ss / D + eps)[:, None, None]
     for d0 in range(0, D, BLOCK_G * 32):
         c = d0 + col
         m = rmask[:, None, None] & (c < D)
-        x = tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0)
+        x = _rows(x_ptr, mix_ptr, r, c, m, rmask[:, None, None], stride_x, stride_xk, stride_m, HC)
         w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
-        y = (w * (x.to(tl.float32) * inv)).to(x.dtype).to(tl.float32)   # the norm's one rounding
+        y = (w * (x * inv)).to(out_ptr.dtype.element_ty).to(tl.float32)   # the norm's one rounding
         q = fp8_qat_groups(y, 2)
         tl.store(out_ptr + r * stride_o + c, q.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _launch(kernel, x, w, eps, out, fp8: bool) -> bool:
+def _launch(kernel, x, w, eps, out, fp8: bool, mix=None) -> bool:
+    """x [..., D] rows, or with `mix` the streams X [T, hc, D] collapsed by mix [T, hc] (FP32)."""
     D = x.shape[-1]
     if x.dtype not in TL_DTYPES or out.dtype != x.dtype or w.dtype == torch.float64 or \
             (fp8 and D % 32) or D == 0:
         return False
-    x2 = rows2d(x, D)
-    if x2 is None:
-        x2 = x.reshape(-1, D).contiguous()
+    if mix is None:
+        hc, x2 = 0, rows2d(x, D)
+        if x2 is None:
+            x2 = x.reshape(-1, D).contiguous()
+        mix2, stride_k, stride_m = x2, 0, 0
+    else:
+        hc = x.shape[1]
+        if mix.dtype != torch.float32 or hc & (hc - 1) or x.stride(-1) != 1 or mix.stride(-1) != 1:
+            return False
+        x2, mix2, stride_k, stride_m = x, mix, x.stride(1), mix.stride(0)
     o2 = rows2d(out, D)
-    dst = o2 if o2 is not None else torch.empty(x2.shape, dtype=out.dtype, device=out.device)
+    dst = o2 if o2 is not None else torch.empty((x2.shape[0], D), dtype=out.dtype, device=out.device)
     w = w if w.stride(-1) == 1 else w.contiguous()
     N = x2.shape[0]
     if N:
         if fp8:
             bg = min(triton.next_power_of_2(D // 32), CHUNK // 32)
             br = max(1, min(16, TILE // (bg * 32)))
-            kernel[(triton.cdiv(N, br),)](x2, w, dst, N, D, eps, x2.stride(0), dst.stride(0),
-                                          BLOCK_R=br, BLOCK_G=bg, num_warps=4)
+            blocks = dict(BLOCK_R=br, BLOCK_G=bg)
         else:
             bd = min(triton.next_power_of_2(D), CHUNK)
             br = max(1, min(16, TILE // bd))
-            kernel[(triton.cdiv(N, br),)](x2, w, dst, N, D, eps, x2.stride(0), dst.stride(0),
-                                          BLOCK_R=br, BLOCK_D=bd, num_warps=4)
+            blocks = dict(BLOCK_R=br, BLOCK_D=bd)
+        kernel[(triton.cdiv(N, br),)](x2, mix2, w, dst, N, D, eps, x2.stride(0), stride_k, stride_m, dst.stride(0),
+                                      HC=hc, **blocks, num_warps=4)
     if o2 is None:
         out.copy_(dst.view(out.shape))
     return True
@@ -110,5 +137,19 @@ def triton_rms_norm_fp8(x, w, eps, out) -> None:
         _ref.rms_norm_fp8(x, w, eps, out)
 
 
+def triton_hc_collapse_norm(X, mix, w, eps, out) -> None:
+    """`v41::hc_collapse_norm` (same signature)."""
+    if not _launch(_rms_norm_kernel, X, w, eps, out, False, mix):
+        _ref.hc_collapse_norm(X, mix, w, eps, out)
+
+
+def triton_hc_collapse_norm_fp8(X, mix, w, eps, out) -> None:
+    """`v41::hc_collapse_norm_fp8` (same signature)."""
+    if not _launch(_rms_norm_fp8_kernel, X, w, eps, out, True, mix):
+        _ref.hc_collapse_norm_fp8(X, mix, w, eps, out)
+
+
 register_impl("rms_norm", "triton", triton_rms_norm, device_type="cuda")
 register_impl("rms_norm_fp8", "triton", triton_rms_norm_fp8, device_type="cuda")
+register_impl("hc_collapse_norm", "triton", triton_hc_collapse_norm, device_type="cuda")
+register_impl("hc_collapse_norm_fp8", "triton", triton_hc_collapse_norm_fp8, device_type="cuda")
