@@ -254,6 +254,26 @@ def bench_lm_head(rows: list, V: int = 129280, D: int = 5120) -> None:
         alternate(rows, cases, head.nbytes, lambda us: {"TFLOPs": round(2 * M * V * D / us / 1e6, 2)})
 
 
+def bench_collapse_norm(rows: list, hc: int = 4, dim: int = 5120) -> None:
+    """A sublayer's input at Flash's width: hc_collapse then rms_norm (rms_norm_fp8), two
+    launches, beside hc_collapse_norm (_fp8), one; in alternation. The floor is X and the
+    output once (the two launches also write and read the collapsed row)."""
+    ops = torch.ops.v41
+    w = torch.randn(dim, device="cuda").bfloat16()
+    for T in (1, 6, 16, 64, 4096):
+        X = torch.randn(T, hc, dim, device="cuda").bfloat16()
+        mix = torch.rand(T, hc, device="cuda")
+        x, y = torch.empty(T, dim, device="cuda").bfloat16(), torch.empty(T, dim, device="cuda").bfloat16()
+        cases = []
+        for q, norm, fused in (("", ops.rms_norm, ops.hc_collapse_norm), ("_fp8", ops.rms_norm_fp8,
+                                                                          ops.hc_collapse_norm_fp8)):
+            cases += [({"kernel": f"collapse+rms_norm{q}", "tokens": T, "launches": 2},
+                       lambda norm=norm: (ops.hc_collapse(X, mix, x), norm(x, w, 1e-6, y))),
+                      ({"kernel": f"hc_collapse_norm{q}", "tokens": T, "launches": 1},
+                       lambda fused=fused: fused(X, mix, w, 1e-6, y))]
+        alternate(rows, cases, X.nbytes + y.nbytes, lambda us: {})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/kernels-h200.json")
@@ -262,9 +282,13 @@ def main():
     ap.add_argument("--mhc", action="store_true", help="only mhc_mix: the default beside more projection splits")
     ap.add_argument("--wo-a", action="store_true", help="only inv_rope_wo_a at decode widths, split-K and tiles")
     ap.add_argument("--lm-head", action="store_true", help="only the FP32 LM head, cuBLAS vs skinny_gemm")
+    ap.add_argument("--collapse-norm", action="store_true", help="only hc_collapse_norm against its two launches")
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
+    if a.collapse_norm:
+        bench_collapse_norm(rows)
+        return save(a.out, rows)
     if a.lm_head:
         bench_lm_head(rows)
         return save(a.out, rows)
