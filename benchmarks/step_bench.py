@@ -159,6 +159,8 @@ def main():
     ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from GPU memory)")
     ap.add_argument("--agreement", action=argparse.BooleanOptionalAction, default=True,
                     help="check compiled pieces against eager first (minutes on flash-slice)")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="the decode cases alone, and of the profiles the batch-1 decode step's")
     ap.add_argument("--dry-run", action="store_true", help="toy, CPU, eager, small cases: the code path only")
     ap.add_argument("--worker", action="store_true",
                     help="after setup print READY, then run the cases given as JSON lines on stdin "
@@ -245,14 +247,15 @@ def main():
         save()
     if a.worker:
         return serve_cases(eng, variants, use, a.steps, res)
-    cases = [("decode", bs, 1024) for bs in (1, 16, 64)] + [("prefill", 1, 4096), ("prefill", 8, 1024)]
-    if "tr_hybrid" in variants:
+    cases = [("decode", bs, 1024) for bs in (1, 16, 64)] + \
+        ([] if a.decode_only else [("prefill", 1, 4096), ("prefill", 8, 1024)])
+    if "tr_hybrid" in variants and not a.decode_only:
         cases.append(("prefill", 1, 512))      # the largest token bucket: a prefill that replays
     run_cases(eng, cases, variants, use, a.steps, res, save)
     if a.profile:
         for v in variants:
             use(v)
-            for kind, n in (("decode", 1), ("decode", 64), ("prefill", 1)):
+            for kind, n in (("decode", 1),) + ((("decode", 64), ("prefill", 1)) if not a.decode_only else ()):
                 if (v, kind) != ("eager", "decode"):
                     profile(eng, kind, a.profile, f"{v} {kind}, {n} request(s)", n, order=120)
 
