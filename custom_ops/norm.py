@@ -9,7 +9,7 @@ from __future__ import annotations
 from custom_ops.registry import define
 from v41 import quant
 from v41.layers import rms_norm as _rms_norm
-from v41.mhc import collapse
+from v41.mhc import collapse, expand
 
 FP8_GROUP = 32
 
@@ -37,3 +37,12 @@ def hc_collapse_norm(X, mix, w, eps, out) -> None:
 def hc_collapse_norm_fp8(X, mix, w, eps, out) -> None:
     """fp8_qat(rms_norm(collapse(X, mix), w, eps), 32), in X's dtype."""
     out.copy_(quant.fp8_qat(_rms_norm(collapse(X, mix), w, eps), FP8_GROUP))
+
+
+@define("hc_expand_norm(Tensor out_, Tensor X, Tensor post, Tensor comb, Tensor pre, Tensor w, float eps, "
+        "Tensor(a!) Y, Tensor(b!) out) -> ()")
+def hc_expand_norm(out_, X, post, comb, pre, w, eps, Y, out) -> None:
+    """A sublayer's output into the streams and the next sublayer's input from them:
+    Y <- expand(out_, X, post, comb) (hc_expand), out <- rms_norm(collapse(Y, pre), w, eps)."""
+    Y.copy_(expand(out_, X, post, comb))
+    out.copy_(_rms_norm(collapse(Y, pre), w, eps))

@@ -89,6 +89,64 @@ def _rms_norm_fp8_kernel(x_ptr, mix_ptr, w_ptr, out_ptr, N, D, eps, stride_x, st
         tl.store(out_ptr + r * stride_o + c, q.to(out_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _expanded_rows(o_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, t64, c, m, rm, stride_ot, stride_xt, stride_xk,
+                   stride_pt, stride_ct, stride_ci, stride_mt, HC: tl.constexpr):
+    """At rows t64 ([R, 1]) and columns c ([1, BD]): the streams Y [R, HC, BD] of hc_expand
+    (post[j]·out + Σ_i comb[i][j]·X[i] in FP32, as _hc_expand_kernel computes them, not yet
+    rounded) and their collapse Σ_k pre[k]·Y[k] [R, BD] (FP32, from Y rounded to X's dtype as
+    hc_collapse reads it, in its order; rounded once to X's dtype, returned in FP32)."""
+    j = tl.arange(0, HC)[None, :, None]
+    mj = rm[:, :, None] & (j < HC)
+    acc = tl.zeros([m.shape[0], HC, m.shape[1]], tl.float32)
+    for i in tl.static_range(HC):
+        xi = tl.load(x_ptr + t64 * stride_xt + i * stride_xk + c, mask=m, other=0.0)
+        w = tl.load(comb_ptr + t64[:, :, None] * stride_ct + i * stride_ci + j, mask=mj, other=0.0)
+        acc += w.to(tl.float32) * xi.to(tl.float32)[:, None, :]
+    o = tl.load(o_ptr + t64 * stride_ot + c, mask=m, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t64[:, :, None] * stride_pt + j, mask=mj, other=0.0).to(tl.float32)
+    y = post * o[:, None, :] + acc
+    yr = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    col = tl.zeros(m.shape, tl.float32)
+    for k in tl.static_range(HC):
+        p = tl.load(pre_ptr + t64 * stride_mt + k, mask=rm, other=0.0).to(tl.float32)
+        col += p * tl.sum(tl.where(j == k, yr, 0.0), axis=1)      # stream k alone: exact
+    return y, col.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _hc_expand_norm_kernel(o_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, y_ptr, out_ptr, N, D, eps,
+                           stride_ot, stride_xt, stride_xk, stride_pt, stride_ct, stride_ci, stride_mt,
+                           stride_yt, stride_yk, stride_nt,
+                           HC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """hc_expand then hc_collapse_norm of its streams: pass one writes Y and sums the
+    collapse's squares, pass two recomputes the collapse (the same bits) and writes its norm;
+    the tiles and sums of _rms_norm_kernel."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < N
+    t64 = rows.to(tl.int64)[:, None]
+    rm = rmask[:, None]
+    cols = tl.arange(0, BLOCK_D)
+    j = tl.arange(0, HC)[None, :, None]
+    ss = tl.zeros([BLOCK_R], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        c = (d0 + cols)[None, :]
+        m = rm & (c < D)
+        y, x = _expanded_rows(o_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, t64, c, m, rm, stride_ot, stride_xt,
+                              stride_xk, stride_pt, stride_ct, stride_ci, stride_mt, HC)
+        tl.store(y_ptr + t64[:, :, None] * stride_yt + j * stride_yk + c[:, None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=m[:, None, :] & (j < HC))
+        ss += tl.sum(x * x, axis=1)
+    inv = tl.rsqrt(ss / D + eps)
+    for d0 in range(0, D, BLOCK_D):
+        c = (d0 + cols)[None, :]
+        m = rm & (c < D)
+        _, x = _expanded_rows(o_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, t64, c, m, rm, stride_ot, stride_xt,
+                              stride_xk, stride_pt, stride_ct, stride_ci, stride_mt, HC)
+        w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t64 * stride_nt + c, (w * (x * inv[:, None])).to(out_ptr.dtype.element_ty), mask=m)
+
+
 def _launch(kernel, x, w, eps, out, fp8: bool, mix=None) -> bool:
     """x [..., D] rows, or with `mix` the streams X [T, hc, D] collapsed by mix [T, hc] (FP32)."""
     D = x.shape[-1]
@@ -149,7 +207,26 @@ def triton_hc_collapse_norm_fp8(X, mix, w, eps, out) -> None:
         _ref.hc_collapse_norm_fp8(X, mix, w, eps, out)
 
 
+def triton_hc_expand_norm(out_, X, post, comb, pre, w, eps, Y, out) -> None:
+    """`v41::hc_expand_norm` (same signature)."""
+    T, hc, D = X.shape
+    ok = X.dtype in TL_DTYPES and out_.dtype in TL_DTYPES and Y.dtype == X.dtype == out.dtype and \
+        all(t.dtype == torch.float32 for t in (post, comb, pre)) and not hc & (hc - 1) and \
+        w.dtype != torch.float64 and all(t.stride(-1) == 1 for t in (out_, X, post, comb, pre, w, Y, out))
+    if not ok:
+        return _ref.hc_expand_norm(out_, X, post, comb, pre, w, eps, Y, out)
+    if T == 0 or D == 0:
+        return
+    bd = min(triton.next_power_of_2(D), CHUNK)      # _launch's norm tiles: the norm's sums, bit for bit
+    br = max(1, min(16, TILE // bd))
+    _hc_expand_norm_kernel[(triton.cdiv(T, br),)](
+        out_, X, post, comb, pre, w, Y, out, T, D, eps, out_.stride(0), X.stride(0), X.stride(1), post.stride(0),
+        comb.stride(0), comb.stride(1), pre.stride(0), Y.stride(0), Y.stride(1), out.stride(0),
+        HC=hc, BLOCK_R=br, BLOCK_D=bd, num_warps=4)
+
+
 register_impl("rms_norm", "triton", triton_rms_norm, device_type="cuda")
 register_impl("rms_norm_fp8", "triton", triton_rms_norm_fp8, device_type="cuda")
 register_impl("hc_collapse_norm", "triton", triton_hc_collapse_norm, device_type="cuda")
 register_impl("hc_collapse_norm_fp8", "triton", triton_hc_collapse_norm_fp8, device_type="cuda")
+register_impl("hc_expand_norm", "triton", triton_hc_expand_norm, device_type="cuda")
