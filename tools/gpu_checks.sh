@@ -144,9 +144,17 @@ native-decode)
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | cut -c1-200 | tail -6 ;;
 formats)
   # bf16 and native engines side by side, alternating cases; both compile at once (one cold native compile alone: 229 s, native-weights-flash-slice-h200.json)
+  if [ "${FUSED_CHECK:-0}" = 1 ]; then
+    # the norm fusions' GPU tests first; if they fail, the run goes on without their passes
+    step "fused norm ops (GPU tests)"
+    timeout 100 $py -m pytest -q -m gpu -p no:cacheprovider --timeout=90 tests/test_fused_ops_gpu.py \
+      -k "collapse or registry" > "$OUT/fused-ops-gpu.log" 2>&1
+    rc=$?; echo "rc=$rc"; tail -2 "$OUT/fused-ops-gpu.log"
+    [ $rc = 0 ] || sed -i 's/"collapse_norm", "expand_norm", //' passes/__init__.py
+  fi
   step "weight_formats_bench"
   export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))   # two compiles share the cores
-  timeout 570 $py benchmarks/weight_formats_bench.py --out "$OUT/native-weights-flash-slice-h200.json" \
+  timeout $(( 575 - SECONDS )) $py benchmarks/weight_formats_bench.py --out "$OUT/native-weights-flash-slice-h200.json" \
     --profile "$OUT/formats-decode-b1" > "$OUT/formats.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/formats.log" | cut -c1-200 | tail -12 ;;
 slice-experts)
