@@ -139,7 +139,7 @@ native-decode)
   timeout 90 $py benchmarks/kernel_bench.py --collapse-norm --out "$OUT/collapse-norm.json" > "$OUT/collapse-norm.log" 2>&1
   echo "rc=$?"; grep '"round": 1' "$OUT/collapse-norm.log" | cut -c1-120
   step "step_bench --weight-format native --decode-only"
-  timeout $(( 560 - SECONDS )) $py benchmarks/step_bench.py --weight-format native --variants full --no-agreement \
+  timeout $(( ${LIMIT:-560} - SECONDS )) $py benchmarks/step_bench.py --weight-format native --variants full --no-agreement \
     --decode-only --profile "$OUT/native-profiles.txt" --out "$OUT/native-decode.json" > "$OUT/native.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | cut -c1-200 | tail -6 ;;
 formats)
