@@ -88,9 +88,13 @@ class PatternPass(V41Pass):
             return trace(fn, args, **tkw) if fn is replace else self.search_traces.get(search, fn, args, **tkw)
         register_replacement(search, replace, example_inputs, trace_fn, pm, **kw)
 
+    def before(self, graph: torch.fx.Graph) -> None:
+        """What the graph needs before the patterns match (a CSE, say): nothing by default."""
+
     def __call__(self, graph: torch.fx.Graph) -> int:
         if self.missing:
             return 0
+        self.before(graph)
         if self._pm is None:
             self._pm = PatternMatcherPass(pass_name=f"v41.{self.name}")
             with torch.no_grad(), _real_mode():

@@ -67,10 +67,8 @@ class CollapseNorm(PatternPass):
         self.add(pm, norm, norm_fused, ex)
         self.add(pm, quantized, quantized_fused, ex)
 
-    def __call__(self, graph):
-        if not self.missing:
-            dedupe_sym_sizes(graph)
-        return super().__call__(graph)
+    def before(self, graph):
+        dedupe_sym_sizes(graph)
 
 
 def make(cfg, dtype, lowering="auto"):

@@ -48,10 +48,8 @@ class ExpandNorm(PatternPass):
                  [rand(8, D, dtype=dt), rand(8, hc, D, dtype=dt), rand(8, hc, dtype=acc), rand(8, hc, hc, dtype=acc),
                   rand(8, hc, dtype=acc), rand(D, dtype=dt)])
 
-    def __call__(self, graph):
-        if not self.missing:
-            dedupe_sym_sizes(graph)
-        return super().__call__(graph)
+    def before(self, graph):
+        dedupe_sym_sizes(graph)
 
 
 def make(cfg, dtype, lowering="auto"):

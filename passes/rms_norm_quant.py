@@ -66,10 +66,8 @@ class RMSNormQuant(PatternPass):
         self.add(pm, both, both_fused, ex)
         self.add(pm, norm, norm_fused, ex)
 
-    def __call__(self, graph):
-        if not self.missing:
-            cse(graph)
-        return super().__call__(graph)
+    def before(self, graph):
+        cse(graph)
 
 
 def make(cfg, dtype, lowering="auto"):
