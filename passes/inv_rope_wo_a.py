@@ -53,11 +53,8 @@ class InvRopeWoA(PatternPass):
               torch.randint(0, 64, (10,)), rand(G, R, H * d // G, dtype=dt)]
         self.add(pm, search, replace, ex)
 
-
-    def __call__(self, graph):
-        if not self.missing:
-            dedupe_replayed_views(graph)     # o is sparse_attn's output buffer
-        return super().__call__(graph)
+    def before(self, graph):
+        dedupe_replayed_views(graph)     # o is sparse_attn's output buffer
 
 
 def make(cfg, dtype, lowering="auto"):
