@@ -1,4 +1,5 @@
-"""Triton impls of `v41::rms_norm` and `v41::rms_norm_fp8` (custom_ops/norm.py is the definition).
+"""Triton impls of `v41::rms_norm`, `v41::rms_norm_fp8` and the fused forms reading the residual
+streams (custom_ops/norm.py is the definition).
 
 Rows of x ([..., D] viewed [N, D]). One program takes BLOCK_R rows and walks D in chunks twice:
 the first pass sums x² in FP32, the second (re-reading the chunks, now in L1/L2) writes
@@ -12,7 +13,9 @@ fall back to the reference.
 `v41::hc_collapse_norm(_fp8)` are the same kernels reading a row as the collapse of the residual
 streams, Σ_k mix[k]·X[k] in FP32 rounded once to X's dtype (hc_collapse's arithmetic, in its
 order), instead of a stored x: one launch instead of two, and no [T, D] row written and read
-back between them.
+back between them. `v41::hc_expand_norm` runs hc_expand's arithmetic first (the streams it
+writes) and reads the rows as their collapse, in the plain norm's tiles and sums; its second
+pass recomputes the streams rather than reading back what other threads stored.
 """
 from __future__ import annotations
 
