@@ -247,15 +247,18 @@ def main():
         save()
     if a.worker:
         return serve_cases(eng, variants, use, a.steps, res)
-    cases = [("decode", bs, 1024) for bs in (1, 16, 64)] + \
-        ([] if a.decode_only else [("prefill", 1, 4096), ("prefill", 8, 1024)])
-    if "tr_hybrid" in variants and not a.decode_only:
-        cases.append(("prefill", 1, 512))      # the largest token bucket: a prefill that replays
+    cases = [("decode", bs, 1024) for bs in (1, 16, 64)]
+    profiled = [("decode", 1)]
+    if not a.decode_only:
+        cases += [("prefill", 1, 4096), ("prefill", 8, 1024)]
+        if "tr_hybrid" in variants:
+            cases.append(("prefill", 1, 512))      # the largest token bucket: a prefill that replays
+        profiled += [("decode", 64), ("prefill", 1)]
     run_cases(eng, cases, variants, use, a.steps, res, save)
     if a.profile:
         for v in variants:
             use(v)
-            for kind, n in (("decode", 1),) + ((("decode", 64), ("prefill", 1)) if not a.decode_only else ()):
+            for kind, n in profiled:
                 if (v, kind) != ("eager", "decode"):
                     profile(eng, kind, a.profile, f"{v} {kind}, {n} request(s)", n, order=120)
 

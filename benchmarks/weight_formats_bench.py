@@ -63,7 +63,8 @@ def main(argv=None) -> dict:
                "weights_gb": {NAMES[f]: next(iter(r["weights_gb"].values())) for f, r in ready.items()},
                "setup": ready, "results": []}
         res.update({k: ready["native"].get(k) for k in ("device", "torch", "triton")})
-        for case in DRY_CASES if a.dry_run else CASES:
+        cases = DRY_CASES if a.dry_run else CASES
+        for case in cases:
             for fmt, p in procs.items():
                 p.stdin.write(json.dumps(case) + "\n")
                 p.stdin.flush()
@@ -74,7 +75,7 @@ def main(argv=None) -> dict:
                 with open(a.out, "w") as f:          # after every case: a run cut short keeps what it measured
                     json.dump(res, f, indent=1, default=str)
         for fmt, p in procs.items() if a.profile else ():    # one engine at a time: the other one idles
-            p.stdin.write(json.dumps({"profile": f"{a.profile}.{NAMES[fmt]}.txt", "case": ["decode", 1, (DRY_CASES if a.dry_run else CASES)[0][2]]}) + "\n")
+            p.stdin.write(json.dumps({"profile": f"{a.profile}.{NAMES[fmt]}.txt", "case": cases[0]}) + "\n")  # batch 1
             p.stdin.flush()
             reply(p, "CASE ")
     except BaseException:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from passes.base import PatternPass, call, dedupe_sym_sizes, rand
+from passes.mhc import collapsed_row as row
 
 
 class CollapseNorm(PatternPass):
@@ -31,9 +32,6 @@ class CollapseNorm(PatternPass):
 
     def register(self, pm):
         eps, dt, hc = self.cfg.rms_norm_eps, self.dtype, self.cfg.hc_mult
-
-        def row(X):
-            return X.new_empty((X.shape[0], X.shape[2]))
 
         def collapsed(X, mix):          # as passes/mhc.py emits it
             return call("hc_collapse", X, mix, row(X))[0]

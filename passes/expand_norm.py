@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from passes.base import PatternPass, call, dedupe_sym_sizes, rand
+from passes.mhc import collapsed_row as row
 
 
 class ExpandNorm(PatternPass):
@@ -32,16 +33,12 @@ class ExpandNorm(PatternPass):
     def register(self, pm):
         eps, dt, acc, hc = self.cfg.rms_norm_eps, self.dtype, self.acc, self.cfg.hc_mult
 
-        def row(X):
-            return X.new_empty((X.shape[0], X.shape[2]))
-
         def expand_norm(out_, X, post, comb, pre, w):       # as mhc and collapse_norm emit them
             Y = call("hc_expand", out_, X, post, comb, torch.empty_like(X))[0]
             return Y, call("hc_collapse_norm", Y, pre, w, eps, row(Y))[0]
 
         def expand_norm_fused(out_, X, post, comb, pre, w):
-            Y, x = call("hc_expand_norm", out_, X, post, comb, pre, w, eps, torch.empty_like(X), row(X))
-            return Y, x
+            return call("hc_expand_norm", out_, X, post, comb, pre, w, eps, torch.empty_like(X), row(X))
 
         D = 96
         self.add(pm, expand_norm, expand_norm_fused,

@@ -26,6 +26,7 @@ import triton.language as tl
 from custom_ops import norm as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, fp8_qat_groups, rows2d
+from custom_ops.triton.mhc import collapse_rows, expand_rows, store_streams
 
 CHUNK = 1024                  # elements of a row per chunk
 TILE = 2048                   # elements per program per chunk (rows x chunk)
@@ -34,15 +35,11 @@ TILE = 2048                   # elements per program per chunk (rows x chunk)
 @triton.jit
 def _rows(x_ptr, mix_ptr, r, c, m, rm, stride_x, stride_xk, stride_m, HC: tl.constexpr):
     """Rows r at columns c in FP32: x itself (HC 0), or the collapse of the HC streams of X
-    (row stride stride_x, stream stride stride_xk) with weights mix[r, k], rounded once to X's
-    dtype. `m` masks the elements, `rm` (shaped like r) the rows."""
+    (row stride stride_x, stream stride stride_xk) with weights mix[r, k] (mhc.collapse_rows).
+    `m` masks the elements, `rm` (shaped like r) the rows."""
     if HC == 0:
         return tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0).to(tl.float32)
-    acc = tl.zeros(m.shape, tl.float32)
-    for k in tl.static_range(HC):
-        w = tl.load(mix_ptr + r * stride_m + k, mask=rm, other=0.0).to(tl.float32)
-        acc += w * tl.load(x_ptr + r * stride_x + k * stride_xk + c, mask=m, other=0.0).to(tl.float32)
-    return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return collapse_rows(x_ptr, mix_ptr, r, c, m, rm, stride_x, stride_xk, stride_m, 1, HC)
 
 
 @triton.jit
@@ -96,20 +93,13 @@ def _rms_norm_fp8_kernel(x_ptr, mix_ptr, w_ptr, out_ptr, N, D, eps, stride_x, st
 def _expanded_rows(o_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, t64, c, m, rm, stride_ot, stride_xt, stride_xk,
                    stride_pt, stride_ct, stride_ci, stride_mt, HC: tl.constexpr):
     """At rows t64 ([R, 1]) and columns c ([1, BD]): the streams Y [R, HC, BD] of hc_expand
-    (post[j]·out + Σ_i comb[i][j]·X[i] in FP32, as _hc_expand_kernel computes them, not yet
-    rounded) and their collapse Σ_k pre[k]·Y[k] [R, BD] (FP32, from Y rounded to X's dtype as
-    hc_collapse reads it, in its order; rounded once to X's dtype, returned in FP32)."""
-    j = tl.arange(0, HC)[None, :, None]
-    mj = rm[:, :, None] & (j < HC)
-    acc = tl.zeros([m.shape[0], HC, m.shape[1]], tl.float32)
-    for i in tl.static_range(HC):
-        xi = tl.load(x_ptr + t64 * stride_xt + i * stride_xk + c, mask=m, other=0.0)
-        w = tl.load(comb_ptr + t64[:, :, None] * stride_ct + i * stride_ci + j, mask=mj, other=0.0)
-        acc += w.to(tl.float32) * xi.to(tl.float32)[:, None, :]
-    o = tl.load(o_ptr + t64 * stride_ot + c, mask=m, other=0.0).to(tl.float32)
-    post = tl.load(post_ptr + t64[:, :, None] * stride_pt + j, mask=mj, other=0.0).to(tl.float32)
-    y = post * o[:, None, :] + acc
+    (mhc.expand_rows, not yet rounded) and their collapse Σ_k pre[k]·Y[k] [R, BD] (FP32, from Y
+    rounded to X's dtype as hc_collapse reads it, in its order; rounded once to X's dtype,
+    returned in FP32)."""
+    y = expand_rows(o_ptr, x_ptr, post_ptr, comb_ptr, t64, c, m, rm, stride_ot, stride_xt, stride_xk,
+                    stride_pt, stride_ct, stride_ci, HC)
     yr = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    j = tl.arange(0, HC)[None, :, None]
     col = tl.zeros(m.shape, tl.float32)
     for k in tl.static_range(HC):
         p = tl.load(pre_ptr + t64 * stride_mt + k, mask=rm, other=0.0).to(tl.float32)
@@ -130,15 +120,13 @@ def _hc_expand_norm_kernel(o_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, y_p
     t64 = rows.to(tl.int64)[:, None]
     rm = rmask[:, None]
     cols = tl.arange(0, BLOCK_D)
-    j = tl.arange(0, HC)[None, :, None]
     ss = tl.zeros([BLOCK_R], tl.float32)
     for d0 in range(0, D, BLOCK_D):
         c = (d0 + cols)[None, :]
         m = rm & (c < D)
         y, x = _expanded_rows(o_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, t64, c, m, rm, stride_ot, stride_xt,
                               stride_xk, stride_pt, stride_ct, stride_ci, stride_mt, HC)
-        tl.store(y_ptr + t64[:, :, None] * stride_yt + j * stride_yk + c[:, None, :], y.to(y_ptr.dtype.element_ty),
-                 mask=m[:, None, :] & (j < HC))
+        store_streams(y_ptr, y, t64, c, m, stride_yt, stride_yk, HC)
         ss += tl.sum(x * x, axis=1)
     inv = tl.rsqrt(ss / D + eps)
     for d0 in range(0, D, BLOCK_D):
@@ -148,6 +136,17 @@ def _hc_expand_norm_kernel(o_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, y_p
                               stride_xk, stride_pt, stride_ct, stride_ci, stride_mt, HC)
         w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
         tl.store(out_ptr + t64 * stride_nt + c, (w * (x * inv[:, None])).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _tiles(D: int, fp8: bool) -> dict:
+    """A program's rows and chunk of D: chunks of up to CHUNK elements (the FP8 kernel's as
+    32-wide groups), rows filling TILE elements. hc_expand_norm takes the plain kernel's, so
+    its sums are the norm's."""
+    if fp8:
+        bg = min(triton.next_power_of_2(D // 32), CHUNK // 32)
+        return dict(BLOCK_R=max(1, min(16, TILE // (bg * 32))), BLOCK_G=bg)
+    bd = min(triton.next_power_of_2(D), CHUNK)
+    return dict(BLOCK_R=max(1, min(16, TILE // bd)), BLOCK_D=bd)
 
 
 def _launch(kernel, x, w, eps, out, fp8: bool, mix=None) -> bool:
@@ -171,15 +170,8 @@ def _launch(kernel, x, w, eps, out, fp8: bool, mix=None) -> bool:
     w = w if w.stride(-1) == 1 else w.contiguous()
     N = x2.shape[0]
     if N:
-        if fp8:
-            bg = min(triton.next_power_of_2(D // 32), CHUNK // 32)
-            br = max(1, min(16, TILE // (bg * 32)))
-            blocks = dict(BLOCK_R=br, BLOCK_G=bg)
-        else:
-            bd = min(triton.next_power_of_2(D), CHUNK)
-            br = max(1, min(16, TILE // bd))
-            blocks = dict(BLOCK_R=br, BLOCK_D=bd)
-        kernel[(triton.cdiv(N, br),)](x2, mix2, w, dst, N, D, eps, x2.stride(0), stride_k, stride_m, dst.stride(0),
+        blocks = _tiles(D, fp8)
+        kernel[(triton.cdiv(N, blocks["BLOCK_R"]),)](x2, mix2, w, dst, N, D, eps, x2.stride(0), stride_k, stride_m, dst.stride(0),
                                       HC=hc, **blocks, num_warps=4)
     if o2 is None:
         out.copy_(dst.view(out.shape))
@@ -220,12 +212,11 @@ def triton_hc_expand_norm(out_, X, post, comb, pre, w, eps, Y, out) -> None:
         return _ref.hc_expand_norm(out_, X, post, comb, pre, w, eps, Y, out)
     if T == 0 or D == 0:
         return
-    bd = min(triton.next_power_of_2(D), CHUNK)      # _launch's norm tiles: the norm's sums, bit for bit
-    br = max(1, min(16, TILE // bd))
-    _hc_expand_norm_kernel[(triton.cdiv(T, br),)](
+    blocks = _tiles(D, False)
+    _hc_expand_norm_kernel[(triton.cdiv(T, blocks["BLOCK_R"]),)](
         out_, X, post, comb, pre, w, Y, out, T, D, eps, out_.stride(0), X.stride(0), X.stride(1), post.stride(0),
         comb.stride(0), comb.stride(1), pre.stride(0), Y.stride(0), Y.stride(1), out.stride(0),
-        HC=hc, BLOCK_R=br, BLOCK_D=bd, num_warps=4)
+        HC=hc, **blocks, num_warps=4)
 
 
 register_impl("rms_norm", "triton", triton_rms_norm, device_type="cuda")
