@@ -49,8 +49,8 @@ def count_flops(cfg, length: int, replay: bool) -> float:
                 r = queries * k / n
             elif part.startswith(("attn.compressor.", "attn.indexer.wk")):
                 r = length                # the global KV: every row, replay or not
-            elif part.startswith("attn.wkv"):
-                r = rows                  # window KV of every row the layer holds
+            elif part.startswith(("attn.wkv", "attn.wq_a")):
+                r = rows                  # window KV of every row the layer holds (one GEMM with wq_a)
             else:
                 r = queries
             total += 2 * out * inp * r

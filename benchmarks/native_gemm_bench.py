@@ -31,8 +31,8 @@ import os
 import sys
 import time
 
-DENSE = {   # name: (N, K) of Flash's FP8 projections (spec §6), plus the cuBLAS reference
-    "wq_a": (1280, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192), "shared_w1": (2304, 5120),
+DENSE = {   # name: (N, K) of the FP8 GEMMs Flash runs (spec §6; wq_a and wkv stacked), plus the cuBLAS reference
+    "wq_a_kv": (1792, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192), "shared_w1": (2304, 5120),
     "ref_4096x16384": (16384, 4096)}
 DECODE = (1, 2, 4, 8, 16, 32, 64)
 PREFILL = (2048, 4096)

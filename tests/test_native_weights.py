@@ -92,7 +92,7 @@ def test_native_engine_on_cpu_matches(toy_weights):
     want = H.run_in_order(toy_weights, reqs, max_tokens=4, dtype="float32")
     assert not H.make_engine(toy_weights, "float32").runner.model.layers[3].ffn.native
     block = H.make_engine(toy_weights, "float32", weight_format="native").runner.model.layers[3]
-    assert block.attn.wq_a.scale is not None and block.ffn.native     # the native ops do run
+    assert block.attn.wq_a_kv.scale is not None and block.ffn.native     # the native ops do run
     assert H.run_in_order(toy_weights, reqs, max_tokens=4, dtype="float32", weight_format="native") == want
 
 

@@ -43,8 +43,15 @@ class Attention(nn.Module):
         self.o_groups, self.o_rank = self.n_heads * cfg.o_groups // cfg.num_attention_heads, cfg.o_lora_rank
         self.tp = tensor_parallel() if self.n_heads < cfg.num_attention_heads else None
         self.scale = cfg.head_dim ** -0.5
-        self.wq_a, self.wq_b = Linear(w["wq_a"], "fp8"), Linear(w["wq_b"], "fp8")
-        self.wkv, self.wo_b = Linear(w["wkv"], "fp8"), Linear(w["wo_b"], "fp8")
+        # the query's down projection and the window KV read the same x: one GEMM, rows wq_a
+        # then wkv; `wkv` alone (a view of its rows) serves the steps that need no query
+        self.q_rank = w["wq_a"].shape[0]
+        self.wq_a_kv = Linear(stack_rows(w["wq_a"], w["wkv"]), "fp8")
+        self.wkv = self.wq_a_kv.rows(self.q_rank)
+        # a scorer's index query reads the query's latent too: its rows follow the query's
+        self.q_width = self.n_heads * self.head_dim
+        self.wq_b = Linear(stack_rows(w["wq_b"], w["indexer.wq_b"]) if spec.scores else w["wq_b"], "fp8")
+        self.wo_b = Linear(w["wo_b"], "fp8")
         if isinstance(w["wo_a"], quant.BlockScaled):     # native: the groups' A8 x FP8 GEMMs
             self.wo_a, self.wo_a_q, self.wo_a_scale = None, w["wo_a"].q, w["wo_a"].scale
         else:
@@ -60,7 +67,6 @@ class Attention(nn.Module):
             self.c_norm = RMSNorm(w["compressor.norm"], eps)
             self.i_wk, self.i_knorm = Linear(w["indexer.wk"], "bf16"), RMSNorm(w["indexer.k_norm"], eps)
         if spec.scores:
-            self.i_wq_b = Linear(w["indexer.wq_b"], "fp8")
             self.i_wproj = Linear(w["indexer.weights_proj"], "bf16")
             self.i_heads, self.i_dim = cfg.index_n_heads, cfg.index_head_dim
             self.i_scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
@@ -71,13 +77,15 @@ class Attention(nn.Module):
         """The attention output of every row, or of the `queries` rows only."""
         l, spec = self.spec.layer, self.spec
         xq, qb = (x, batch) if queries is None else (x[queries.rows], queries)
-        qr = self.q_norm(self.wq_a(xq))
-        q = self.rope(self.wq_b(qr).view(xq.shape[0], self.n_heads, self.head_dim), qb.positions)
-        kv = self.window_kv(x, batch)
+        qa, kv = self.wq_a_kv(x).split([self.q_rank, self.head_dim], -1)
+        qr = self.q_norm(qa if queries is None else qa[queries.rows])
+        qs = self.wq_b(qr)       # the query heads, then a scorer's index query
+        q = self.rope(qs[:, :self.q_width].view(xq.shape[0], self.n_heads, self.head_dim), qb.positions)
+        kv = self.window_key(kv, batch.positions)
         if spec.role is Role.FULL:
             self.compress(x, batch, cache)
         if spec.scores:
-            self.select(xq, qr, qb, cache, sel)
+            self.select(xq, qs[:, self.q_width:], qb, cache, sel)
         ring = cache.ring[l]
         o = torch.empty_like(q)
         if spec.ratio:
@@ -99,9 +107,13 @@ class Attention(nn.Module):
             z = quant.einsum("tgi,goi->tgo", o, self.wo_a).flatten(1)
         return self.wo_b(z) if self.tp is None else self.tp.all_reduce(self.wo_b(z))
 
-    def window_kv(self, x, batch):
+    def window_kv(self, x, positions):
         """The rows' window KV (FP8 QAT): what the layer's ring keeps of them."""
-        return quant.fp8_qat(self.rope(self.kv_norm(self.wkv(x)), batch.positions))
+        return self.window_key(self.wkv(x), positions)
+
+    def window_key(self, kv, positions):
+        """The window KV of the rows' `wkv` projection."""
+        return quant.fp8_qat(self.rope(self.kv_norm(kv), positions))
 
     def keep_window(self, ring, kv, batch, cache) -> None:
         """Rows into the layer's `ring` (the view its attention read), and into checkpoint
@@ -132,11 +144,12 @@ class Attention(nn.Module):
         ops.scatter_rows(owner.index, vals, dest)
         ops.scatter_rows(owner.index_scale, scales, dest)
 
-    def select(self, x, qr, batch, cache, sel):
-        """Index scoring and top-k; the candidate source also publishes its level-1 blocks."""
+    def select(self, x, qi, batch, cache, sel):
+        """Index scoring and top-k from the rows' index queries `qi` (before RoPE); the candidate
+        source also publishes its level-1 blocks."""
         spec, T = self.spec, x.shape[0]
         owner = cache.owner(spec.kv_owner)
-        qi = self.rope(self.i_wq_b(qr).view(T, self.i_heads, self.i_dim), batch.positions)
+        qi = self.rope(qi.view(T, self.i_heads, self.i_dim), batch.positions)
         w = self.i_wproj(x).to(acc_dtype(x.dtype)) * self.i_scale
         topk = torch.empty(T, self.topk, dtype=torch.long, device=x.device)
         produce = spec.produces_candidates

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 import custom_ops  # noqa: F401  (registers torch.ops.v41)
-from v41 import quant
 from v41.config import V41Config
 from v41.layers import Linear, RMSNorm, Rope, acc_dtype, f32_linear
 from v41.mhc import collapse
@@ -137,7 +136,7 @@ class DSpark(nn.Module):
         """`context_keys` of the concatenated taps [T, n_taps·D] (a compiled engine installs its
         compiled segment here: runtime/compile/draft.py)."""
         main_x = self.main_norm(self.main_proj(taps))
-        return [quant.fp8_qat(b.attn.rope(b.attn.kv_norm(b.attn.wkv(main_x)), positions)) for b in self.blocks]
+        return [b.attn.window_kv(main_x, positions) for b in self.blocks]
 
     def write_context(self, taps, positions: torch.Tensor, dest: torch.Tensor, rings: torch.Tensor) -> None:
         """Write the tapped rows' context keys into the stage rings at `dest` (slot·W + p mod W,

@@ -49,6 +49,16 @@ class Linear(nn.Module):
             weight, self.scale = weight.q, weight.scale
         self.weight = weight
 
+    def rows(self, start: int, stop: int | None = None) -> "Linear":
+        """The projection onto rows [start, stop) of this one's weight, sharing its memory (one
+        part of a `stack_rows` weight); a native weight splits on its 32-row scale blocks."""
+        w = self.weight[start:stop]
+        if self.scale is not None:
+            if start % 32 or (stop is not None and stop % 32 and stop < self.weight.shape[0]):
+                raise ValueError(f"Linear.rows({start}, {stop}): FP8 rows split inside a 32-row scale block")
+            w = quant.BlockScaled(w, self.scale[start // 32: None if stop is None else -(-stop // 32)])
+        return Linear(w, self.kind)
+
     def forward(self, x):
         if self.scale is not None:
             return fp8_linear(x, self.weight, self.scale)

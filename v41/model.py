@@ -56,7 +56,7 @@ class Block(nn.Module):
         x = self.attn_norm(collapse(X, pre))
         if queries is not None:
             if not len(queries.rows):      # no row samples this step: the window KV is all it leaves
-                self.attn.keep_window(cache.ring[self.layer], self.attn.window_kv(x, batch), batch, cache)
+                self.attn.keep_window(cache.ring[self.layer], self.attn.window_kv(x, batch.positions), batch, cache)
                 return X[:0], pre[:0]
             X = X[queries.rows]
         pa, post, comb = self.mix_attn(X)
