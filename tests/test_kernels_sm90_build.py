@@ -17,7 +17,7 @@ if not B.tools_present():
                 allow_module_level=True)
 
 from custom_ops.triton.fp8_gemm import _tiles  # noqa: E402
-from custom_ops.triton.mhc import _mhc_coef_kernel  # noqa: E402
+from custom_ops.triton.mhc import _mhc_mix_kernel  # noqa: E402
 
 build, registers = B.build, B.registers
 
@@ -68,15 +68,21 @@ def test_skinny_gemm_builds_for_hopper():
     assert all(s["thread_instructions_per_weight"] < f["thread_instructions_per_weight"] for s, f in zip(split, fma))
 
 
-@pytest.mark.parametrize("block_t,block_s", [(1, 128), (16, 1), (8, 16)])
-def test_mhc_coef_builds_for_hopper(block_t, block_s):
-    sig = {**dict.fromkeys(("part_ptr", "sq_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr"),
-                           "*fp32"),
-           **dict.fromkeys(("T", "S", "K", "iters"), "i32"), "hc_eps": "fp32", "norm_eps": "fp32",
-           **dict.fromkeys(("stride_ps", "stride_pt", "stride_ss", "stride_pre", "stride_post", "stride_ct",
-                            "stride_ci"), "i32"),
-           **dict.fromkeys(("HC", "BLOCK_T", "BLOCK_S"), "constexpr")}
-    k = build(_mhc_coef_kernel, sig, {"HC": 4, "BLOCK_T": block_t, "BLOCK_S": block_s})
+@pytest.mark.parametrize("block_m,stages,block_t,block_s", [(16, 2, 1, 128), (64, 3, 16, 1), (32, 3, 8, 16)])
+def test_mhc_mix_builds_for_hopper(block_m, stages, block_t, block_s):
+    """mhc_mix's one kernel (the split weight's projection tiles, then in the tile's last split
+    the coefficients) at the launcher's decode tile (one token at a time, all splits a load),
+    its prefill tile and one between: no spills."""
+    sig = {"x_ptr": "*bf16", **dict.fromkeys(("fn_ptr", "part_ptr", "sq_ptr"), "*fp32"), "cnt_ptr": "*i32",
+           **dict.fromkeys(("base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr"), "*fp32"),
+           **dict.fromkeys(("T", "N", "K", "k_split", "iters"), "i32"), "hc_eps": "fp32", "norm_eps": "fp32",
+           **dict.fromkeys(("stride_xt", "stride_fn", "stride_ps", "stride_pt", "stride_ss", "stride_pre",
+                            "stride_post", "stride_ct", "stride_ci"), "i32"),
+           **dict.fromkeys(("HC", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_W", "DOT_F32", "BLOCK_T", "BLOCK_S"),
+                           "constexpr")}
+    k = build(_mhc_mix_kernel, sig, {"HC": 4, "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_W": True,
+                                     "DOT_F32": False, "BLOCK_T": block_t, "BLOCK_S": block_s},
+              aligned=("K", "k_split", "stride_xt", "stride_fn"), num_stages=stages)
     assert 0 < registers(k) <= 255
 
 
