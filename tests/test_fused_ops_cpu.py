@@ -315,9 +315,12 @@ else:
         return ((gap > 0) & (gap < tol * top[:, :-1].abs().clamp(min=1e-3))).any(-1)
 
     @pytest.mark.parametrize("dup", [False, True])
-    @pytest.mark.parametrize("split", [None, 2])
-    def test_moe_route(g, dup, split):
-        T, E, D, k = 13, 24, 64, 5
+    @pytest.mark.parametrize("split,T,E", [(None, 13, 24), (2, 13, 24), (2, 70, 150)])
+    def test_moe_route(g, dup, split, T, E):
+        """Scores and selection in one launch; 70 tokens over 150 experts: two token tiles, each
+        selected by the last of its three expert tiles' two splits, the counters back at zero."""
+        from custom_ops.triton.fp8 import tile_counters
+        D, k = 64, 5
         x, gate, bias = _route_inputs(g, T, E, D, dup)
         ri, rw = torch.empty(T, k, dtype=torch.long), torch.empty(T, k)
         ref_moe.moe_route(x, gate, bias, k, 1.5, ri, rw)
@@ -328,6 +331,7 @@ else:
         assert torch.equal(ids[keep], ri[keep])
         assert rel(w[keep], rw[keep]) < 1e-5
         assert (ids >= 0).all() and not w.isnan().any()
+        assert not tile_counters(x.device, 2)[:2].any()
 
     def _expert_h(x, ids, weights, w1, w3, limit):
         """The reference's pre-quant input of w2, per (token, slot), and the relative error to

@@ -18,6 +18,7 @@ if not B.tools_present():
 
 from custom_ops.triton.fp8_gemm import _tiles  # noqa: E402
 from custom_ops.triton.mhc import _mhc_mix_kernel  # noqa: E402
+from custom_ops.triton.moe_route import _route_kernel  # noqa: E402
 
 build, registers = B.build, B.registers
 
@@ -83,6 +84,22 @@ def test_mhc_mix_builds_for_hopper(block_m, stages, block_t, block_s):
     k = build(_mhc_mix_kernel, sig, {"HC": 4, "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_W": True,
                                      "DOT_F32": False, "BLOCK_T": block_t, "BLOCK_S": block_s},
               aligned=("K", "k_split", "stride_xt", "stride_fn"), num_stages=stages)
+    assert 0 < registers(k) <= 255
+
+
+@pytest.mark.parametrize("block_m,stages", [(16, 2), (64, 3)])
+def test_moe_route_builds_for_hopper(block_m, stages):
+    """moe_route's one kernel (the router's score tiles, then in the token tile's last program
+    the top-k of Flash's 384 experts) at the decode and prefill tiles: no spills."""
+    sig = {"x_ptr": "*bf16", **dict.fromkeys(("gate_ptr", "part_ptr"), "*fp32"), "cnt_ptr": "*i32",
+           "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32",
+           **dict.fromkeys(("T", "E", "K", "k_split", "top_k"), "i32"), "route_scale": "fp32",
+           **dict.fromkeys(("stride_xt", "stride_g", "stride_ps", "stride_pt", "stride_it", "stride_wt"), "i32"),
+           **dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_W", "DOT_F32", "BLOCK_T", "BLOCK_E", "BLOCK_TOP"),
+                           "constexpr")}
+    k = build(_route_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_W": True, "DOT_F32": False,
+                                   "BLOCK_T": 4, "BLOCK_E": 512, "BLOCK_TOP": 8},
+              aligned=("K", "k_split", "stride_xt", "stride_g"), num_stages=stages)
     assert 0 < registers(k) <= 255
 
 
