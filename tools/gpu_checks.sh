@@ -134,7 +134,7 @@ native-decode)
   # the fused ops' GPU tests and kernel A/Bs first (a minute), then native decode steps only
   step "fused ops (GPU tests), kernel_bench --collapse-norm"
   timeout 150 $py -m pytest -q -m gpu -p no:cacheprovider --timeout=140 tests/test_fused_ops_gpu.py \
-    -k "collapse or rms_norm or registry or mhc or route" > "$OUT/fused-ops-gpu.log" 2>&1
+    -k "collapse or rms_norm or registry or mhc or route or skinny or f32_linear or graph" > "$OUT/fused-ops-gpu.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/fused-ops-gpu.log"
   timeout 90 $py benchmarks/kernel_bench.py --collapse-norm --out "$OUT/collapse-norm.json" > "$OUT/collapse-norm.log" 2>&1
   echo "rc=$?"; grep '"round": 1' "$OUT/collapse-norm.log" | cut -c1-120
