@@ -97,19 +97,20 @@ def loop_body(kernel) -> list[str]:
 
 # ---- the kernels measured ----------------------------------------------------------------------
 
-FP4_UP_SIG = {"xq_ptr": "*bf16", "ids_ptr": "*i64", "order_ptr": "*i32", "w1_ptr": "*i32", "w3_ptr": "*i32",
-              "s1_ptr": "*u8", "s3_ptr": "*u8", "part_ptr": "*fp32",
-              **dict.fromkeys(("I", "D", "k", "k_split", "stride_x", "stride_we", "stride_wn", "stride_se",
-                               "stride_sn", "stride_ps", "stride_pu"), "i32"),
+FP4_UP_SIG = {"xq_ptr": "*bf16", "ids_ptr": "*i64", "order_ptr": "*i32", "wts_ptr": "*fp32", "w1_ptr": "*i32",
+              "w3_ptr": "*i32", "s1_ptr": "*u8", "s3_ptr": "*u8", "part_ptr": "*fp32", "cnt_ptr": "*i32", "h_ptr": "*bf16",
+              **dict.fromkeys(("I", "D", "k", "k_split"), "i32"), "limit": "fp32",
+              **dict.fromkeys(("stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_ps", "stride_pu",
+                               "stride_h"), "i32"),
               **dict.fromkeys(("BLOCK_N", "BLOCK_K", "ASM", "STAGES"), "constexpr")}
 FP4_DOWN_SIG = {"h_ptr": "*bf16", "ids_ptr": "*i64", "order_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr": "*u8",
-                "part_ptr": "*fp32",
+                "part_ptr": "*fp32", "cnt_ptr": "*i32", "y_ptr": "*bf16",
                 **dict.fromkeys(("D", "I", "k_split", "stride_h", "stride_we", "stride_wn", "stride_se", "stride_sn",
-                                 "stride_ps"), "i32"),
+                                 "stride_ps", "stride_y"), "i32"),
                 **dict.fromkeys(("BLOCK_N", "BLOCK_K", "ASM", "STAGES"), "constexpr")}
 # Flash's values of these are multiples of 16 (D = 5120, I = 2304, strides in words and scale bytes)
 FP4_ALIGNED = ("I", "D", "k_split", "stride_x", "stride_h", "stride_we", "stride_wn", "stride_se", "stride_sn",
-               "stride_ps", "stride_pu")
+               "stride_ps", "stride_pu", "stride_y")
 
 
 FP8_GEMM_INTS = ("M", "N", "KB", "KB_SPLIT", "ROWS_G", "stride_xm", "stride_sm", "stride_wn", "stride_wsn",

@@ -360,6 +360,42 @@ else:
         assert (row_err <= 1e-5).float().mean() >= 0.75
         assert float((out - r).double().norm() / r.double().norm()) < 2e-2
 
+    def test_moe_experts_w4a8_gemv_split_k(g, monkeypatch):
+        """The FP4 GEMVs with K split (the up GEMM's D = 192 in 3 splits of 64, the down's I = 96
+        in 3 of 32; a padding token among the pairs): each (row, N block)'s last split sums the
+        partials in split order and finishes the row (the up GEMMs' epilogue, the down's
+        rounding), so the GEMVs are the op's only GEMM launches; every counter is back at zero,
+        the rows meet the reference and a second call repeats the bits."""
+        from custom_ops.triton import moe as moe_kernels
+        from custom_ops.triton.fp8 import tile_counters
+        rne_bf16_casts(monkeypatch)
+        T, E, D, I, k = 24, 7, 192, 96, 3
+        args = w4a8_case(g, T, E, D, I, k, dtype=torch.float32, pad_token=True)
+        r = torch.empty(T, D)
+        ref.moe_experts_w4a8(*args, 1.5, r)
+        launched = []
+
+        class Recorded:
+            def __init__(self, name):
+                self.name, self.kernel = name, getattr(moe_kernels, name)
+
+            def __getitem__(self, grid):
+                launched.append((self.name, grid))
+                return self.kernel[grid]
+        for name in ("_fp4_up_gemv", "_fp4_down_gemv", "_moe_up_sum_kernel", "_moe_down_sum_kernel"):
+            monkeypatch.setattr(moe_kernels, name, Recorded(name))
+        outs = []
+        for _ in range(2):
+            outs.append(torch.full((T, D), float("nan")))
+            triton_moe_experts_w4a8(*args, 1.5, outs[-1], path="gemv", splits=3, block_k=32)
+        assert [(n, grid[2]) for n, grid in launched] == [("_fp4_up_gemv", 3), ("_fp4_down_gemv", 3)] * 2
+        assert not tile_counters(r.device, T * k * D // 32).any()
+        out = outs[0]
+        assert torch.equal(outs[1], out) and not out.isnan().any() and (out[0] == 0).all()
+        row_err = (out - r).double().norm(dim=1) / r.double().norm(dim=1).clamp(min=1e-30)
+        assert (row_err[1:] <= 1e-5).float().mean() >= 0.75
+        assert float((out - r).double().norm() / r.double().norm()) < 2e-2
+
     def test_moe_experts_w4a8_splits_k_by_shape(g, monkeypatch):
         """The op's default split-K: about 4 K blocks of 128 a split, set by the GEMM's K alone (D =
         1024: the up GEMVs in 2 splits, the down GEMVs whole), and the op still gives the

@@ -13,7 +13,7 @@ from custom_ops.triton.common import group_exponent, pow2, round_e4m3
 
 GROUP = 32
 GROUP_K = tl.constexpr(GROUP)   # the same width inside kernels (compiled Triton reads only constexpr globals)
-SPLIT_TILES_MAX = 8192        # output tiles a split-K call may have (its counters)
+SPLIT_TILES_MAX = 32768       # output tiles a split-K call may have (its counters; the FP4 down GEMVs: 384 x 80)
 _COUNTERS: dict = {}
 
 

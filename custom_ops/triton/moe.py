@@ -21,8 +21,9 @@ moe_experts: tokens sorted by expert, grouped GEMM tiles, a deterministic reduct
      CUDA a few lines of PTX, since the work per weight, not the bytes, bounds these GEMVs) and
      multiplied with the activation in FP32 (exact products), each word's sum scaled by its
      group's scale, the words summed after the K loop (FP4_STAGES: the loop's loads not
-     pipelined); the FP32 partials summed in split order by tile-wise kernels (the up GEMMs'
-     before the epilogue). At decode widths a tile holds about
+     pipelined); the FP32 partials summed in split order by the split that counts last at its
+     (row, N block) (acq_rel, as the FP8 split-K does; the up GEMMs' before the epilogue), so
+     each GEMM is one launch. At decode widths a tile holds about
      one real row, so MMA tiles bought nothing: on the H200, one token's six experts' up GEMMs
      ran 1.5x and down GEMMs 2.0x faster as GEMVs than as bf16-dequant MMA tiles.
   3. Reduce (moe_tiles.reduce_pairs): out[t] = Σ of the token's valid slots in ascending
@@ -42,6 +43,7 @@ from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, fp8_qat_groups
 from custom_ops.triton.fp4 import fp4_tile, fp4_words_dot
+from custom_ops.triton.fp8 import tile_counters
 from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, tile_rows
 
 BLOCK_N_UP = 64
@@ -63,13 +65,13 @@ def gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, part_ptr, I, D, k, k_split,
-                 stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_ps, stride_pu,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr):
+def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, wts_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, part_ptr, cnt_ptr, h_ptr,
+                 I, D, k, k_split, limit, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_ps, stride_pu,
+                 stride_h, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr):
     """FP4 up GEMMs at decode widths, grid (sorted rows, I / BLOCK_N, K splits): one pair's
     token row against BLOCK_N rows of w1[e] and w3[e] (int32 words, strides in words), its FP32
-    sums over the split's K range into the partials [splits, 2, rows, I] (_moe_up_sum_kernel
-    finishes them)."""
+    sums over the split's K range into the partials [splits, 2, rows, I]; the split that counts
+    last at its (row, N block) sums them in split order and runs the epilogue into h's row."""
     r, pair, e, rn, k_lo = gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N)
     if e < 0:
         return
@@ -82,18 +84,31 @@ def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, par
     for k0 in tl.range(k_lo, tl.minimum(D, k_lo + k_split), BLOCK_K, num_stages=STAGES):
         acc_g = fp4_words_dot(acc_g, a, w1_ptr + w_off, s1_ptr + s_off, k0, nmask, BLOCK_K, ASM)
         acc_u = fp4_words_dot(acc_u, a, w3_ptr + w_off, s3_ptr + s_off, k0, nmask, BLOCK_K, ASM)
-    at = part_ptr + tl.program_id(2) * stride_ps + r * I + rn
-    tl.store(at, tl.sum(acc_g, axis=1), mask=nmask)
-    tl.store(at + stride_pu, tl.sum(acc_u, axis=1), mask=nmask)
+    at = part_ptr + r * I + rn
+    tl.store(at + tl.program_id(2) * stride_ps, tl.sum(acc_g, axis=1), mask=nmask)
+    tl.store(at + tl.program_id(2) * stride_ps + stride_pu, tl.sum(acc_u, axis=1), mask=nmask)
+    counter = cnt_ptr + r * tl.num_programs(1) + tl.program_id(1)
+    if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+        g = tl.zeros([1, BLOCK_N], tl.float32)
+        u = tl.zeros([1, BLOCK_N], tl.float32)
+        for sp in range(tl.num_programs(2)):     # .cg: the other splits' stores are in L2
+            g += tl.load(at[None, :] + sp * stride_ps, mask=nmask[None, :], other=0.0, cache_modifier=".cg")
+            u += tl.load(at[None, :] + sp * stride_ps + stride_pu, mask=nmask[None, :], other=0.0,
+                         cache_modifier=".cg")
+        row = tl.full([1], r, tl.int64)
+        wt = tl.load(wts_ptr + pair + tl.zeros([1], tl.int64)).to(tl.float32)
+        swiglu_store(g, u, wt, row, rn, row >= 0, nmask, h_ptr, stride_h, limit, 1, BLOCK_N)
+        tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
-def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, D, I, k_split,
-                   stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_ps,
+def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, cnt_ptr, y_ptr, D, I, k_split,
+                   stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_ps, stride_y,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr):
     """FP4 down GEMM at decode widths, grid (sorted rows, D / BLOCK_N, K splits): one h row
     against BLOCK_N rows of w2[e] (int32 words), the FP32 sum over the split's K range into the
-    partials [splits, pairs, D] at the pair's row (_moe_down_sum_kernel finishes them)."""
+    partials [splits, pairs, D] at the pair's row; the split that counts last at its (row, N
+    block) sums them in split order, rounded into the pair's row of y."""
     r, pair, e, rn, k_lo = gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N)
     if e < 0:
         return
@@ -103,7 +118,15 @@ def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, D, I, k_
     acc = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
     for k0 in tl.range(k_lo, tl.minimum(I, k_lo + k_split), BLOCK_K, num_stages=STAGES):
         acc = fp4_words_dot(acc, h_ptr + r * stride_h, w, sc, k0, nmask, BLOCK_K, ASM)
-    tl.store(part_ptr + tl.program_id(2) * stride_ps + pair * D + rn, tl.sum(acc, axis=1), mask=nmask)
+    at = part_ptr + pair * D + rn
+    tl.store(at + tl.program_id(2) * stride_ps, tl.sum(acc, axis=1), mask=nmask)
+    counter = cnt_ptr + r * tl.num_programs(1) + tl.program_id(1)
+    if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+        tot = tl.zeros([BLOCK_N], tl.float32)
+        for sp in range(tl.num_programs(2)):
+            tot += tl.load(at + sp * stride_ps, mask=nmask, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptr + pair * stride_y + rn, tot.to(y_ptr.dtype.element_ty), mask=nmask)
+        tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -331,8 +354,8 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
         tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, bm, k, block_n_up,
                    block_n_down, block_k, splits or 1, num_warps, num_stages)
     else:
-        fp4_gemvs(xq, ids, order, meta, n_tiles, wts, w1, w3, w2, scales, limit, h, y, bm, block_n_up, block_n_down,
-                  block_k, splits, num_warps, num_stages or FP4_STAGES)
+        fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, block_n_down, block_k, splits,
+                  num_warps, num_stages or FP4_STAGES)
     reduce_pairs(y, ids, E, out)
     if hidden is not None:
         hidden.extend((h, order, y))
@@ -375,10 +398,10 @@ def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, b
             pd, order, meta, y, n_tiles, D, sd, pd.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=128, num_warps=4)
 
 
-def fp4_gemvs(xq, ids, order, meta, n_tiles, wts, w1, w3, w2, scales, limit, h, y, bm, block_n_up, block_n_down,
-              block_k, splits, num_warps, stages) -> None:
-    """Steps 1-2 on FP4 experts: the up GEMVs into partials, their sum and epilogue -> h, the
-    down GEMVs into partials, their sum -> y."""
+def fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, block_n_down, block_k, splits,
+              num_warps, stages) -> None:
+    """Steps 1-2 on FP4 experts, two launches: the up GEMVs into partials, whose last split
+    sums them and runs the epilogue -> h; the down GEMVs likewise -> y."""
     P, I = h.shape
     D = y.shape[1]
     k = ids.shape[1]
@@ -392,18 +415,15 @@ def fp4_gemvs(xq, ids, order, meta, n_tiles, wts, w1, w3, w2, scales, limit, h, 
     pd = torch.empty(sd, P, D, dtype=torch.float32, device=h.device)
     w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))     # eight E2M1 values a word
     asm = h.device.type == "cuda"
-    _fp4_up_gemv[(P, triton.cdiv(I, bnu), su)](
-        xq, flat, order, w1, w3, s1, s3, pu, I, D, k, ku, xq.stride(0), w1.stride(0), w1.stride(1),
-        s1.stride(0), s1.stride(1), pu.stride(0), pu.stride(1), BLOCK_N=bnu, BLOCK_K=bku, ASM=asm, STAGES=stages,
-        num_warps=num_warps)
-    _moe_up_sum_kernel[(n_tiles, triton.cdiv(I, 32))](
-        pu, order, wts, meta, h, n_tiles, I, su, limit, pu.stride(0), pu.stride(1), h.stride(0),
-        BLOCK_M=bm, BLOCK_N=32, num_warps=4)
-    _fp4_down_gemv[(P, triton.cdiv(D, bnd), sd)](
-        h, flat, order, w2, s2, pd, D, I, kd, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        pd.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, ASM=asm, STAGES=stages, num_warps=num_warps)
-    _moe_down_sum_kernel[(n_tiles, triton.cdiv(D, 128))](
-        pd, order, meta, y, n_tiles, D, sd, pd.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=128, num_warps=4)
+    grid_up, grid_down = (P, triton.cdiv(I, bnu), su), (P, triton.cdiv(D, bnd), sd)
+    _fp4_up_gemv[grid_up](
+        xq, flat, order, wts, w1, w3, s1, s3, pu, tile_counters(h.device, P * grid_up[1]), h, I, D, k, ku, limit,
+        xq.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), pu.stride(0), pu.stride(1), h.stride(0),
+        BLOCK_N=bnu, BLOCK_K=bku, ASM=asm, STAGES=stages, num_warps=num_warps)
+    _fp4_down_gemv[grid_down](
+        h, flat, order, w2, s2, pd, tile_counters(h.device, P * grid_down[1]), y, D, I, kd, h.stride(0), w2.stride(0),
+        w2.stride(1), s2.stride(0), s2.stride(1), pd.stride(0), y.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, ASM=asm,
+        STAGES=stages, num_warps=num_warps)
 
 
 register_impl("moe_experts", "triton", triton_moe_experts, device_type="cuda")
