@@ -102,12 +102,12 @@ FP4_UP_SIG = {"xq_ptr": "*bf16", "ids_ptr": "*i64", "order_ptr": "*i32", "wts_pt
               **dict.fromkeys(("I", "D", "k", "k_split"), "i32"), "limit": "fp32",
               **dict.fromkeys(("stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_ps", "stride_pu",
                                "stride_h"), "i32"),
-              **dict.fromkeys(("BLOCK_N", "BLOCK_K", "ASM", "STAGES"), "constexpr")}
+              **dict.fromkeys(("BLOCK_N", "BLOCK_K", "ASM", "STAGES", "SORTED"), "constexpr")}
 FP4_DOWN_SIG = {"h_ptr": "*bf16", "ids_ptr": "*i64", "order_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr": "*u8",
                 "part_ptr": "*fp32", "cnt_ptr": "*i32", "y_ptr": "*bf16",
                 **dict.fromkeys(("D", "I", "k_split", "stride_h", "stride_we", "stride_wn", "stride_se", "stride_sn",
                                  "stride_ps", "stride_y"), "i32"),
-                **dict.fromkeys(("BLOCK_N", "BLOCK_K", "ASM", "STAGES"), "constexpr")}
+                **dict.fromkeys(("BLOCK_N", "BLOCK_K", "ASM", "STAGES", "SORTED"), "constexpr")}
 # Flash's values of these are multiples of 16 (D = 5120, I = 2304, strides in words and scale bytes)
 FP4_ALIGNED = ("I", "D", "k_split", "stride_x", "stride_h", "stride_we", "stride_wn", "stride_se", "stride_sn",
                "stride_ps", "stride_pu", "stride_y")
@@ -274,8 +274,8 @@ def fp4_gemv(which: str, block_n: int, block_k: int, warps: int, asm: bool = Tru
     """The decode FP4 expert GEMV `which` ('up' or 'down') built at a tile."""
     from custom_ops.triton.moe import FP4_STAGES, _fp4_down_gemv, _fp4_up_gemv
     fn, sig = (_fp4_up_gemv, FP4_UP_SIG) if which == "up" else (_fp4_down_gemv, FP4_DOWN_SIG)
-    return build(fn, sig, {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": asm, "STAGES": stages or FP4_STAGES},
-                 aligned=FP4_ALIGNED, num_warps=warps)
+    return build(fn, sig, {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": asm, "STAGES": stages or FP4_STAGES,
+                           "SORTED": True}, aligned=FP4_ALIGNED, num_warps=warps)
 
 
 def fp4_gemv_row(which: str, block_n: int, block_k: int, warps: int, asm: bool = True,

@@ -6,7 +6,8 @@ moe_experts: tokens sorted by expert, grouped GEMM tiles, a deterministic reduct
      expert on the device (moe_tiles.expert_tiles): each expert's pairs a contiguous run, cut
      into BLOCK_M-row tiles; a static upper bound of tiles (cdiv(T·k, BLOCK_M) + min(E, T·k))
      is launched and the tiles past the real count return at once, so nothing on the host
-     depends on the routing (CUDA-graph safe).
+     depends on the routing (CUDA-graph safe). One token's FP4 GEMVs skip the grouping: its
+     pairs are distinct experts, with no weights to share.
   1. Up kernel, grid (tiles, I / BLOCK_N): gathers the tile's token rows of x_q, two
      accumulators (w1 and w3 tiles of the tile's expert), then in registers: both rounded to
      the activation dtype (the reference's GEMM outputs), clamp, silu, x routing weight, rounded,
@@ -55,11 +56,12 @@ FP4_STAGES = 1           # the GEMVs' loads unpipelined: 3 stages took 1.38-1.54
 
 
 @triton.jit
-def gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N: tl.constexpr):
-    """A GEMV program's (sorted row, its pair, the pair's expert (-1: padding), its output
-    columns, the first K of its split)."""
+def gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N: tl.constexpr, SORTED: tl.constexpr):
+    """A GEMV program's (row, its pair, the pair's expert (-1: padding), its output columns, the
+    first K of its split). SORTED: row r holds pair order[r] (the pairs grouped by expert, so
+    the programs of one expert's pairs run together and share its weights in L2); else pair r."""
     r = tl.program_id(0)
-    pair = tl.load(order_ptr + r).to(tl.int64)
+    pair = tl.load(order_ptr + r).to(tl.int64) if SORTED else r.to(tl.int64)
     return r, pair, tl.load(ids_ptr + pair).to(tl.int64), \
         tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), tl.program_id(2) * k_split
 
@@ -67,12 +69,13 @@ def gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N: tl.constexpr):
 @triton.jit
 def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, wts_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, part_ptr, cnt_ptr, h_ptr,
                  I, D, k, k_split, limit, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_ps, stride_pu,
-                 stride_h, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr):
-    """FP4 up GEMMs at decode widths, grid (sorted rows, I / BLOCK_N, K splits): one pair's
+                 stride_h, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
+                 SORTED: tl.constexpr):
+    """FP4 up GEMMs at decode widths, grid (rows, I / BLOCK_N, K splits): one pair's
     token row against BLOCK_N rows of w1[e] and w3[e] (int32 words, strides in words), its FP32
     sums over the split's K range into the partials [splits, 2, rows, I]; the split that counts
     last at its (row, N block) sums them in split order and runs the epilogue into h's row."""
-    r, pair, e, rn, k_lo = gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N)
+    r, pair, e, rn, k_lo = gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N, SORTED)
     if e < 0:
         return
     nmask = rn < I
@@ -104,12 +107,13 @@ def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, wts_ptr, w1_ptr, w3_ptr, s1_ptr, s3
 @triton.jit
 def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, cnt_ptr, y_ptr, D, I, k_split,
                    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_ps, stride_y,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr):
-    """FP4 down GEMM at decode widths, grid (sorted rows, D / BLOCK_N, K splits): one h row
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
+                   SORTED: tl.constexpr):
+    """FP4 down GEMM at decode widths, grid (rows, D / BLOCK_N, K splits): one h row
     against BLOCK_N rows of w2[e] (int32 words), the FP32 sum over the split's K range into the
     partials [splits, pairs, D] at the pair's row; the split that counts last at its (row, N
     block) sums them in split order, rounded into the pair's row of y."""
-    r, pair, e, rn, k_lo = gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N)
+    r, pair, e, rn, k_lo = gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N, SORTED)
     if e < 0:
         return
     nmask = rn < D
@@ -331,11 +335,11 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
     """Steps 0-3 on dequantized experts (`scales` None: the tile kernels) or packed FP4 ones
     (`scales` = their E8M0 scales as uint8, (s1, s3, s2): a GEMV per pair, both GEMMs split
     over K, `splits` or `fp4_splits` of each GEMM's K, their FP32 partials summed in split
-    order by the tile-wise sum kernels, their loads pipelined `num_stages` deep (FP4_STAGES: 1,
+    order by each output block's last split, their loads pipelined `num_stages` deep (FP4_STAGES: 1,
     not pipelined); `tiles`: the tile kernels, each weight tile dequantized exactly to x's dtype
     in registers, `splits` (default 1) and `num_stages` (default Triton's) as `tile_gemms`).
-    `hidden`, when given, receives (h, order, y): w2's input rows in expert order, the sort,
-    the per-pair outputs, for the tests."""
+    `hidden`, when given, receives (h, order, y): w2's input rows (row r: pair order[r]), the
+    order, the per-pair outputs, for the tests."""
     T, D = x.shape
     E, I = w1.shape[:2]
     k = ids.shape[1]
@@ -346,19 +350,21 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
     xq = torch.empty_like(x)
     fp8_qat(x, xq)
     bm = block_m or _block_m(T * k, E)
-    order, meta, n_tiles = expert_tiles(ids, E, bm)
     wts = weights.reshape(-1).contiguous()
     h = torch.empty(T * k, I, dtype=x.dtype, device=dev)
     y = torch.empty(T * k, D, dtype=x.dtype, device=dev)
     if scales is None or tiles:
+        order, meta, n_tiles = expert_tiles(ids, E, bm)
         tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, bm, k, block_n_up,
                    block_n_down, block_k, splits or 1, num_warps, num_stages)
     else:
+        # one token's pairs are distinct experts: nothing to share, so no sort (a launch less)
+        order = expert_tiles(ids, E, bm)[0] if T > 1 else None
         fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, block_n_down, block_k, splits,
                   num_warps, num_stages or FP4_STAGES)
-    reduce_pairs(y, ids, E, out)
     if hidden is not None:
-        hidden.extend((h, order, y))
+        hidden.extend((h, order if order is not None else torch.arange(T * k, device=dev), y))
+    reduce_pairs(y, ids, E, out)
 
 
 def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, bm, k, block_n_up, block_n_down,
@@ -401,7 +407,8 @@ def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, b
 def fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, block_n_down, block_k, splits,
               num_warps, stages) -> None:
     """Steps 1-2 on FP4 experts, two launches: the up GEMVs into partials, whose last split
-    sums them and runs the epilogue -> h; the down GEMVs likewise -> y."""
+    sums them and runs the epilogue -> h; the down GEMVs likewise -> y. `order` (the pairs
+    sorted by expert: h's rows in that order) or None (h's rows are the pairs')."""
     P, I = h.shape
     D = y.shape[1]
     k = ids.shape[1]
@@ -416,14 +423,16 @@ def fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, 
     w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))     # eight E2M1 values a word
     asm = h.device.type == "cuda"
     grid_up, grid_down = (P, triton.cdiv(I, bnu), su), (P, triton.cdiv(D, bnd), sd)
+    sorted_ = order is not None
+    order = order if sorted_ else flat                 # unread unsorted
     _fp4_up_gemv[grid_up](
         xq, flat, order, wts, w1, w3, s1, s3, pu, tile_counters(h.device, P * grid_up[1]), h, I, D, k, ku, limit,
         xq.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), pu.stride(0), pu.stride(1), h.stride(0),
-        BLOCK_N=bnu, BLOCK_K=bku, ASM=asm, STAGES=stages, num_warps=num_warps)
+        BLOCK_N=bnu, BLOCK_K=bku, ASM=asm, STAGES=stages, SORTED=sorted_, num_warps=num_warps)
     _fp4_down_gemv[grid_down](
         h, flat, order, w2, s2, pd, tile_counters(h.device, P * grid_down[1]), y, D, I, kd, h.stride(0), w2.stride(0),
         w2.stride(1), s2.stride(0), s2.stride(1), pd.stride(0), y.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, ASM=asm,
-        STAGES=stages, num_warps=num_warps)
+        STAGES=stages, SORTED=sorted_, num_warps=num_warps)
 
 
 register_impl("moe_experts", "triton", triton_moe_experts, device_type="cuda")
