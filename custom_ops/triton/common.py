@@ -177,9 +177,18 @@ def skinny_tile(a_ptr, w_ptr, rm, rn, M, N, k0, k1, stride_am, stride_wn,
 
 
 @triton.jit
-def store_partials(acc, sq, rm, rn, M, N, s, part_ptr, sq_ptr, stride_ps, stride_pm, stride_ss, SUMSQ: tl.constexpr):
-    """Split s's partial [rm, rn] at part[s]; with SUMSQ the first N tile's programs also write
-    sq[s, rm]."""
+def skinny_program(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split, stride_am, stride_wn, stride_ps, stride_pm,
+                   stride_ss, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SUMSQ: tl.constexpr, SPLIT_W: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (m tile, n tile, split s) of the split-K skinny GEMM: partial[s, m, n] =
+    Σ_{k in [s·k_split, (s+1)·k_split)} A[m, k]·W[n, k] (`skinny_tile`) stored; with SUMSQ the
+    first N tile's programs also store sq[s, m] = Σ A[m, k]²."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    s = tl.program_id(2)
+    k0 = s * k_split
+    acc, sq = skinny_tile(a_ptr, w_ptr, rm, rn, M, N, k0, tl.minimum(k0 + k_split, K), stride_am, stride_wn,
+                          BLOCK_M, BLOCK_N, BLOCK_K, SUMSQ, SPLIT_W, DOT_F32)
     mmask = rm < M
     p = part_ptr + s.to(tl.int64) * stride_ps + rm.to(tl.int64)[:, None] * stride_pm + rn[None, :]
     tl.store(p, acc, mask=mmask[:, None] & (rn < N)[None, :])
@@ -189,19 +198,21 @@ def store_partials(acc, sq, rm, rn, M, N, s, part_ptr, sq_ptr, stride_ps, stride
 
 
 @triton.jit
+def last_of_tile(cnt_ptr):
+    """After a skinny program's stores: counts it in its token tile's counter (acq_rel) and
+    tells whether it came last, every partial of the tile then stored. The caller finishes the
+    tile (reading the partials .cg, from L2) and zeroes the counter."""
+    return tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel") == tl.num_programs(1) * tl.num_programs(2) - 1
+
+
+@triton.jit
 def skinny_gemm_kernel(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split,
                        stride_am, stride_wn, stride_ps, stride_pm, stride_ss,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SUMSQ: tl.constexpr, SPLIT_W: tl.constexpr, DOT_F32: tl.constexpr):
-    """partial[s, m, n] = Σ_{k in [s·k_split, (s+1)·k_split)} A[m, k]·W[n, k] (`skinny_tile`),
-    program (m tile, n tile, split s); with SUMSQ also sq[s, m] = Σ A[m, k]²."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    s = tl.program_id(2)
-    k0 = s * k_split
-    acc, sq = skinny_tile(a_ptr, w_ptr, rm, rn, M, N, k0, tl.minimum(k0 + k_split, K), stride_am, stride_wn,
-                          BLOCK_M, BLOCK_N, BLOCK_K, SUMSQ, SPLIT_W, DOT_F32)
-    store_partials(acc, sq, rm, rn, M, N, s, part_ptr, sq_ptr, stride_ps, stride_pm, stride_ss, SUMSQ)
+    """The split-K skinny GEMM's partials (`skinny_program`), summed by the caller."""
+    skinny_program(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split, stride_am, stride_wn, stride_ps, stride_pm,
+                   stride_ss, BLOCK_M, BLOCK_N, BLOCK_K, SUMSQ, SPLIT_W, DOT_F32)
 
 
 def skinny_gemm(a: torch.Tensor, w: torch.Tensor, sumsq: bool, *, block_m: int | None = None,

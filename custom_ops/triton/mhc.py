@@ -4,7 +4,7 @@ the definition).
 mhc_mix, one launch (`_mhc_mix_kernel`).
   1. The coefficient projection m_raw[T, hc·(hc+2)] = X_flat[T, hc·D] · fnᵀ (FP32, full-precision
      products: with X in bf16, fn split exactly into three bf16 parts multiplied on tensor cores)
-     and Σ X_flat² per token: the split-K skinny GEMM's tiles (common.skinny_tile; Flash:
+     and Σ X_flat² per token: the split-K skinny GEMM's programs (common.skinny_program; Flash:
      K = 20480, N = 24 padded to a 32-wide tile; token tiles of 16..64; K split so that even one
      decode token spreads the 1.9 MB of fn over ~2x the SMs); each split writes FP32 partials
      and counts itself in its token tile's counter.
@@ -29,7 +29,7 @@ import triton.language as tl
 
 from custom_ops import mhc as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, skinny_launch, skinny_tile, store_partials
+from custom_ops.triton.common import TL_DTYPES, last_of_tile, skinny_launch, skinny_program
 from custom_ops.triton.fp8 import tile_counters
 
 COEF_BLOCK_T = 16
@@ -44,26 +44,19 @@ def _mhc_mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, cnt_ptr, base_ptr, scale_pt
                     HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SPLIT_W: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
     """Program (token tile, N tile, split s): the projection's partial and Σx² over the split's
-    K range (common.skinny_tile), counted in the token tile's counter (acq_rel); the program that
-    counts last computes the tile's coefficients (`coef_rows`, BLOCK_T tokens at a time) from
+    K range (common.skinny_program), counted in the token tile's counter (common.last_of_tile);
+    the program that counts last computes the tile's coefficients (`coef_rows`, BLOCK_T tokens at a time) from
     every split's partials, read from L2, and zeroes the counter for the next call."""
-    pid_m = tl.program_id(0)
-    m0 = pid_m * BLOCK_M
-    rm = m0 + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    s = tl.program_id(2)
-    k0 = s * k_split
-    acc, sq = skinny_tile(x_ptr, fn_ptr, rm, rn, T, N, k0, tl.minimum(k0 + k_split, K), stride_xt, stride_fn,
-                          BLOCK_M, BLOCK_N, BLOCK_K, True, SPLIT_W, DOT_F32)
-    store_partials(acc, sq, rm, rn, T, N, s, part_ptr, sq_ptr, stride_ps, stride_pt, stride_ss, True)
-    counter = cnt_ptr + pid_m
-    if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(1) * tl.num_programs(2) - 1:
+    skinny_program(x_ptr, fn_ptr, part_ptr, sq_ptr, T, N, K, k_split, stride_xt, stride_fn, stride_ps, stride_pt,
+                   stride_ss, BLOCK_M, BLOCK_N, BLOCK_K, True, SPLIT_W, DOT_F32)
+    if last_of_tile(cnt_ptr):
+        m0 = tl.program_id(0) * BLOCK_M
         t_end = tl.minimum(m0 + BLOCK_M, T)
         for t0 in range(m0, t_end, BLOCK_T):
             coef_rows(t0 + tl.arange(0, BLOCK_T), t_end, part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr,
                       post_ptr, comb_ptr, tl.num_programs(2), K, iters, hc_eps, norm_eps, stride_ps, stride_pt,
                       stride_ss, stride_pre, stride_post, stride_ct, stride_ci, HC, BLOCK_T, BLOCK_S)
-        tl.atomic_xchg(counter, 0)
+        tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0)
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """Triton impl of `v41::moe_route` (custom_ops/moe.py is the definition), one launch
-(`_route_kernel`). Scores: the split-K skinny GEMM's tiles (common.skinny_tile), x[T, D] · gateᵀ
+(`_route_kernel`). Scores: the split-K skinny GEMM's programs (common.skinny_program), x[T, D] · gateᵀ
 in FP32 with full-precision products (Flash: E = 384 in 64-wide tiles, K split to fill the GPU
 at decode); each program stores its FP32 partial and counts itself in its token tile's counter.
 Selection, in the program that counts last for its token tile, BLOCK_T tokens x all experts at a
@@ -17,7 +17,7 @@ import triton.language as tl
 
 from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, skinny_launch, skinny_tile, store_partials
+from custom_ops.triton.common import TL_DTYPES, last_of_tile, skinny_launch, skinny_program
 from custom_ops.triton.fp8 import tile_counters
 
 ROUTE_BLOCK_T = 4
@@ -30,23 +30,16 @@ def _route_kernel(x_ptr, gate_ptr, part_ptr, cnt_ptr, bias_ptr, ids_ptr, w_ptr, 
                   DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr):
     """Program (token tile, expert tile, split s): the scores' partial over the split's K range;
     the token tile's last program selects its tokens' experts (`select_rows`)."""
-    pid_m = tl.program_id(0)
-    m0 = pid_m * BLOCK_M
-    rm = m0 + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    s = tl.program_id(2)
-    k0 = s * k_split
-    acc, sq = skinny_tile(x_ptr, gate_ptr, rm, rn, T, E, k0, tl.minimum(k0 + k_split, K), stride_xt, stride_g,
-                          BLOCK_M, BLOCK_N, BLOCK_K, False, SPLIT_W, DOT_F32)
-    store_partials(acc, sq, rm, rn, T, E, s, part_ptr, part_ptr, stride_ps, stride_pt, 0, False)
-    counter = cnt_ptr + pid_m
-    if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(1) * tl.num_programs(2) - 1:
+    skinny_program(x_ptr, gate_ptr, part_ptr, part_ptr, T, E, K, k_split, stride_xt, stride_g, stride_ps, stride_pt,
+                   0, BLOCK_M, BLOCK_N, BLOCK_K, False, SPLIT_W, DOT_F32)
+    if last_of_tile(cnt_ptr):
+        m0 = tl.program_id(0) * BLOCK_M
         t_end = tl.minimum(m0 + BLOCK_M, T)
         for t0 in range(m0, t_end, BLOCK_T):
             select_rows(t0 + tl.arange(0, BLOCK_T), t_end, part_ptr, bias_ptr, ids_ptr, w_ptr, E,
                         tl.num_programs(2), top_k, route_scale, stride_ps, stride_pt, stride_it, stride_wt,
                         BLOCK_T, BLOCK_E, BLOCK_TOP)
-        tl.atomic_xchg(counter, 0)
+        tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0)
 
 
 @triton.jit
