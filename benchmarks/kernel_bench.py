@@ -187,7 +187,7 @@ def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
     three bf16 parts) beside the FP32-FMA projection (split_w False, the default before), the
     projection split more ways (at decode widths its default 80 splits give each program four
     64-wide K blocks in sequence, in one wave of programs: more splits, fewer blocks a program)
-    and, at the widest, the coefficient pass summing one split a load; twice in alternation.
+    and, at the widest, the coefficient program summing one split a load; twice in alternation.
     The floor is fn's FP32 bytes plus X once."""
     from custom_ops.triton.mhc import triton_mhc_mix
     fn = torch.randn(hc * (hc + 2), hc * dim, device="cuda") * 0.01

@@ -17,8 +17,7 @@ if not B.tools_present():
                 allow_module_level=True)
 
 from custom_ops.triton.fp8_gemm import _tiles  # noqa: E402
-from custom_ops.triton.mhc import _mhc_mix_kernel  # noqa: E402
-from custom_ops.triton.moe_route import _route_kernel  # noqa: E402
+from custom_ops.triton.mhc import _mhc_coef_kernel  # noqa: E402
 
 build, registers = B.build, B.registers
 
@@ -69,37 +68,15 @@ def test_skinny_gemm_builds_for_hopper():
     assert all(s["thread_instructions_per_weight"] < f["thread_instructions_per_weight"] for s, f in zip(split, fma))
 
 
-@pytest.mark.parametrize("block_m,stages,block_t,block_s", [(16, 2, 1, 128), (64, 3, 16, 1), (32, 3, 8, 16)])
-def test_mhc_mix_builds_for_hopper(block_m, stages, block_t, block_s):
-    """mhc_mix's one kernel (the split weight's projection tiles, then in the tile's last split
-    the coefficients) at the launcher's decode tile (one token at a time, all splits a load),
-    its prefill tile and one between: no spills."""
-    sig = {"x_ptr": "*bf16", **dict.fromkeys(("fn_ptr", "part_ptr", "sq_ptr"), "*fp32"), "cnt_ptr": "*i32",
-           **dict.fromkeys(("base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr"), "*fp32"),
-           **dict.fromkeys(("T", "N", "K", "k_split", "iters"), "i32"), "hc_eps": "fp32", "norm_eps": "fp32",
-           **dict.fromkeys(("stride_xt", "stride_fn", "stride_ps", "stride_pt", "stride_ss", "stride_pre",
-                            "stride_post", "stride_ct", "stride_ci"), "i32"),
-           **dict.fromkeys(("HC", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_W", "DOT_F32", "BLOCK_T", "BLOCK_S"),
-                           "constexpr")}
-    k = build(_mhc_mix_kernel, sig, {"HC": 4, "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_W": True,
-                                     "DOT_F32": False, "BLOCK_T": block_t, "BLOCK_S": block_s},
-              aligned=("K", "k_split", "stride_xt", "stride_fn"), num_stages=stages)
-    assert 0 < registers(k) <= 255
-
-
-@pytest.mark.parametrize("block_m,stages", [(16, 2), (64, 3)])
-def test_moe_route_builds_for_hopper(block_m, stages):
-    """moe_route's one kernel (the router's score tiles, then in the token tile's last program
-    the top-k of Flash's 384 experts) at the decode and prefill tiles: no spills."""
-    sig = {"x_ptr": "*bf16", **dict.fromkeys(("gate_ptr", "part_ptr"), "*fp32"), "cnt_ptr": "*i32",
-           "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32",
-           **dict.fromkeys(("T", "E", "K", "k_split", "top_k"), "i32"), "route_scale": "fp32",
-           **dict.fromkeys(("stride_xt", "stride_g", "stride_ps", "stride_pt", "stride_it", "stride_wt"), "i32"),
-           **dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_W", "DOT_F32", "BLOCK_T", "BLOCK_E", "BLOCK_TOP"),
-                           "constexpr")}
-    k = build(_route_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_W": True, "DOT_F32": False,
-                                   "BLOCK_T": 4, "BLOCK_E": 512, "BLOCK_TOP": 8},
-              aligned=("K", "k_split", "stride_xt", "stride_g"), num_stages=stages)
+@pytest.mark.parametrize("block_t,block_s", [(1, 128), (16, 1), (8, 16)])
+def test_mhc_coef_builds_for_hopper(block_t, block_s):
+    sig = {**dict.fromkeys(("part_ptr", "sq_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr"),
+                           "*fp32"),
+           **dict.fromkeys(("T", "S", "K", "iters"), "i32"), "hc_eps": "fp32", "norm_eps": "fp32",
+           **dict.fromkeys(("stride_ps", "stride_pt", "stride_ss", "stride_pre", "stride_post", "stride_ct",
+                            "stride_ci"), "i32"),
+           **dict.fromkeys(("HC", "BLOCK_T", "BLOCK_S"), "constexpr")}
+    k = build(_mhc_coef_kernel, sig, {"HC": 4, "BLOCK_T": block_t, "BLOCK_S": block_s})
     assert 0 < registers(k) <= 255
 
 

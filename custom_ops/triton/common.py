@@ -133,18 +133,27 @@ def fp8_qat(x: torch.Tensor, out: torch.Tensor) -> None:
 # ---- split-K skinny GEMM ---------------------------------------------------------------------
 
 @triton.jit
-def skinny_tile(a_ptr, w_ptr, rm, rn, M, N, k0, k1, stride_am, stride_wn,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SUMSQ: tl.constexpr, SPLIT_W: tl.constexpr, DOT_F32: tl.constexpr):
-    """(Σ_{k in [k0, k1)} A[rm, k]·W[rn, k] in FP32 with full-precision products [BLOCK_M,
-    BLOCK_N], and with SUMSQ Σ A[rm, k]² [BLOCK_M]). SPLIT_W (A in bf16): each FP32 weight tile
-    splits exactly into three bf16 tiles (w = w1 + w2 + w3: each rounding leaves a remainder of
-    at most 16, then 8, significant bits), whose bf16 dots with A run on tensor cores and give
-    exact products; else A is read as FP32 and the dot is FP32 FMAs ("ieee"). DOT_F32:
-    SPLIT_W's dots in FP32 (the interpreter; the same exact products)."""
+def skinny_gemm_kernel(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split,
+                       stride_am, stride_wn, stride_ps, stride_pm, stride_ss,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SUMSQ: tl.constexpr, SPLIT_W: tl.constexpr, DOT_F32: tl.constexpr):
+    """partial[s, m, n] = Σ_{k in [s·k_split, (s+1)·k_split)} A[m, k]·W[n, k] in FP32 with
+    full-precision products; with SUMSQ the programs of the first N tile also write
+    sq[s, m] = Σ A[m, k]². SPLIT_W (A in bf16): each FP32 weight tile splits exactly into three
+    bf16 tiles (w = w1 + w2 + w3: each rounding leaves a remainder of at most 16, then 8,
+    significant bits), whose bf16 dots with A run on tensor cores and give exact products; else
+    A is read as FP32 and the dot is FP32 FMAs ("ieee"). DOT_F32: SPLIT_W's dots in FP32 (the
+    interpreter; the same exact products)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    s = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     mmask = rm < M
     nmask = rn < N
+    k0 = s * k_split
+    k1 = tl.minimum(k0 + k_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     sq = tl.zeros([BLOCK_M], tl.float32)
     a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
@@ -173,46 +182,11 @@ def skinny_tile(a_ptr, w_ptr, rm, rn, M, N, k0, k1, stride_am, stride_wn,
         if SUMSQ:
             af = a.to(tl.float32)
             sq += tl.sum(af * af, axis=1)
-    return acc, sq
-
-
-@triton.jit
-def skinny_program(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split, stride_am, stride_wn, stride_ps, stride_pm,
-                   stride_ss, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SUMSQ: tl.constexpr, SPLIT_W: tl.constexpr, DOT_F32: tl.constexpr):
-    """Program (m tile, n tile, split s) of the split-K skinny GEMM: partial[s, m, n] =
-    Σ_{k in [s·k_split, (s+1)·k_split)} A[m, k]·W[n, k] (`skinny_tile`) stored; with SUMSQ the
-    first N tile's programs also store sq[s, m] = Σ A[m, k]²."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    s = tl.program_id(2)
-    k0 = s * k_split
-    acc, sq = skinny_tile(a_ptr, w_ptr, rm, rn, M, N, k0, tl.minimum(k0 + k_split, K), stride_am, stride_wn,
-                          BLOCK_M, BLOCK_N, BLOCK_K, SUMSQ, SPLIT_W, DOT_F32)
-    mmask = rm < M
     p = part_ptr + s.to(tl.int64) * stride_ps + rm.to(tl.int64)[:, None] * stride_pm + rn[None, :]
-    tl.store(p, acc, mask=mmask[:, None] & (rn < N)[None, :])
+    tl.store(p, acc, mask=mmask[:, None] & nmask[None, :])
     if SUMSQ:
-        if tl.program_id(1) == 0:
+        if pid_n == 0:
             tl.store(sq_ptr + s.to(tl.int64) * stride_ss + rm, sq, mask=mmask)
-
-
-@triton.jit
-def last_of_tile(cnt_ptr):
-    """After a skinny program's stores: counts it in its token tile's counter (acq_rel) and
-    tells whether it came last, every partial of the tile then stored. The caller finishes the
-    tile (reading the partials .cg, from L2) and zeroes the counter."""
-    return tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel") == tl.num_programs(1) * tl.num_programs(2) - 1
-
-
-@triton.jit
-def skinny_gemm_kernel(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split,
-                       stride_am, stride_wn, stride_ps, stride_pm, stride_ss,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SUMSQ: tl.constexpr, SPLIT_W: tl.constexpr, DOT_F32: tl.constexpr):
-    """The split-K skinny GEMM's partials (`skinny_program`), summed by the caller."""
-    skinny_program(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split, stride_am, stride_wn, stride_ps, stride_pm,
-                   stride_ss, BLOCK_M, BLOCK_N, BLOCK_K, SUMSQ, SPLIT_W, DOT_F32)
 
 
 def skinny_gemm(a: torch.Tensor, w: torch.Tensor, sumsq: bool, *, block_m: int | None = None,
@@ -226,25 +200,6 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor, sumsq: bool, *, block_m: int |
     N = w.shape[0]
     if w.stride(-1) != 1:
         w = w.contiguous()
-    grid, k_split, meta = skinny_launch(a, N, block_m=block_m, block_n=block_n, block_k=block_k, split=split,
-                                        split_w=split_w)
-    S = grid[2]
-    if out is not None and S != 1:
-        raise ValueError(f"skinny_gemm: an out tensor takes one split, not {S}")
-    part = out.view(1, M, N) if out is not None else torch.empty(S, M, N, dtype=torch.float32, device=a.device)
-    sq = torch.empty(S, M, dtype=torch.float32, device=a.device) if sumsq else part
-    skinny_gemm_kernel[grid](a, w, part, sq, M, N, K, k_split, a.stride(0), w.stride(0),
-                             part.stride(0), part.stride(1), sq.stride(0), SUMSQ=sumsq, **meta)
-    return part, (sq if sumsq else None)
-
-
-def skinny_launch(a: torch.Tensor, N: int, *, block_m: int | None = None, block_n: int | None = None,
-                  block_k: int = 64, split: int | None = None, split_w: bool | None = None):
-    """(grid, k_split, meta) of the split-K skinny GEMM of A [M, K] against N weight rows:
-    token tiles of 16..64, N tiles up to 64, K split so that the programs cover the SMs about
-    twice (`split` fixes the count); meta holds the tiles, SPLIT_W, DOT_F32 and the launch's
-    warps and stages."""
-    M, K = a.shape
     split_w = a.dtype == torch.bfloat16 if split_w is None else split_w
     if split_w and a.dtype != torch.bfloat16:
         raise ValueError(f"skinny_gemm: the split weight needs A in bf16, got {a.dtype}")
@@ -254,7 +209,16 @@ def skinny_launch(a: torch.Tensor, N: int, *, block_m: int | None = None, block_
     if split is None:
         split = max(1, min(triton.cdiv(2 * num_sms(a.device), tiles), K // (4 * block_k)))
     k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
-    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), triton.cdiv(K, k_split))
-    return grid, k_split, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_W=split_w, DOT_F32=not a.is_cuda,
-                               # the split's 16-row tile spills 16 bytes a thread at 3 stages (sm_90 build)
-                               num_warps=4, num_stages=2 if split_w and bm == 16 else 3)
+    S = triton.cdiv(K, k_split)
+    if out is not None and S != 1:
+        raise ValueError(f"skinny_gemm: an out tensor takes one split, not {S}")
+    part = out.view(1, M, N) if out is not None else torch.empty(S, M, N, dtype=torch.float32, device=a.device)
+    sq = torch.empty(S, M, dtype=torch.float32, device=a.device) if sumsq else part
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), S)
+    skinny_gemm_kernel[grid](a, w, part, sq, M, N, K, k_split, a.stride(0), w.stride(0),
+                             part.stride(0), part.stride(1), sq.stride(0),
+                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SUMSQ=sumsq,
+                             SPLIT_W=split_w, DOT_F32=not a.is_cuda, num_warps=4,
+                             # the split's 16-row tile spills 16 bytes a thread at 3 stages (sm_90 build)
+                             num_stages=2 if split_w and bm == 16 else 3)
+    return part, (sq if sumsq else None)

@@ -1,20 +1,18 @@
 """Triton impls of `v41::mhc_mix`, `v41::hc_collapse`, `v41::hc_expand` (custom_ops/mhc.py is
 the definition).
 
-mhc_mix, one launch (`_mhc_mix_kernel`).
+mhc_mix, two launches.
   1. The coefficient projection m_raw[T, hc·(hc+2)] = X_flat[T, hc·D] · fnᵀ (FP32, full-precision
      products: with X in bf16, fn split exactly into three bf16 parts multiplied on tensor cores)
-     and Σ X_flat² per token: the split-K skinny GEMM's programs (common.skinny_program; Flash:
-     K = 20480, N = 24 padded to a 32-wide tile; token tiles of 16..64; K split so that even one
-     decode token spreads the 1.9 MB of fn over ~2x the SMs); each split writes FP32 partials
-     and counts itself in its token tile's counter.
-  2. Coefficients, in the program that counts last for its token tile, BLOCK_T tokens at a time
-     (every token's math is independent): the splits summed in a fixed order, BLOCK_S of them
-     per load, summed as a tree (one token, Flash: its 80 splits in one load), m =
-     m_raw·rsqrt(Σx²/(hc·D) + norm_eps); pre = sigmoid(m·scale0 + base) + hc_eps; post =
-     2·sigmoid(m·scale1 + base); comb = softmax_row(m·scale2 + base) + hc_eps on a [BLOCK_T,
-     hc, hc] tile, then the column normalization and iters-1 (row, column) Sinkhorn rounds in
-     registers. A decode step had launched this as a second kernel, 80 a flash-slice step.
+     and Σ X_flat² per token: the split-K skinny GEMM of common.py (Flash: K = 20480,
+     N = 24 padded to a 32-wide tile; token tiles of 16..64; K split so that even one decode
+     token spreads the 1.9 MB of fn over ~2x the SMs; each split writes FP32 partials).
+  2. Coefficients, BLOCK_T tokens per program (one program per token tile; every token's
+     math is independent): the splits summed in a fixed order, BLOCK_S of them per load, summed as
+     a tree (a program of one token, Flash: its 80 splits in one load), m = m_raw·rsqrt(Σx²/(hc·D) +
+     norm_eps); pre = sigmoid(m·scale0 + base) + hc_eps; post = 2·sigmoid(m·scale1 + base);
+     comb = softmax_row(m·scale2 + base) + hc_eps on a [BLOCK_T, hc, hc] tile, then the column
+     normalization and iters-1 (row, column) Sinkhorn rounds in registers.
 hc_collapse: [BLOCK_T, BLOCK_D] tiles, Σ_k mix[k]·X[k] over the hc streams in FP32 (a static
 loop), one rounding. hc_expand: [BLOCK_T, hc, BLOCK_D] tiles, Σ_i comb[i][j]·X[i] as hc
 broadcast FMAs over the stream tile, plus post[j]·out_, one rounding. Both are pure streaming
@@ -29,8 +27,7 @@ import triton.language as tl
 
 from custom_ops import mhc as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, last_of_tile, skinny_launch, skinny_program
-from custom_ops.triton.fp8 import tile_counters
+from custom_ops.triton.common import TL_DTYPES, skinny_gemm
 
 COEF_BLOCK_T = 16
 COEF_TILE = 2048              # elements of the [splits, hc, hc] tile a one-token program sums at once
@@ -38,35 +35,11 @@ STREAM_TILE = 4096            # elements of X per program in collapse / expand
 
 
 @triton.jit
-def _mhc_mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-                    T, N, K, k_split, iters, hc_eps, norm_eps, stride_xt, stride_fn, stride_ps, stride_pt,
-                    stride_ss, stride_pre, stride_post, stride_ct, stride_ci,
-                    HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SPLIT_W: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Program (token tile, N tile, split s): the projection's partial and Σx² over the split's
-    K range (common.skinny_program), counted in the token tile's counter (common.last_of_tile);
-    the program that counts last computes the tile's coefficients (`coef_rows`, BLOCK_T tokens at a time) from
-    every split's partials, read from L2, and zeroes the counter for the next call."""
-    skinny_program(x_ptr, fn_ptr, part_ptr, sq_ptr, T, N, K, k_split, stride_xt, stride_fn, stride_ps, stride_pt,
-                   stride_ss, BLOCK_M, BLOCK_N, BLOCK_K, True, SPLIT_W, DOT_F32)
-    if last_of_tile(cnt_ptr):
-        m0 = tl.program_id(0) * BLOCK_M
-        t_end = tl.minimum(m0 + BLOCK_M, T)
-        for t0 in range(m0, t_end, BLOCK_T):
-            coef_rows(t0 + tl.arange(0, BLOCK_T), t_end, part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr,
-                      post_ptr, comb_ptr, tl.num_programs(2), K, iters, hc_eps, norm_eps, stride_ps, stride_pt,
-                      stride_ss, stride_pre, stride_post, stride_ct, stride_ci, HC, BLOCK_T, BLOCK_S)
-        tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0)
-
-
-@triton.jit
-def coef_rows(t, T, part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-              S, K, iters, hc_eps, norm_eps, stride_ps, stride_pt, stride_ss,
-              stride_pre, stride_post, stride_ct, stride_ci, HC: tl.constexpr, BLOCK_T: tl.constexpr,
-              BLOCK_S: tl.constexpr):
-    """Coefficients of tokens t (those < T): the S splits' partials summed in split order,
-    BLOCK_S a load as a tree (loaded .cg: the other programs' stores are in L2), then the
-    norm, the sigmoids, the softmax and the Sinkhorn rounds (module docstring, step 2)."""
+def _mhc_coef_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+                     T, S, K, iters, hc_eps, norm_eps, stride_ps, stride_pt, stride_ss,
+                     stride_pre, stride_post, stride_ct, stride_ci,
+                     HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
     t64 = t.to(tl.int64)
     i = tl.arange(0, HC)
@@ -86,13 +59,11 @@ def coef_rows(t, T, part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, co
         s3 = ps[:, None, None, None]
         k2 = smask[:, None, None] & m2[None, :, :]
         k3 = smask[:, None, None, None] & m3[None, :, :, :]
-        a_pre += tl.sum(tl.load(part_ptr + s2 + off2[None, :, :], mask=k2, other=0.0, cache_modifier=".cg"), axis=0)
-        a_post += tl.sum(tl.load(part_ptr + s2 + HC + off2[None, :, :], mask=k2, other=0.0, cache_modifier=".cg"),
-                         axis=0)
-        a_comb += tl.sum(tl.load(part_ptr + s3 + off3[None, :, :, :], mask=k3, other=0.0, cache_modifier=".cg"),
-                         axis=0)
+        a_pre += tl.sum(tl.load(part_ptr + s2 + off2[None, :, :], mask=k2, other=0.0), axis=0)
+        a_post += tl.sum(tl.load(part_ptr + s2 + HC + off2[None, :, :], mask=k2, other=0.0), axis=0)
+        a_comb += tl.sum(tl.load(part_ptr + s3 + off3[None, :, :, :], mask=k3, other=0.0), axis=0)
         sq = tl.load(sq_ptr + rs.to(tl.int64)[:, None] * stride_ss + t64[None, :],
-                     mask=smask[:, None] & tmask[None, :], other=0.0, cache_modifier=".cg")
+                     mask=smask[:, None] & tmask[None, :], other=0.0)
         ss += tl.sum(sq, axis=0)
     r = tl.rsqrt(ss / K + norm_eps)
     sc0 = tl.load(scale_ptr)
@@ -194,7 +165,7 @@ def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb,
                    split: int | None = None, block_t: int | None = None, block_s: int | None = None,
                    split_w: bool | None = None) -> None:
     """`v41::mhc_mix` (same signature); keyword knobs: K splits of the projection, tokens per
-    coefficient pass, splits per load of the coefficient pass (a power of two), and
+    coefficient program, splits per load of the coefficient program (a power of two), and
     `split_w` (skinny_gemm's: fn split into three bf16 parts on tensor cores, X in bf16)."""
     T, hc, D = X.shape
     if X.dtype not in TL_DTYPES or fn.dtype != torch.float32 or not _pow2(hc) or iters < 1 or \
@@ -206,25 +177,20 @@ def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb,
     xf = X.reshape(T, hc * D)
     if xf.stride(1) != 1:
         xf = xf.contiguous()
-    if fn.stride(-1) != 1:
-        fn = fn.contiguous()
-    N = fn.shape[0]
-    grid, k_split, meta = skinny_launch(xf, N, split=split, split_w=split_w)
-    S = grid[2]
-    part = torch.empty(S, T, N, dtype=torch.float32, device=X.device)
-    sq = torch.empty(S, T, dtype=torch.float32, device=X.device)
+    part, sq = skinny_gemm(xf, fn, True, split=split, split_w=split_w)
     base, scale = base.contiguous(), scale.contiguous()
     outs = [t if _unit_last(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device)
             for t in (pre, post, comb)]
     bt = block_t or min(COEF_BLOCK_T, triton.next_power_of_2(T))
-    # a lone token's splits in one load; several tokens at a time: one split a load, which the
+    S = part.shape[0]
+    # a lone token's splits in one load; several tokens a program: one split a load, which the
     # H200 ran as fast or faster at 5, 64 and 4,096 tokens (benchmarks/results/mhc-h200.json)
     bs = block_s or (min(triton.next_power_of_2(S), COEF_TILE // (hc * hc)) if bt == 1 else 1)
-    _mhc_mix_kernel[grid](
-        xf, fn, part, sq, tile_counters(X.device, grid[0]), base, scale, outs[0], outs[1], outs[2],
-        T, N, hc * D, k_split, iters, hc_eps, norm_eps, xf.stride(0), fn.stride(0), part.stride(0),
-        part.stride(1), sq.stride(0), outs[0].stride(0), outs[1].stride(0), outs[2].stride(0),
-        outs[2].stride(1), HC=hc, BLOCK_T=bt, BLOCK_S=bs, **meta)
+    _mhc_coef_kernel[(triton.cdiv(T, bt),)](
+        part, sq, base, scale, outs[0], outs[1], outs[2], T, S, hc * D, iters,
+        hc_eps, norm_eps, part.stride(0), part.stride(1), sq.stride(0), outs[0].stride(0),
+        outs[1].stride(0), outs[2].stride(0), outs[2].stride(1), HC=hc, BLOCK_T=bt, BLOCK_S=bs,
+        num_warps=4)
     for o, t in zip(outs, (pre, post, comb)):
         if o is not t:
             t.copy_(o)
