@@ -254,35 +254,6 @@ def bench_lm_head(rows: list, V: int = 129280, D: int = 5120) -> None:
         alternate(rows, cases, head.nbytes, lambda us: {"TFLOPs": round(2 * M * V * D / us / 1e6, 2)})
 
 
-def bench_collapse_norm(rows: list, hc: int = 4, dim: int = 5120) -> None:
-    """A sublayer's input at Flash's width: hc_collapse then rms_norm (rms_norm_fp8), two
-    launches, beside hc_collapse_norm (_fp8), one; hc_expand then hc_collapse_norm beside
-    hc_expand_norm; in alternation. The floor is each form's inputs and outputs once (the two
-    launches also write and read the row or streams between them)."""
-    ops = torch.ops.v41
-    w = torch.randn(dim, device="cuda").bfloat16()
-    for T in (1, 6, 16, 64, 4096):
-        X = torch.randn(T, hc, dim, device="cuda").bfloat16()
-        mix = torch.rand(T, hc, device="cuda")
-        x, y = torch.empty(T, dim, device="cuda").bfloat16(), torch.empty(T, dim, device="cuda").bfloat16()
-        cases = []
-        for q, norm, fused in (("", ops.rms_norm, ops.hc_collapse_norm), ("_fp8", ops.rms_norm_fp8,
-                                                                          ops.hc_collapse_norm_fp8)):
-            cases += [({"kernel": f"collapse+rms_norm{q}", "tokens": T, "launches": 2},
-                       lambda norm=norm: (ops.hc_collapse(X, mix, x), norm(x, w, 1e-6, y))),
-                      ({"kernel": f"hc_collapse_norm{q}", "tokens": T, "launches": 1},
-                       lambda fused=fused: fused(X, mix, w, 1e-6, y))]
-        alternate(rows, cases, X.nbytes + y.nbytes, lambda us: {})
-        # the attention's expand and the FFN's input: hc_expand then hc_collapse_norm, or one launch
-        f, post, comb, Y = torch.randn(T, dim, device="cuda").bfloat16(), mix * 2, torch.rand(T, hc, hc, device="cuda"), \
-            torch.empty_like(X)
-        cases = [({"kernel": "expand+collapse_norm", "tokens": T, "launches": 2},
-                  lambda: (ops.hc_expand(f, X, post, comb, Y), ops.hc_collapse_norm(Y, mix, w, 1e-6, y))),
-                 ({"kernel": "hc_expand_norm", "tokens": T, "launches": 1},
-                  lambda: ops.hc_expand_norm(f, X, post, comb, mix, w, 1e-6, Y, y))]
-        alternate(rows, cases, 2 * X.nbytes + f.nbytes + y.nbytes, lambda us: {})
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/kernels-h200.json")
@@ -291,13 +262,9 @@ def main():
     ap.add_argument("--mhc", action="store_true", help="only mhc_mix: the default beside more projection splits")
     ap.add_argument("--wo-a", action="store_true", help="only inv_rope_wo_a at decode widths, split-K and tiles")
     ap.add_argument("--lm-head", action="store_true", help="only the FP32 LM head, cuBLAS vs skinny_gemm")
-    ap.add_argument("--collapse-norm", action="store_true", help="only hc_collapse_norm and hc_expand_norm against their two launches")
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
-    if a.collapse_norm:
-        bench_collapse_norm(rows)
-        return save(a.out, rows)
     if a.lm_head:
         bench_lm_head(rows)
         return save(a.out, rows)

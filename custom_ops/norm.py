@@ -1,15 +1,12 @@
 """RMSNorm ops (spec §2.2, §2.4): the norm alone, and the norm followed by the FP8 activation
-quant of the GEMM that reads it (the dequantized QAT value, in x's dtype); each also with its
-input collapsed from the residual streams first (spec §3.1: a sublayer's input is the norm of
-the streams' collapse). The reference impls are the eager model's own functions
-(v41.layers.rms_norm, v41.quant.fp8_qat, v41.mhc.collapse), so a fused graph computes exactly
-what the eager model does."""
+quant of the GEMM that reads it (the dequantized QAT value, in x's dtype). The reference impls
+are the eager model's own functions (v41.layers.rms_norm, v41.quant.fp8_qat), so a fused graph
+computes exactly what the eager model does."""
 from __future__ import annotations
 
 from custom_ops.registry import define
 from v41 import quant
 from v41.layers import rms_norm as _rms_norm
-from v41.mhc import collapse, expand
 
 FP8_GROUP = 32
 
@@ -25,24 +22,3 @@ def rms_norm_fp8(x, w, eps, out) -> None:
     """fp8_qat(rms_norm(x, w, eps), 32): RMSNorm then the FP8 act-quant round trip of the next
     GEMM's input (per 32 along D, UE8M0 scale), in x's dtype."""
     out.copy_(quant.fp8_qat(_rms_norm(x, w, eps), FP8_GROUP))
-
-
-@define("hc_collapse_norm(Tensor X, Tensor mix, Tensor w, float eps, Tensor(a!) out) -> ()")
-def hc_collapse_norm(X, mix, w, eps, out) -> None:
-    """X [T, hc, D] streams, mix [T, hc]; out [T, D] (X's dtype) <- rms_norm(collapse(X, mix), w, eps)."""
-    out.copy_(_rms_norm(collapse(X, mix), w, eps))
-
-
-@define("hc_collapse_norm_fp8(Tensor X, Tensor mix, Tensor w, float eps, Tensor(a!) out) -> ()")
-def hc_collapse_norm_fp8(X, mix, w, eps, out) -> None:
-    """fp8_qat(rms_norm(collapse(X, mix), w, eps), 32), in X's dtype."""
-    out.copy_(quant.fp8_qat(_rms_norm(collapse(X, mix), w, eps), FP8_GROUP))
-
-
-@define("hc_expand_norm(Tensor out_, Tensor X, Tensor post, Tensor comb, Tensor pre, Tensor w, float eps, "
-        "Tensor(a!) Y, Tensor(b!) out) -> ()")
-def hc_expand_norm(out_, X, post, comb, pre, w, eps, Y, out) -> None:
-    """A sublayer's output into the streams and the next sublayer's input from them:
-    Y <- expand(out_, X, post, comb) (hc_expand), out <- rms_norm(collapse(Y, pre), w, eps)."""
-    Y.copy_(expand(out_, X, post, comb))
-    out.copy_(_rms_norm(collapse(Y, pre), w, eps))

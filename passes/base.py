@@ -210,26 +210,6 @@ def dedupe_replayed_views(graph: torch.fx.Graph) -> int:
     return cse(graph, lambda n: n.target in _VIEWS and _view_of_mutated(n))
 
 
-def dedupe_sym_sizes(graph: torch.fx.Graph) -> int:
-    """Read each symbolic size from its first `sym_size` node: an empty sized from a fused op's
-    output (`empty_like(x)`) is a second reader of that output outside any pattern, which keeps
-    the op from being fused with its reader; the same symbol read from an earlier tensor is not."""
-    first: dict = {}
-    removed = 0
-    for n in list(graph.find_nodes(op="call_function", target=aten.sym_size.int)):
-        v = n.meta.get("val")
-        if not isinstance(v, torch.SymInt):
-            continue
-        key = str(v.node.expr)
-        if key not in first:
-            first[key] = n
-            continue
-        n.replace_all_uses_with(first[key])
-        graph.erase_node(n)
-        removed += 1
-    return removed
-
-
 def cse(graph: torch.fx.Graph, keep=None) -> int:
     """Merge pure ATen/prims nodes with the same target and arguments (the model quantizes the
     same activation once per GEMM reading it); returns the number of nodes removed."""

@@ -34,12 +34,6 @@ from passes.base import PatternPass, call, ns, rand
 from v41.mhc import MHC, collapse, expand
 
 
-def collapsed_row(X):
-    """The [T, D] buffer of the collapse of streams X [T, hc, D], as this pass allocates it (the
-    later passes' patterns match what it emits)."""
-    return X.new_empty((X.shape[0], X.shape[2]))
-
-
 class MHCPass(PatternPass):
     name = "mhc"
     ops = ("mhc_mix", "hc_collapse", "hc_expand")
@@ -67,7 +61,7 @@ class MHCPass(PatternPass):
             return comb, pre, post
 
         def collapse_fused(X, w):
-            return call("hc_collapse", X, w, collapsed_row(X))[0]
+            return call("hc_collapse", X, w, X.new_empty((X.shape[0], X.shape[2])))[0]
 
         def expand_fused(out, X, post, comb):
             return call("hc_expand", out, X, post, comb, torch.empty_like(X))[0]

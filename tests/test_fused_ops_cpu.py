@@ -47,10 +47,9 @@ else:
     program_order.apply()
     from custom_ops import registry
     from custom_ops.triton import (triton_engram_gate, triton_engram_gather, triton_hc_collapse,
-                                   triton_hc_collapse_norm, triton_hc_collapse_norm_fp8, triton_hc_expand,
-                                   triton_hc_expand_norm,
-                                   triton_inv_rope_wo_a, triton_mhc_mix, triton_moe_experts, triton_moe_route,
-                                   triton_rms_norm, triton_rms_norm_fp8, triton_rope, triton_rope_fp8_qat)
+                                   triton_hc_expand, triton_inv_rope_wo_a, triton_mhc_mix,
+                                   triton_moe_experts, triton_moe_route, triton_rms_norm,
+                                   triton_rms_norm_fp8, triton_rope, triton_rope_fp8_qat)
     from custom_ops.triton.common import fp8_qat as triton_fp8_qat
     from v41.layers import rms_norm as eager_rms_norm
 
@@ -190,50 +189,6 @@ else:
         ref_mhc.hc_expand(f, X, post, comb, ref)
         triton_hc_expand(f, X, post, comb, out, block_d=32)
         assert rel(out, ref) < 1e-5
-
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    def test_hc_collapse_norm_is_the_collapse_then_the_norm(g, dtype):
-        """One launch with the two kernels' arithmetic: bit for bit hc_collapse then rms_norm
-        (and rms_norm_fp8), the collapse rounded to X's dtype and the norm's sums in the same
-        order; three chunks of D, the last one masked; streams in a padded layout read the same."""
-        T, hc, D = 5, 4, 2080
-        X, w = rnd(g, T, hc, D, scale=2.0, dtype=dtype), rnd(g, D, dtype=dtype)
-        mix = torch.rand(T, hc, generator=g)
-        x = torch.empty(T, D, dtype=dtype)
-        triton_hc_collapse(X, mix, x)
-        for fused, norm, ref in ((triton_hc_collapse_norm, triton_rms_norm, ref_norm.hc_collapse_norm),
-                                 (triton_hc_collapse_norm_fp8, triton_rms_norm_fp8, ref_norm.hc_collapse_norm_fp8)):
-            two = torch.empty_like(x)
-            norm(x, w, 1e-6, two)
-            for streams in (X, strided(X, "pad")):
-                one = nan_like(x)
-                fused(streams, mix, w, 1e-6, one)
-                assert torch.equal(one, two), fused.__name__
-            want = torch.empty_like(x)
-            ref(X, mix, w, 1e-6, want)
-            if dtype == torch.float32 and norm is triton_rms_norm:
-                assert rel(one, want) < 1e-5
-
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    def test_hc_expand_norm_is_the_expand_then_the_collapse_norm(g, dtype):
-        """One launch with the two ops' arithmetic: the streams bit for bit hc_expand's, the
-        input of the next sublayer bit for bit hc_collapse_norm's of those streams; a padded
-        stream layout gives the same."""
-        T, hc, D = 5, 4, 2080
-        X, f = rnd(g, T, hc, D, dtype=dtype), rnd(g, T, D, scale=3.0, dtype=dtype)
-        post, comb, pre = torch.rand(T, hc, generator=g) * 2, torch.rand(T, hc, hc, generator=g), torch.rand(T, hc, generator=g)
-        w = rnd(g, D, dtype=dtype)
-        Y2, x2 = torch.empty_like(X), torch.empty(T, D, dtype=dtype)
-        triton_hc_expand(f, X, post, comb, Y2)
-        triton_hc_collapse_norm(Y2, pre, w, 1e-6, x2)
-        for streams in (X, strided(X, "pad")):
-            Y1, x1 = nan_like(X), torch.full((T, D), float("nan"), dtype=dtype)
-            triton_hc_expand_norm(f, streams, post, comb, pre, w, 1e-6, Y1, x1)
-            assert torch.equal(Y1, Y2) and torch.equal(x1, x2)
-        Yr, xr = torch.empty_like(X), torch.empty_like(x2)
-        ref_norm.hc_expand_norm(f, X, post, comb, pre, w, 1e-6, Yr, xr)
-        if dtype == torch.float32:
-            assert rel(Y1, Yr) < 1e-5 and rel(x1, xr) < 1e-5
 
     def strided(t, kind):
         """t's values in another layout: "rev" stores the dims in reverse order (last stride
@@ -385,6 +340,6 @@ else:
     def test_registry_selection():
         sel = registry.selected()
         for name in ("rms_norm", "rms_norm_fp8", "rope", "rope_fp8_qat", "inv_rope_wo_a", "mhc_mix",
-                     "hc_collapse", "hc_collapse_norm", "hc_collapse_norm_fp8", "hc_expand", "hc_expand_norm", "moe_route", "moe_experts", "engram_gate",
+                     "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate",
                      "engram_gather", "f32_linear"):
             assert sel[f"v41::{name}"] == {"cpu": "reference", "cuda": "triton"}, name

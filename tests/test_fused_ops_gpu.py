@@ -74,29 +74,6 @@ def mismatch(a, b, rtol):
     return float((~torch.isclose(a.double(), b.double(), rtol=rtol, atol=0)).double().mean())
 
 
-@pytest.mark.parametrize("T", T_ALL)
-def test_hc_collapse_norm_is_the_two_kernels(g, T):
-    """On the GPU too the fused launch computes the collapse kernel then the norm kernel, bit
-    for bit (the same FP32 sums in the same order), plain and FP8-QAT; and hc_expand_norm the
-    expand then that."""
-    X, fn, base, scale = _mhc_inputs(g, T)
-    pre, w = mix_of(T), rnd(g, D)
-    x = torch.empty(T, D, dtype=BF, device=DEV)
-    ops.hc_collapse(X, pre, x)
-    for fused, norm in ((ops.hc_collapse_norm, ops.rms_norm), (ops.hc_collapse_norm_fp8, ops.rms_norm_fp8)):
-        two, one = torch.empty_like(x), torch.full_like(x, float("nan"))
-        norm(x, w, EPS, two)
-        fused(X, pre, w, EPS, one)
-        assert torch.equal(one, two), fused
-    f, post, comb = rnd(g, T, D), mix_of(T) * 2, torch.rand(T, HC, HC, device=DEV)
-    Y2 = torch.empty_like(X)
-    ops.hc_expand(f, X, post, comb, Y2)
-    ops.hc_collapse_norm(Y2, pre, w, EPS, x)
-    Y1, x1 = torch.full_like(X, float("nan")), torch.full_like(x, float("nan"))
-    ops.hc_expand_norm(f, X, post, comb, pre, w, EPS, Y1, x1)
-    assert torch.equal(Y1, Y2) and torch.equal(x1, x)
-
-
 # ---- norm --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("T", T_ALL)
 @pytest.mark.parametrize("width", [D, 1280, 512, 128])
@@ -326,7 +303,7 @@ def test_engram_gather(g, T):
 def test_registry_selects_triton():
     sel = registry.selected()
     for name in ("rms_norm", "rms_norm_fp8", "rope", "rope_fp8_qat", "inv_rope_wo_a", "mhc_mix",
-                 "hc_collapse", "hc_collapse_norm", "hc_collapse_norm_fp8", "hc_expand", "hc_expand_norm", "moe_route", "moe_experts", "engram_gate", "engram_gather",
+                 "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate", "engram_gather",
                  "f32_linear"):
         assert sel[f"v41::{name}"]["cuda"] == "triton", name
 
@@ -391,7 +368,6 @@ def test_timings(g, rope, T):
                           (q, rope.cos, rope.sin, pos, wo_a, torch.empty(T, G * OR, dtype=BF, device=DEV))),
         "mhc_mix": (ref_mhc.mhc_mix, ops.mhc_mix, (X, fn, base, scale, 20, 1e-6, EPS, *_mhc_outs(T))),
         "hc_collapse": (ref_mhc.hc_collapse, ops.hc_collapse, (X, mix_of(T), torch.empty_like(x))),
-        "hc_collapse_norm": (ref_norm.hc_collapse_norm, ops.hc_collapse_norm, (X, mix_of(T), w, EPS, torch.empty_like(x))),
         "hc_expand": (ref_mhc.hc_expand, ops.hc_expand,
                       (x, X, mix_of(T), torch.rand(T, HC, HC, device=DEV), torch.empty_like(X))),
         "moe_route (384)": (ref_moe.moe_route, ops.moe_route, (xr, gate, bias, TOPK, 1.5, ids, rw)),

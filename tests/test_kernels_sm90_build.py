@@ -159,33 +159,3 @@ def test_inv_rope_wo_a_builds_for_hopper(block_m, block_n, splits):
                                            "DOT_F32": False, "PREC": "tf32"}, aligned=aligned,
               num_warps=8 if block_m >= 128 else 4)
     assert 0 < registers(k) <= 255
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("hc", [0, 4])
-def test_norm_kernels_build_for_hopper(fp8, hc):
-    """RMSNorm (and + FP8 QAT) on stored rows (hc 0) and on the collapse of 4 streams
-    (hc_collapse_norm), at Flash's D = 5120 tiles: no spills."""
-    from custom_ops.triton.norm import _rms_norm_fp8_kernel, _rms_norm_kernel
-    kernel, blocks = ((_rms_norm_fp8_kernel, {"BLOCK_R": 2, "BLOCK_G": 32}) if fp8 else
-                      (_rms_norm_kernel, {"BLOCK_R": 2, "BLOCK_D": 1024}))
-    sig = {"x_ptr": "*bf16", "mix_ptr": "*fp32" if hc else "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
-           **dict.fromkeys(("N", "D", "stride_x", "stride_xk", "stride_m", "stride_o"), "i32"), "eps": "fp32",
-           **dict.fromkeys(("HC", *blocks), "constexpr")}
-    k = build(kernel, sig, {"HC": hc, **blocks}, aligned=("D", "stride_x", "stride_xk", "stride_o"))
-    assert 0 < registers(k) <= 255 and B.usage(k)["STACK"] == 0
-
-
-def test_expand_norm_kernel_builds_for_hopper():
-    """hc_expand_norm's kernel (the streams [2, 4, 1024] a chunk in registers beside the norm's
-    tile) at Flash's D = 5120 tiles: no spills."""
-    from custom_ops.triton.norm import _hc_expand_norm_kernel
-    ptrs = {"o_ptr": "*bf16", "x_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "pre_ptr": "*fp32",
-            "w_ptr": "*bf16", "y_ptr": "*bf16", "out_ptr": "*bf16"}
-    strides = ("stride_ot", "stride_xt", "stride_xk", "stride_pt", "stride_ct", "stride_ci", "stride_mt",
-               "stride_yt", "stride_yk", "stride_nt")
-    sig = {**ptrs, **dict.fromkeys(("N", "D", *strides), "i32"), "eps": "fp32",
-           **dict.fromkeys(("HC", "BLOCK_R", "BLOCK_D"), "constexpr")}
-    k = build(_hc_expand_norm_kernel, sig, {"HC": 4, "BLOCK_R": 2, "BLOCK_D": 1024},
-              aligned=("D", "stride_ot", "stride_xt", "stride_xk", "stride_yt", "stride_yk", "stride_nt"))
-    assert 0 < registers(k) <= 255 and B.usage(k)["STACK"] == 0, B.usage(k)

@@ -18,7 +18,7 @@
 #                                     # (default plain,dspark), a profiled step per case (dspark-eager: eager);
 #                                     # WEIGHTS=native: both variants native (dspark-native-flash-slice-h200.json)
 #   tools/gpu_checks.sh OUT native    # step_bench --weight-format native (FULL graphs), profiled
-#   tools/gpu_checks.sh OUT native-decode  # the fused ops' GPU tests, kernel_bench --collapse-norm, then
+#   tools/gpu_checks.sh OUT native-decode  # the fused ops' and the native GEMMs' GPU tests, then
 #                                     # step_bench native FULL decode cases only, the batch-1 step profiled
 #   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
 #   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles;
@@ -131,27 +131,17 @@ native)
     --profile "$OUT/native-profiles.txt" --out "$OUT/native-weights-flash-slice-h200.json" > "$OUT/native.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | cut -c1-200 | tail -12 ;;
 native-decode)
-  # the fused ops' GPU tests and kernel A/Bs first (a minute), then native decode steps only
-  step "fused ops (GPU tests), kernel_bench --collapse-norm"
-  timeout 150 $py -m pytest -q -m gpu -p no:cacheprovider --timeout=140 tests/test_fused_ops_gpu.py \
-    -k "collapse or rms_norm or registry or mhc or route or skinny or f32_linear or graph" > "$OUT/fused-ops-gpu.log" 2>&1
+  # the fused ops' and native GEMMs' GPU tests first (a minute or two), then native decode steps only
+  step "fused ops and native GEMMs (GPU tests)"
+  timeout 200 $py -m pytest -q -m gpu -p no:cacheprovider --timeout=190 tests/test_fused_ops_gpu.py \
+    tests/test_native_gemm_gpu.py > "$OUT/fused-ops-gpu.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/fused-ops-gpu.log"
-  timeout 90 $py benchmarks/kernel_bench.py --collapse-norm --out "$OUT/collapse-norm.json" > "$OUT/collapse-norm.log" 2>&1
-  echo "rc=$?"; grep '"round": 1' "$OUT/collapse-norm.log" | cut -c1-120
   step "step_bench --weight-format native --decode-only"
   timeout $(( ${LIMIT:-560} - SECONDS )) $py benchmarks/step_bench.py --weight-format native --variants full --no-agreement \
     --decode-only --profile "$OUT/native-profiles.txt" --out "$OUT/native-decode.json" > "$OUT/native.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | cut -c1-200 | tail -6 ;;
 formats)
   # bf16 and native engines side by side, alternating cases; both compile at once (one cold native compile alone: 229 s, native-weights-flash-slice-h200.json)
-  if [ "${FUSED_CHECK:-0}" = 1 ]; then
-    # the norm fusions' GPU tests first; if they fail, the run goes on without their passes
-    step "fused norm ops (GPU tests)"
-    timeout 100 $py -m pytest -q -m gpu -p no:cacheprovider --timeout=90 tests/test_fused_ops_gpu.py \
-      -k "collapse or registry" > "$OUT/fused-ops-gpu.log" 2>&1
-    rc=$?; echo "rc=$rc"; tail -2 "$OUT/fused-ops-gpu.log"
-    [ $rc = 0 ] || sed -i 's/"collapse_norm", "expand_norm", //' passes/__init__.py
-  fi
   step "weight_formats_bench"
   export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))   # two compiles share the cores
   timeout $(( 575 - SECONDS )) $py benchmarks/weight_formats_bench.py --out "$OUT/native-weights-flash-slice-h200.json" \

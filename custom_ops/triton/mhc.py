@@ -88,54 +88,19 @@ def _mhc_coef_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, c
 
 
 @triton.jit
-def collapse_rows(x_ptr, mix_ptr, t64, c, m, rm, stride_xt, stride_xk, stride_mt, stride_mk, HC: tl.constexpr):
-    """The collapse Σ_k mix[t, k]·X[t, k] at rows t64 ([R, 1]) and columns c ([1, BD]) in FP32,
-    the streams summed in order, rounded once to X's dtype (returned in FP32). `m` masks the
-    elements, `rm` ([R, 1]) the rows. hc_collapse's arithmetic, and the fused norms' rows."""
-    acc = tl.zeros(m.shape, tl.float32)
-    for k in tl.static_range(HC):
-        w = tl.load(mix_ptr + t64 * stride_mt + k * stride_mk, mask=rm, other=0.0).to(tl.float32)
-        acc += w * tl.load(x_ptr + t64 * stride_xt + k * stride_xk + c, mask=m, other=0.0).to(tl.float32)
-    return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def expand_rows(o_ptr, x_ptr, post_ptr, comb_ptr, t64, c, m, rm, stride_ot, stride_xt, stride_xk,
-                stride_pt, stride_ct, stride_ci, HC: tl.constexpr):
-    """The new streams Y [R, HC, BD] at rows t64 ([R, 1]) and columns c ([1, BD]):
-    post[j]·out + Σ_i comb[i][j]·X[i] in FP32 (the sum over i in order), not yet rounded.
-    hc_expand's arithmetic, and hc_expand_norm's."""
-    j = tl.arange(0, HC)[None, :, None]
-    mj = rm[:, :, None] & (j < HC)
-    acc = tl.zeros([m.shape[0], HC, m.shape[1]], tl.float32)
-    for i in tl.static_range(HC):
-        xi = tl.load(x_ptr + t64 * stride_xt + i * stride_xk + c, mask=m, other=0.0)
-        w = tl.load(comb_ptr + t64[:, :, None] * stride_ct + i * stride_ci + j, mask=mj, other=0.0)
-        acc += w.to(tl.float32) * xi.to(tl.float32)[:, None, :]
-    o = tl.load(o_ptr + t64 * stride_ot + c, mask=m, other=0.0).to(tl.float32)
-    post = tl.load(post_ptr + t64[:, :, None] * stride_pt + j, mask=mj, other=0.0).to(tl.float32)
-    return post * o[:, None, :] + acc
-
-
-@triton.jit
-def store_streams(y_ptr, y, t64, c, m, stride_yt, stride_yk, HC: tl.constexpr):
-    """Streams y [R, HC, BD] (expand_rows') into Y at rows t64 ([R, 1]), columns c ([1, BD]),
-    rounded to Y's dtype; `m` masks [R, BD]."""
-    j = tl.arange(0, HC)[None, :, None]
-    tl.store(y_ptr + t64[:, :, None] * stride_yt + j * stride_yk + c[:, None, :], y.to(y_ptr.dtype.element_ty),
-             mask=m[:, None, :] & (j < HC))
-
-
-@triton.jit
 def _hc_collapse_kernel(x_ptr, mix_ptr, out_ptr, T, D, stride_xt, stride_xk, stride_mt, stride_mk,
                         stride_ot, HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
-    t64 = t.to(tl.int64)[:, None]
-    rm = (t < T)[:, None]
-    m = rm & (c < D)
-    x = collapse_rows(x_ptr, mix_ptr, t64, c, m, rm, stride_xt, stride_xk, stride_mt, stride_mk, HC)
-    tl.store(out_ptr + t64 * stride_ot + c, x.to(out_ptr.dtype.element_ty), mask=m)
+    c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    m = tmask[:, None] & (c < D)[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    for k in tl.static_range(HC):
+        w = tl.load(mix_ptr + t64 * stride_mt + k * stride_mk, mask=tmask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + t64[:, None] * stride_xt + k * stride_xk + c[None, :], mask=m, other=0.0)
+        acc += w[:, None] * x.to(tl.float32)
+    tl.store(out_ptr + t64[:, None] * stride_ot + c[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -144,13 +109,22 @@ def _hc_expand_kernel(o_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, T, D,
                       stride_yt, stride_yk,
                       HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
-    t64 = t.to(tl.int64)[:, None]
-    rm = (t < T)[:, None]
-    m = rm & (c < D)
-    y = expand_rows(o_ptr, x_ptr, post_ptr, comb_ptr, t64, c, m, rm, stride_ot, stride_xt, stride_xk,
-                    stride_pt, stride_ct, stride_ci, HC)
-    store_streams(y_ptr, y, t64, c, m, stride_yt, stride_yk, HC)
+    c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    j = tl.arange(0, HC)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    m = tmask[:, None] & (c < D)[None, :]
+    mj = tmask[:, None] & (j < HC)[None, :]
+    acc = tl.zeros([BLOCK_T, HC, BLOCK_D], tl.float32)
+    for i in tl.static_range(HC):
+        x = tl.load(x_ptr + t64[:, None] * stride_xt + i * stride_xk + c[None, :], mask=m, other=0.0)
+        w = tl.load(comb_ptr + t64[:, None] * stride_ct + i * stride_ci + j[None, :], mask=mj, other=0.0)
+        acc += w.to(tl.float32)[:, :, None] * x.to(tl.float32)[:, None, :]
+    o = tl.load(o_ptr + t64[:, None] * stride_ot + c[None, :], mask=m, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t64[:, None] * stride_pt + j[None, :], mask=mj, other=0.0).to(tl.float32)
+    y = post[:, :, None] * o[:, None, :] + acc
+    ptrs = y_ptr + t64[:, None, None] * stride_yt + j[None, :, None] * stride_yk + c[None, None, :]
+    tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=m[:, None, :] & (j < HC)[None, :, None])
 
 
 def _pow2(n: int) -> bool:
