@@ -396,6 +396,17 @@ else:
         assert (row_err[1:] <= 1e-5).float().mean() >= 0.75
         assert float((out - r).double().norm() / r.double().norm()) < 2e-2
 
+    def test_tile_counters_grow_and_keep_their_buffers():
+        """A split-K call needing more counters than the largest buffer gets a larger one (the
+        FP4 GEMVs forced at 2,048 tokens: 98,304 tiles); earlier buffers stay, as a captured CUDA
+        graph keeps their addresses, and later smaller calls share the largest."""
+        from custom_ops.triton import fp8
+        dev = torch.device("cpu")
+        first = fp8.tile_counters(dev, 10)
+        big = fp8.tile_counters(dev, 98_304 + first.numel())
+        assert big.numel() >= 98_304 + first.numel() and not big.any()
+        assert fp8.tile_counters(dev, 10) is big and any(b is first for b in fp8._COUNTERS[dev])
+
     def test_moe_experts_w4a8_splits_k_by_shape(g, monkeypatch):
         """The op's default split-K: about 4 K blocks of 128 a split, set by the GEMM's K alone (D =
         1024: the up GEMVs in 2 splits, the down GEMVs whole), and the op still gives the

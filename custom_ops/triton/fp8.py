@@ -13,8 +13,8 @@ from custom_ops.triton.common import group_exponent, pow2, round_e4m3
 
 GROUP = 32
 GROUP_K = tl.constexpr(GROUP)   # the same width inside kernels (compiled Triton reads only constexpr globals)
-SPLIT_TILES_MAX = 32768       # output tiles a split-K call may have (its counters; the FP4 down GEMVs: 384 x 80)
-_COUNTERS: dict = {}
+SPLIT_TILES = 32768           # counters made at first use (the FP4 down GEMVs at 384 pairs: 384 x 80)
+_COUNTERS: dict = {}          # device -> its counter buffers, the largest last
 
 
 @triton.jit
@@ -109,12 +109,11 @@ def split_count(tiles: int, KB: int, M: int, K: int, device) -> int:
 
 
 def tile_counters(device, tiles: int) -> torch.Tensor:
-    """The split-K kernels' per-tile arrival counters on `device`: one zeroed buffer made once
-    and kept (a CUDA graph that captured a GEMM keeps its address), every counter back at zero
-    when its tile's last split has summed."""
-    if tiles > SPLIT_TILES_MAX:
-        raise ValueError(f"fp8_block_gemm: split-K over {tiles} output tiles (counters for {SPLIT_TILES_MAX})")
-    c = _COUNTERS.get(device)
-    if c is None:
-        c = _COUNTERS[device] = torch.zeros(SPLIT_TILES_MAX, dtype=torch.int32, device=device)
-    return c
+    """The split-K kernels' per-tile arrival counters on `device`: a zeroed buffer of at least
+    `tiles`, every counter back at zero when its tile's last split has summed. A call needing
+    more than the largest buffer makes a larger one; none is freed, since a CUDA graph that
+    captured a kernel keeps its buffer's address."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < tiles:
+        bufs.append(torch.zeros(max(SPLIT_TILES, triton.next_power_of_2(tiles)), dtype=torch.int32, device=device))
+    return bufs[-1]
