@@ -13,6 +13,7 @@ def route(x, gate, bias, top_k: int, route_scale: float):
     smaller expert id."""
     s = (x.to(gate.dtype) @ gate.T)
     s = F.softplus(s).sqrt()
-    ids = torch.sort(s + bias, dim=-1, descending=True, stable=True).indices[:, : top_k]
+    # contiguous: a compiled graph hands the ids to the expert op in the strides they have here
+    ids = torch.sort(s + bias, dim=-1, descending=True, stable=True).indices[:, : top_k].contiguous()
     w = s.gather(1, ids)
     return ids, w / (w.sum(-1, keepdim=True) + 1e-20) * route_scale
