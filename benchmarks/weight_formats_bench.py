@@ -16,21 +16,14 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import side_by_side  # noqa: E402
+
 NAMES = {"dequant": "bf16", "native": "native"}
 CASES = [("decode", 1, 1024), ("decode", 16, 1024), ("decode", 64, 1024), ("prefill", 1, 4096), ("prefill", 8, 1024)]
 DRY_CASES = [("decode", 1, 64), ("decode", 4, 64), ("prefill", 2, 100)]
-
-
-def reply(proc, prefix: str):
-    """The JSON after `prefix` on the worker's next line that has it (other lines are its log)."""
-    for line in proc.stdout:
-        if line.startswith(prefix):
-            return json.loads(line[len(prefix):])
-    raise RuntimeError(f"step_bench worker exited (rc {proc.wait()}) before a {prefix.strip()} line")
 
 
 def main(argv=None) -> dict:
@@ -45,51 +38,17 @@ def main(argv=None) -> dict:
                     help="after the cases, each engine profiles a batch-1 decode step in turn into PROFILE.<format>.txt")
     ap.add_argument("--dry-run", action="store_true", help="toy, CPU, eager, small cases; writes nothing")
     a = ap.parse_args(argv)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(HERE),
-                                                                      os.environ.get("PYTHONPATH")]))}
-    procs = {}
-    for fmt in NAMES:
-        cmd = [sys.executable, os.path.join(HERE, "step_bench.py"), "--worker", "--weight-format", fmt,
-               "--model", a.model, "--variants", a.variant, "--steps", str(a.steps), "--no-agreement",
-               "--num-pages", str(a.num_pages)] + (["--dry-run"] if a.dry_run else [])
-        procs[fmt] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        ready = {fmt: reply(p, "READY ") for fmt, p in procs.items()}
-        res = {"benchmark": "weight_formats", "model": "toy" if a.dry_run else a.model,
-               "date": datetime.date.today().isoformat(),
-               "method": "two step_bench workers on one device, one engine per weight format, the cases "
-                         "given to each in turn (variants alternating case by case); CUDA events around "
-                         "LLMEngine.step, median after warm-up; device_ms: the kernels of one more step",
-               "weights_gb": {NAMES[f]: next(iter(r["weights_gb"].values())) for f, r in ready.items()},
-               "setup": ready, "results": []}
-        res.update({k: ready["native"].get(k) for k in ("device", "torch", "triton")})
-        cases = DRY_CASES if a.dry_run else CASES
-        for case in cases:
-            for fmt, p in procs.items():
-                p.stdin.write(json.dumps(case) + "\n")
-                p.stdin.flush()
-                for row in reply(p, "CASE "):
-                    res["results"].append({**row, "graphs": row["variant"], "variant": NAMES[fmt]})
-                    print(json.dumps(res["results"][-1]), flush=True)
-            if not a.dry_run:
-                with open(a.out, "w") as f:          # after every case: a run cut short keeps what it measured
-                    json.dump(res, f, indent=1, default=str)
-        for fmt, p in procs.items() if a.profile else ():    # one engine at a time: the other one idles
-            p.stdin.write(json.dumps({"profile": f"{a.profile}.{NAMES[fmt]}.txt", "case": cases[0]}) + "\n")  # batch 1
-            p.stdin.flush()
-            reply(p, "CASE ")
-    except BaseException:
-        for p in procs.values():      # a worker that failed or a stop: the other one goes too
-            p.kill()
-        raise
-    finally:
-        for p in procs.values():
-            p.stdin.close()
-            p.wait()
+    tree = os.path.dirname(side_by_side.HERE)
+    res = {"benchmark": "weight_formats", "model": "toy" if a.dry_run else a.model,
+           "date": datetime.date.today().isoformat(),
+           "method": "two step_bench workers on one device, one engine per weight format, the cases "
+                     "given to each in turn (variants alternating case by case); CUDA events around "
+                     "LLMEngine.step, median after warm-up; device_ms: the kernels of one more step"}
+    side_by_side.run({NAMES[f]: side_by_side.worker(tree, f, a) for f in NAMES}, DRY_CASES if a.dry_run else CASES,
+                     res, None if a.dry_run else a.out, a.profile)
     if a.dry_run:
         print(json.dumps(res, default=str))
     return res
-
 
 
 if __name__ == "__main__":

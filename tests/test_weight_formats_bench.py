@@ -26,3 +26,24 @@ def test_weight_formats_bench_dry_run(tmp_path):
     # after the cases each engine profiled a batch-1 decode step (on the CPU: host tables only)
     for fmt in ("bf16", "native"):
         assert "==== eager decode, 1 request(s)" in (tmp_path / f"prof.{fmt}.txt").read_text()
+
+
+def test_tree_ab_bench_dry_run(tmp_path):
+    """benchmarks/tree_ab_bench.py --dry-run against a `git archive` of this checkout: one worker
+    from each tree, the case's rows base then head, the trees named (the archive by its path);
+    a --base that is no tree is refused by name."""
+    base = tmp_path / "base"
+    base.mkdir()
+    archive = subprocess.run(["git", "archive", "HEAD"], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+    r = subprocess.run([sys.executable, "benchmarks/tree_ab_bench.py", "--dry-run", "--base", str(base)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["trees"]["base"] == str(base) and res["trees"]["head"]
+    assert [(x["variant"], x["step"], x["requests"]) for x in res["results"]] == [
+        ("base", "decode", 1), ("head", "decode", 1)]
+    assert all(x["ms"] > 0 and x["graphs"] == "eager" for x in res["results"])
+    bad = subprocess.run([sys.executable, "benchmarks/tree_ab_bench.py", "--dry-run", "--base", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no benchmarks/step_bench.py" in bad.stderr

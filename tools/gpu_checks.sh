@@ -20,6 +20,8 @@
 #   tools/gpu_checks.sh OUT native    # step_bench --weight-format native (FULL graphs), profiled
 #   tools/gpu_checks.sh OUT native-decode  # the fused ops' and the native GEMMs' GPU tests, then
 #                                     # step_bench native FULL decode cases only, the batch-1 step profiled
+#   tools/gpu_checks.sh OUT ab        # tree_ab_bench: this tree against base_tree/ (git archive REV, carried),
+#                                     # native FULL decode at 1 / 16 / 64 alternating, batch 1 profiled each
 #   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
 #   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles;
 #                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm;
@@ -140,6 +142,13 @@ native-decode)
   timeout $(( ${LIMIT:-560} - SECONDS )) $py benchmarks/step_bench.py --weight-format native --variants full --no-agreement \
     --decode-only --profile "$OUT/native-profiles.txt" --out "$OUT/native-decode.json" > "$OUT/native.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | cut -c1-200 | tail -6 ;;
+ab)
+  # both engines compile at once (flash-slice native: about 23 GB each)
+  step "tree_ab_bench against base_tree"
+  export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
+  timeout $(( ${LIMIT:-575} - SECONDS )) $py benchmarks/tree_ab_bench.py --base base_tree --out "$OUT/tree-ab.json" \
+    --profile "$OUT/tree-ab" > "$OUT/tree-ab.log" 2>&1
+  echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/tree-ab.log" | cut -c1-200 | tail -8 ;;
 formats)
   # bf16 and native engines side by side, alternating cases; both compile at once (one cold native compile alone: 229 s, native-weights-flash-slice-h200.json)
   step "weight_formats_bench"

@@ -1,0 +1,71 @@
+"""This tree against another commit's in one run: two `step_bench.py --worker` processes on the
+same GPU (benchmarks/side_by_side.py), one engine from each tree on the same weight format,
+built and compiled at the same time, then given the same decode cases in turn, the trees
+alternating case by case. A change's effect on a step then comes from one run on one machine,
+not from two runs that a machine's drift or another card can separate.
+
+    git archive REV | (mkdir -p base_tree && tar -x -C base_tree)     # the other tree
+    python benchmarks/tree_ab_bench.py --base base_tree --out /tmp/ab.json --profile /tmp/ab
+    python benchmarks/tree_ab_bench.py --base . --dry-run               # the toy on the CPU, eager
+
+Writes `{"trees": {"base": commit or path, "head": ...}, "results": [{"variant": "base"|"head",
+"step", "requests", "tokens_each", "ms", "device_ms", "floor_ms", "kernels", ...}]}`: each row is
+the worker's step_bench row (`graphs`: step_bench's own variant, e.g. full). flash-slice native
+takes about 23 GB a engine, so both fit an 80 GB card.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import side_by_side  # noqa: E402
+
+CASES = [("decode", 1, 1024), ("decode", 16, 1024), ("decode", 64, 1024)]
+DRY_CASES = [("decode", 1, 64)]
+
+
+def commit_of(tree: str) -> str:
+    """The tree's git commit, or its path where it is not a checkout (a `git archive`)."""
+    r = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    inside = subprocess.run(["git", "-C", tree, "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    same_root = inside.returncode == 0 and os.path.samefile(inside.stdout.strip(), tree)
+    return r.stdout.strip() if r.returncode == 0 and same_root else os.path.abspath(tree)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="the other tree's root (a checkout or a git archive)")
+    ap.add_argument("--weight-format", default="native", choices=["dequant", "native"])
+    ap.add_argument("--model", default="flash-slice")
+    ap.add_argument("--variant", default="full", help="step_bench's variant each worker runs")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--num-pages", type=int, default=1024,
+                    help="KV pages of each engine (both share the GPU: neither may size its pool from memory)")
+    ap.add_argument("--out", default=None, help="the JSON, rewritten after every case")
+    ap.add_argument("--profile", default=None,
+                    help="after the cases, each engine profiles a batch-1 decode step in turn into PROFILE.<tree>.txt")
+    ap.add_argument("--dry-run", action="store_true", help="toy, CPU, eager, one small case; prints the JSON")
+    a = ap.parse_args(argv)
+    if not os.path.isfile(os.path.join(a.base, "benchmarks", "step_bench.py")):
+        ap.error(f"--base {a.base}: no benchmarks/step_bench.py there (the root of another tree)")
+    head = os.path.dirname(side_by_side.HERE)
+    trees = {"base": os.path.abspath(a.base), "head": head}
+    res = {"benchmark": "tree_ab", "model": "toy" if a.dry_run else a.model, "weight_format": a.weight_format,
+           "date": datetime.date.today().isoformat(), "trees": {k: commit_of(t) for k, t in trees.items()},
+           "method": "two step_bench workers on one device, one engine per tree, the cases given to each in "
+                     "turn (trees alternating case by case); CUDA events around LLMEngine.step, median after "
+                     "warm-up; device_ms: the kernels of one more step"}
+    side_by_side.run({k: side_by_side.worker(t, a.weight_format, a) for k, t in trees.items()},
+                     DRY_CASES if a.dry_run else CASES, res, a.out, a.profile)
+    if a.dry_run:
+        print(json.dumps(res, default=str))
+    return res
+
+
+if __name__ == "__main__":
+    main()
