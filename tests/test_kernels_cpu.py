@@ -142,7 +142,7 @@ else:
     # ---- index_topk ------------------------------------------------------------------------
     @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
     @pytest.mark.parametrize("ratio", [1, 2])
-    @pytest.mark.parametrize("mode", ["full", "reindex"])
+    @pytest.mark.parametrize("mode", ["full", "full_no_candidates", "reindex"])
     def test_index_topk(g, fmt, ratio, mode):
         h, d, K, C, cb, page = 4, 64, 8, 3, 4, 16
         step = make_step(g, n_req=3, max_new=6, max_start=60, W=8, page=page, n_slots=4,

@@ -228,14 +228,18 @@ def triton_index_topk(q, w, plane, plane_scale, block_table, batch_ids, position
     c_ = lambda x: x if x is None or x.stride(-1) == 1 else x.contiguous()  # noqa: E731
     block_table, batch_ids, positions, cand = c_(block_table), c_(batch_ids), c_(positions), c_(cand)
     plane, plane_scale = c_(plane), c_(plane_scale)
-    vis = torch.where(batch_ids >= 0, (positions + 1) // ratio, torch.zeros_like(positions))
-    if cand is None:
-        if static_width or (static_width is None and _capturing(dev)):
-            width = block_table.shape[1] * rows_per_page
-        else:
-            width = int(vis.max())
-    else:
+    static = static_width or (static_width is None and _capturing(dev))
+    # compressed rows each token sees: for the dynamic width and the candidate blocks only (a
+    # scorer in a captured graph that publishes no candidates launches none of these kernels)
+    vis = None
+    if cand_out is not None or (cand is None and not static):
+        vis = torch.where(batch_ids >= 0, (positions + 1) // ratio, torch.zeros_like(positions))
+    if cand is not None:
         width = cand.shape[1] * cand_block
+    elif static:
+        width = block_table.shape[1] * rows_per_page
+    else:
+        width = int(vis.max())
     if width <= 0:
         return
     if cand_out is not None:
