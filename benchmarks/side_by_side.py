@@ -13,14 +13,15 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def worker(tree: str, weight_format: str, a, extra=()) -> tuple[list[str], dict]:
-    """(command, environment) of a step_bench worker of `tree` (a checkout's root) on
-    `weight_format`, with the benchmark's model, variant, steps and KV pages (`a`)."""
+def worker(tree: str, weight_format: str, a, extra=()) -> dict:
+    """Popen's arguments (command, environment, directory) of a step_bench worker of `tree` (a
+    checkout's root) on `weight_format`, with the benchmark's model, variant, steps and KV pages
+    (`a`)."""
     cmd = [sys.executable, os.path.join(tree, "benchmarks", "step_bench.py"), "--worker",
            "--weight-format", weight_format, "--model", a.model, "--variants", a.variant, "--steps", str(a.steps),
            "--no-agreement", "--num-pages", str(a.num_pages)] + (["--dry-run"] if a.dry_run else []) + list(extra)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
-    return cmd, env
+    return dict(args=cmd, env=env, cwd=tree)
 
 
 def reply(proc, prefix: str):
@@ -32,14 +33,14 @@ def reply(proc, prefix: str):
 
 
 def run(workers: dict, cases: list, res: dict, out: str | None, profile: str | None = None) -> dict:
-    """Start `workers` ({label: (command, environment)}, each in its tree's root), wait for all to
-    be ready (res["setup"], and each engine's weight bytes in res["weights_gb"]), give each case to each worker in turn (rows into res["results"] with
-    the worker's label as "variant" and step_bench's own variant as "graphs"; `out` rewritten
-    after every case), then with `profile` let each profile the first case's step in turn into
-    PROFILE.<label>.txt. Any failure stops every worker."""
-    procs = {label: subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                     cwd=os.path.dirname(os.path.dirname(cmd[1])))
-             for label, (cmd, env) in workers.items()}
+    """Start `workers` ({label: `worker`'s Popen arguments}), wait for all to be ready
+    (res["setup"], and each engine's weight bytes in res["weights_gb"]), give each case to each
+    worker in turn (rows into res["results"] with the worker's label as "variant" and
+    step_bench's own variant as "graphs"; `out` rewritten after every case), then with `profile`
+    let each profile the first case's step in turn into PROFILE.<label>.txt. Any failure stops
+    every worker."""
+    procs = {label: subprocess.Popen(**w, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for label, w in workers.items()}
     try:
         res["setup"] = {label: reply(p, "READY ") for label, p in procs.items()}
         first = next(iter(res["setup"].values()))

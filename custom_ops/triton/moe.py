@@ -44,7 +44,7 @@ from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, fp8_qat_groups
 from custom_ops.triton.fp4 import fp4_tile, fp4_words_dot
-from custom_ops.triton.fp8 import tile_counters
+from custom_ops.triton.fp8 import sum_splits, tile_counters
 from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, tile_rows
 
 BLOCK_N_UP = 64
@@ -111,8 +111,8 @@ def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, cnt_ptr,
                    SORTED: tl.constexpr):
     """FP4 down GEMM at decode widths, grid (rows, D / BLOCK_N, K splits): one h row
     against BLOCK_N rows of w2[e] (int32 words), the FP32 sum over the split's K range into the
-    partials [splits, pairs, D] at the pair's row; the split that counts last at its (row, N
-    block) sums them in split order, rounded into the pair's row of y."""
+    partials [splits, pairs, D] at the pair's row, which the split that counts last at its (row,
+    N block) sums in split order into the pair's row of y (fp8.sum_splits, as the FP8 split-K)."""
     r, pair, e, rn, k_lo = gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N, SORTED)
     if e < 0:
         return
@@ -122,15 +122,8 @@ def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, cnt_ptr,
     acc = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
     for k0 in tl.range(k_lo, tl.minimum(I, k_lo + k_split), BLOCK_K, num_stages=STAGES):
         acc = fp4_words_dot(acc, h_ptr + r * stride_h, w, sc, k0, nmask, BLOCK_K, ASM)
-    at = part_ptr + pair * D + rn
-    tl.store(at + tl.program_id(2) * stride_ps, tl.sum(acc, axis=1), mask=nmask)
-    counter = cnt_ptr + r * tl.num_programs(1) + tl.program_id(1)
-    if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
-        tot = tl.zeros([BLOCK_N], tl.float32)
-        for sp in range(tl.num_programs(2)):
-            tot += tl.load(at + sp * stride_ps, mask=nmask, other=0.0, cache_modifier=".cg")
-        tl.store(y_ptr + pair * stride_y + rn, tot.to(y_ptr.dtype.element_ty), mask=nmask)
-        tl.atomic_xchg(counter, 0)
+    sum_splits(tl.sum(acc, axis=1), y_ptr + pair * stride_y + rn, part_ptr + pair * D + rn, stride_ps,
+               tl.program_id(2), tl.num_programs(2), cnt_ptr + r * tl.num_programs(1) + tl.program_id(1), nmask)
 
 
 @triton.jit
