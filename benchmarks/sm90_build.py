@@ -35,7 +35,10 @@ def tools_present() -> bool:
 
 def build(fn, signature: dict, constexprs: dict, aligned=(), **options):
     """`fn` compiled for sm_90: pointers and the integer arguments named in `aligned` marked
-    divisible by 16, as the launcher marks them at such values."""
+    divisible by 16, as the launcher marks them at such values. A constexpr left out (PDL) takes
+    its default."""
+    defaults = {p.name: p.default for p in fn.params if p.has_default and p.name not in signature}
+    signature, constexprs = {**signature, **dict.fromkeys(defaults, "constexpr")}, {**defaults, **constexprs}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items()
              if ty.startswith("*") or name in aligned}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),

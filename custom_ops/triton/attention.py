@@ -37,7 +37,7 @@ import triton.language as tl
 from custom_ops import attention as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton import common
-from custom_ops.triton.common import TL_DTYPES
+from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait
 
 # defaults: the best of the H200 sweep at Flash shapes (H=64, d=512; docs/kernels.md)
 BLOCK_H = 64                # query heads per program (the M of both dots)
@@ -97,7 +97,8 @@ def _sparse_attn_kernel(
         stride_bt, stride_ot, stride_oh,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         QK_SPLIT: tl.constexpr, HAS_POOL: tl.constexpr, SPLIT: tl.constexpr,
-        P_DTYPE: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+        P_DTYPE: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     hg = tl.program_id(1)
     sp = tl.program_id(2)
@@ -166,9 +167,10 @@ def _sparse_attn_kernel(
 
 @triton.jit
 def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, H, n_split, stride_ot, stride_oh,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """Merge the split-K partials of one (token, head): rescale to the common max, add the
     sink, divide."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     base = (t * H + h) * n_split
@@ -265,11 +267,11 @@ def triton_sparse_attn(q, kv, ring, win_idx, pool, topk, block_table, batch_ids,
         D=d, BLOCK_D=BLOCK_D, BLOCK_H=bh, BLOCK_N=bn, QK_SPLIT=qk_split or QK_SPLIT,
         HAS_POOL=has_pool, SPLIT=split,
         P_DTYPE=TL_DTYPES[q.dtype], DOT_F32=q.device.type == "cpu" and q.dtype != torch.float32, PREC=prec,
-        num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES)
+        num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES, **pdl(q.device))
     if split:
         _combine_kernel[(T, H)](pm, pl, pacc, sink, dst, H, n_split, dst.stride(0), dst.stride(1),
                                 D=d, BLOCK_D=BLOCK_D, BLOCK_S=triton.next_power_of_2(n_split),
-                                num_warps=4)
+                                num_warps=4, **pdl(q.device))
     if dst is not out:
         out.copy_(dst)
 

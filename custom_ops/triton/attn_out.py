@@ -25,7 +25,7 @@ import triton.language as tl
 
 from custom_ops import attn_out as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, dot_precision, num_sms
+from custom_ops.triton.common import TL_DTYPES, dot_precision, num_sms, pdl, pdl_wait
 from custom_ops.triton.fp8 import sum_splits, tile_counters
 from custom_ops.triton.rope import rope_values
 
@@ -35,9 +35,10 @@ def _inv_rope_wo_a_kernel(o_ptr, cos_ptr, sin_ptr, pos_ptr, w_ptr, out_ptr, p_pt
                           K_SPLIT, stride_ot, stride_og, stride_cos, stride_sin,
                           stride_wg, stride_wr, stride_zt, stride_ps,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SPLITS: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+                          SPLITS: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
     """Program (m, n, g·SPLITS + s): columns [s·K_SPLIT, (s+1)·K_SPLIT) of group g's I (K_SPLIT
     a multiple of BLOCK_K)."""
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.program_id(2) // SPLITS
@@ -141,7 +142,7 @@ def triton_inv_rope_wo_a(o, cos, sin, positions, wo_a, out, *, block_m: int | No
         o3.stride(0), o3.stride(1), cos.stride(0), sin.stride(0), w.stride(0), w.stride(1), dst.stride(0),
         part.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLITS=splits,
         DOT_F32=interp and o.dtype != torch.float32, PREC=dot_precision(o),
-        num_warps=num_warps or (8 if bm >= 128 else 4), **kw)
+        num_warps=num_warps or (8 if bm >= 128 else 4), **kw, **pdl(o.device))
     if z is None:
         out.copy_(dst.view(out.shape))
 

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from custom_ops import cache as _ref
 from custom_ops.registry import register_impl
+from custom_ops.triton.common import pdl, pdl_wait
 
 BLOCK = 512                   # units per program
 _UNITS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
@@ -21,7 +22,8 @@ _UNITS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)
 
 @triton.jit
 def _scatter_rows_kernel(dst_ptr, src_ptr, dest_ptr, n_units, stride_dst, stride_src,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     d = tl.load(dest_ptr + t).to(tl.int64)
@@ -66,7 +68,7 @@ def triton_scatter_rows(dst: torch.Tensor, rows: torch.Tensor, dest: torch.Tenso
     dest = dest if dest.stride(0) == 1 else dest.contiguous()
     n = du.shape[1]
     _scatter_rows_kernel[(T, triton.cdiv(n, BLOCK))](du, ru, dest, n, du.stride(0), ru.stride(0),
-                                                     BLOCK=BLOCK, num_warps=4)
+                                                     BLOCK=BLOCK, num_warps=4, **pdl(du.device))
 
 
 register_impl("scatter_rows", "triton", triton_scatter_rows, device_type="cuda")

@@ -13,6 +13,14 @@ Skinny GEMM: `partial[s, m, n] = Σ_{k in split s} A[m, k]·W[n, k]` (optionally
 router scores: N = experts). The K dimension is split across programs so that a decode step
 (M = 1..64) still spreads the weight read over the GPU; a second kernel sums the splits in a
 fixed order (deterministic for a given M).
+
+Programmatic dependent launch (Hopper and later): a kernel launched with `**pdl(device)` may
+start while the kernel before it finishes, its programs placed as that kernel's last ones run.
+It must call `pdl_wait(PDL)` before its first access to anything a kernel writes or reads; only
+constant weights may be loaded before it. `pdl_wait` also lets the next such kernel launch, so
+each launch overlaps the tail of the one before. The wait returns when the previous kernel has
+completed and its writes are visible; that kernel itself waited for the one before it, so
+everything earlier in the stream is complete too.
 """
 from __future__ import annotations
 
@@ -20,9 +28,15 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:                          # a Triton without grid dependency control
+    gdc_wait = gdc_launch_dependents = None
+
 E4M3_MAX = 448.0
 FP8_AMAX_FLOOR = 1e-4
 _sm_count: dict[int, int] = {}
+_pdl: dict[int, bool] = {}
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -34,6 +48,26 @@ def num_sms(device: torch.device) -> int:
     if i not in _sm_count:
         _sm_count[i] = torch.cuda.get_device_properties(i).multi_processor_count
     return _sm_count[i]
+
+
+def pdl(device: torch.device) -> dict:
+    """The launch arguments of a kernel that calls `pdl_wait(PDL)`: programmatic dependent launch
+    on a CUDA device of compute capability 9 or more, nothing elsewhere (the interpreter)."""
+    if device.type != "cuda" or gdc_wait is None:
+        return {}
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _pdl:
+        _pdl[i] = torch.cuda.get_device_capability(i)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if _pdl[i] else {}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Under programmatic dependent launch (`pdl`): wait for the previous kernel to complete,
+    then let the next one launch. A no-op otherwise."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def dot_precision(t: torch.Tensor) -> str:
@@ -99,7 +133,8 @@ def fp8_qat_groups(y, AXIS: tl.constexpr):
 
 @triton.jit
 def _fp8_qat_kernel(x_ptr, out_ptr, N, NG, stride_x, stride_o,
-                    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     j = tl.arange(0, 32)
@@ -125,7 +160,7 @@ def fp8_qat(x: torch.Tensor, out: torch.Tensor) -> None:
         BLOCK_R = max(1, 64 // BLOCK_G)
         grid = (triton.cdiv(N, BLOCK_R), triton.cdiv(NG, BLOCK_G))
         _fp8_qat_kernel[grid](x2, dst, N, NG, x2.stride(0), dst.stride(0),
-                              BLOCK_R=BLOCK_R, BLOCK_G=BLOCK_G, num_warps=4)
+                              BLOCK_R=BLOCK_R, BLOCK_G=BLOCK_G, num_warps=4, **pdl(x2.device))
     if o2 is None:
         out.copy_(dst.view(out.shape))
 
@@ -136,7 +171,7 @@ def fp8_qat(x: torch.Tensor, out: torch.Tensor) -> None:
 def skinny_gemm_kernel(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split,
                        stride_am, stride_wn, stride_ps, stride_pm, stride_ss,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SUMSQ: tl.constexpr, SPLIT_W: tl.constexpr, DOT_F32: tl.constexpr):
+                       SUMSQ: tl.constexpr, SPLIT_W: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
     """partial[s, m, n] = Σ_{k in [s·k_split, (s+1)·k_split)} A[m, k]·W[n, k] in FP32 with
     full-precision products; with SUMSQ the programs of the first N tile also write
     sq[s, m] = Σ A[m, k]². SPLIT_W (A in bf16): each FP32 weight tile splits exactly into three
@@ -144,6 +179,7 @@ def skinny_gemm_kernel(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split,
     significant bits), whose bf16 dots with A run on tensor cores and give exact products; else
     A is read as FP32 and the dot is FP32 FMAs ("ieee"). DOT_F32: SPLIT_W's dots in FP32 (the
     interpreter; the same exact products)."""
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     s = tl.program_id(2)
@@ -220,5 +256,5 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor, sumsq: bool, *, block_m: int |
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SUMSQ=sumsq,
                              SPLIT_W=split_w, DOT_F32=not a.is_cuda, num_warps=4,
                              # the split's 16-row tile spills 16 bytes a thread at 3 stages (sm_90 build)
-                             num_stages=2 if split_w and bm == 16 else 3)
+                             num_stages=2 if split_w and bm == 16 else 3, **pdl(a.device))
     return part, (sq if sumsq else None)

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from custom_ops import compressor as _ref
 from custom_ops.registry import register_impl
+from custom_ops.triton.common import pdl, pdl_wait
 from custom_ops.triton.cache import triton_scatter_rows
 
 BLOCK_T = 16
@@ -25,7 +26,8 @@ BLOCK_D = 128
 @triton.jit
 def _compress_pool_kernel(v_ptr, g_ptr, pos_ptr, bid_ptr, src_ptr, tv_ptr, tg_ptr, out_ptr, T, D,
                           stride_v, stride_g, stride_tv, stride_tg, stride_o,
-                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     rmask = rows < T
@@ -80,7 +82,7 @@ def triton_compress_pool(v, g, positions, batch_ids, tail_src, tail_dst, tail_v,
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D))
     _compress_pool_kernel[grid](v, g, positions, batch_ids, tail_src, tv, tg, dst, T, D,
                                 v.stride(0), g.stride(0), tv.stride(0), tg.stride(0), dst.stride(0),
-                                BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=4)
+                                BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=4, **pdl(v.device))
     if dst is not out:
         out.copy_(dst)
     # only now may the tails move on (every read of them above is ordered before this launch)

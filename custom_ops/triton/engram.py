@@ -22,7 +22,7 @@ import triton.language as tl
 
 from custom_ops import engram as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, pow2
+from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, pow2
 
 GATHER_TILE = 1024            # decoded elements per program
 GATE_BLOCK_D = 1024
@@ -51,7 +51,8 @@ def decode_e8m0(b):
 @triton.jit
 def _engram_gather_kernel(table_ptr, scale_ptr, ids_ptr, out_ptr, n, d,
                           stride_tab, stride_sc, stride_it, stride_ot,
-                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     c = tl.arange(0, BLOCK_D)
@@ -83,7 +84,7 @@ def triton_engram_gather(table, scale, ids, out) -> None:
     bh = max(1, min(triton.next_power_of_2(n), GATHER_TILE // bd))
     _engram_gather_kernel[(T, triton.cdiv(n, bh))](
         tab, sc, ids, dst, n, d, tab.stride(0), sc.stride(0), ids.stride(0), dst.stride(0),
-        BLOCK_H=bh, BLOCK_D=bd, num_warps=4)
+        BLOCK_H=bh, BLOCK_D=bd, num_warps=4, **pdl(tab.device))
     if dst is not out:
         out.copy_(dst)
 
@@ -91,7 +92,8 @@ def triton_engram_gather(table, scale, ids, out) -> None:
 @triton.jit
 def _engram_gate_kernel(x_ptr, kv_ptr, wqk_ptr, out_ptr, D, eps, sqrt_d,
                         stride_xt, stride_xc, stride_kv, stride_w, stride_ot, stride_oc,
-                        HC: tl.constexpr, BLOCK_D: tl.constexpr):
+                        HC: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     ch = tl.program_id(1)
     cols = tl.arange(0, BLOCK_D)
@@ -137,7 +139,7 @@ def triton_engram_gate(X, kv, wqk, eps, out) -> None:
     bd = min(GATE_BLOCK_D, triton.next_power_of_2(D))
     _engram_gate_kernel[(T, hc)](X, kv, wqk, out, D, eps, float(D ** 0.5),
                                  X.stride(0), X.stride(1), kv.stride(0), wqk.stride(0),
-                                 out.stride(0), out.stride(1), HC=hc, BLOCK_D=bd, num_warps=4)
+                                 out.stride(0), out.stride(1), HC=hc, BLOCK_D=bd, num_warps=4, **pdl(X.device))
 
 
 register_impl("engram_gather", "triton", triton_engram_gather, device_type="cuda")

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, rows2d
+from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, rows2d
 from custom_ops.triton.fp8 import GROUP, GROUP_K, e8m0_to_f32, fp8_quant_groups, split_count, store_tile, \
     tile_counters
 from custom_ops.triton.fp8_gemv import _fp8_gemv_kernel
@@ -61,7 +61,8 @@ def _tiles(M: int) -> tuple[int, int, int]:
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, N, NG, stride_x, stride_q, stride_s,
-                      BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     j = tl.arange(0, GROUP_K)
@@ -88,14 +89,14 @@ def triton_fp8_act_quant(x, q, s) -> None:
         BLOCK_R = max(1, 64 // BLOCK_G)
         _act_quant_kernel[(triton.cdiv(N, BLOCK_R), triton.cdiv(NG, BLOCK_G))](
             x2, q2, s2, N, NG, x2.stride(0), q2.stride(0), s2.stride(0),
-            BLOCK_R=BLOCK_R, BLOCK_G=BLOCK_G, num_warps=4)
+            BLOCK_R=BLOCK_R, BLOCK_G=BLOCK_G, num_warps=4, **pdl(x2.device))
 
 
 @triton.jit
 def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, KB, KB_SPLIT, ROWS_G,
                      stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
-                     SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr):
+                     SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, PDL: tl.constexpr = False):
     """Program (m, n, s): K blocks [s·KB_SPLIT, (s+1)·KB_SPLIT) of one output tile. KB and
     KB_SPLIT are multiples of UNROLL. Grouped: the tile's weight rows belong to group
     n0 // ROWS_G (ROWS_G a multiple of BLOCK_N), which reads its own KB blocks of x.
@@ -104,6 +105,7 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
     last sums the partials in ascending s, rounds once into o and zeroes the counter for the
     next call. QUANT_X: x is the activation itself, each 32-wide block quantized here as
     `_act_quant_kernel` would (the same codes and scales; xs unused)."""
+    pdl_wait(PDL)
     n0 = tl.program_id(1) * BLOCK_N
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
@@ -213,13 +215,13 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
             x, xs, words, wsc, out, part, counters, M, N, K, per * GROUP, R, x.stride(0), xs.stride(0),
             words.stride(0), wsc.stride(0), out.stride(0), part.stride(0), part.stride(-2), ROWS=bm,
             BLOCK_N=bn, BLOCK_K=unroll * GROUP, SPLIT_K=splits > 1, QUANT_X=quant_x, ASM=x.is_cuda,
-            STAGES=launch.pop("num_stages"), **launch)
+            STAGES=launch.pop("num_stages"), **launch, **pdl(out.device))
         return True
     _fp8_gemm_kernel[(grid_m, grid_n, splits)](
         x, xs, w, wsc, out, part, counters,
         M, N, KB, per, R, x.stride(0), xs.stride(0), w.stride(0), wsc.stride(0), out.stride(0),
         part.stride(0), part.stride(-2), BLOCK_M=bm, BLOCK_N=bn, UNROLL=unroll, SPLIT_K=splits > 1,
-        QUANT_X=quant_x, **launch)
+        QUANT_X=quant_x, **launch, **pdl(out.device))
     return True
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from custom_ops.triton.common import group_exponent, pow2, round_e4m3
+from custom_ops.triton.common import group_exponent, pdl_wait, pow2, round_e4m3
 from custom_ops.triton.fp8 import GROUP_K, e4m3_word_values, e8m0_to_f32, store_tile
 
 
@@ -22,7 +22,8 @@ from custom_ops.triton.fp8 import GROUP_K, e4m3_word_values, e8m0_to_f32, store_
 def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, K, K_SPLIT, ROWS_G,
                      stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr):
+                     SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """The W8A8 GEMM on CUDA cores for a few rows of x, program (m, n, s): ROWS rows of x against
     BLOCK_N weight rows over K range [s·K_SPLIT, (s+1)·K_SPLIT) (multiples of BLOCK_K, itself a
     multiple of 32). The weight arrives as int32 words of four E4M3 codes (stride_wn in words).
@@ -31,6 +32,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
     block scale into an FP32 accumulator per word; the words are summed once, after the K loop.
     STAGES > 1 software-pipelines the K loop's loads (the weight words through shared memory).
     Grouped, split-K and the output as in `_fp8_gemm_kernel`."""
+    pdl_wait(PDL)
     W: tl.constexpr = BLOCK_K // 4                      # words a row a K block
     n0 = tl.program_id(1) * BLOCK_N
     rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from custom_ops import index as _ref
 from custom_ops.registry import register_impl
+from custom_ops.triton.common import pdl, pdl_wait
 
 BLOCK_J = 64                 # columns per program
 NUM_WARPS = 4
@@ -73,7 +74,8 @@ def _index_score_kernel(
         stride_qt, stride_qh, stride_wt, stride_plane, stride_pscale, stride_bt, stride_cand,
         stride_st,
         BLOCK_NH: tl.constexpr, DQ: tl.constexpr, FP4: tl.constexpr, HAS_CAND: tl.constexpr,
-        BLOCK_J: tl.constexpr, PREC: tl.constexpr):
+        BLOCK_J: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i = tl.program_id(0)
     jt = tl.program_id(1)
     t = (t0 + i).to(tl.int64)
@@ -139,9 +141,11 @@ def _against_threshold(score_ptr, thr_ptr, i, c, width, stride_s, BLOCK: tl.cons
 
 
 @triton.jit
-def _select_count_kernel(score_ptr, thr_ptr, cnt_ptr, width, n_chunks, stride_s, BLOCK: tl.constexpr):
+def _select_count_kernel(score_ptr, thr_ptr, cnt_ptr, width, n_chunks, stride_s, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Per (row, chunk of columns): how many finite scores are above / equal to the row's
     threshold."""
+    pdl_wait(PDL)
     i = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     _, gt, eq = _against_threshold(score_ptr, thr_ptr, i, c, width, stride_s, BLOCK)
@@ -153,10 +157,11 @@ def _select_count_kernel(score_ptr, thr_ptr, cnt_ptr, width, n_chunks, stride_s,
 @triton.jit
 def _select_write_kernel(score_ptr, thr_ptr, need_ptr, eq_before_ptr, taken_before_ptr, out_ptr,
                          cand_ptr, width, n_chunks, cand_block, n_cand, stride_s, stride_o, stride_cand,
-                         MAP_CAND: tl.constexpr, BLOCK: tl.constexpr):
+                         MAP_CAND: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Per (row, chunk): take every score above the threshold and the first `need` equal to it
     (in column order); each taken column goes to its slot, its rank among the row's taken
     columns. The value written is the column (or, MAP_CAND, the candidate row it stands for)."""
+    pdl_wait(PDL)
     i = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols, gt, eq = _against_threshold(score_ptr, thr_ptr, i, c, width, stride_s, BLOCK)
@@ -190,7 +195,7 @@ def select_into(score: torch.Tensor, out: torch.Tensor, cand: torch.Tensor | Non
     n_chunks = triton.cdiv(w, block)
     cnt = torch.empty(n, n_chunks, 2, dtype=torch.int32, device=score.device)
     _select_count_kernel[(n, n_chunks)](score, thr, cnt, w, n_chunks, score.stride(0),
-                                        BLOCK=block, num_warps=4)
+                                        BLOCK=block, num_warps=4, **pdl(score.device))
     gt_c, eq_c = cnt[..., 0], cnt[..., 1]
     need = kk - gt_c.sum(1, dtype=torch.int32)
     eq_before = torch.cumsum(eq_c, 1, dtype=torch.int32) - eq_c
@@ -201,7 +206,7 @@ def select_into(score: torch.Tensor, out: torch.Tensor, cand: torch.Tensor | Non
         cand if cand is not None else out, w, n_chunks, cand_block,
         cand.shape[1] if cand is not None else 0, score.stride(0), out.stride(0),
         cand.stride(0) if cand is not None else 0,
-        MAP_CAND=cand is not None, BLOCK=block, num_warps=4)
+        MAP_CAND=cand is not None, BLOCK=block, num_warps=4, **pdl(score.device))
 
 
 def _capturing(device: torch.device) -> bool:
@@ -274,7 +279,7 @@ def triton_index_topk(q, w, plane, plane_scale, block_table, batch_ids, position
             s.stride(0),
             BLOCK_NH=max(16, triton.next_power_of_2(n_heads)), DQ=dq, FP4=fmt == "fp4",
             HAS_CAND=cand is not None, BLOCK_J=bj, PREC="ieee" if cdt == torch.float32 else "tf32",
-            num_warps=num_warps or NUM_WARPS)
+            num_warps=num_warps or NUM_WARPS, **pdl(s.device))
         sel = tk[t0:t0 + n]
         if cand is None:
             select_into(s, sel, block=select_block)      # columns are rows: already ascending

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from custom_ops import mhc as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, skinny_gemm
+from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, skinny_gemm
 
 COEF_BLOCK_T = 16
 COEF_TILE = 2048              # elements of the [splits, hc, hc] tile a one-token program sums at once
@@ -38,7 +38,8 @@ STREAM_TILE = 4096            # elements of X per program in collapse / expand
 def _mhc_coef_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
                      T, S, K, iters, hc_eps, norm_eps, stride_ps, stride_pt, stride_ss,
                      stride_pre, stride_post, stride_ct, stride_ci,
-                     HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+                     HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -89,7 +90,9 @@ def _mhc_coef_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, c
 
 @triton.jit
 def _hc_collapse_kernel(x_ptr, mix_ptr, out_ptr, T, D, stride_xt, stride_xk, stride_mt, stride_mk,
-                        stride_ot, HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                        stride_ot, HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tmask = t < T
@@ -107,7 +110,8 @@ def _hc_collapse_kernel(x_ptr, mix_ptr, out_ptr, T, D, stride_xt, stride_xk, str
 def _hc_expand_kernel(o_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, T, D,
                       stride_ot, stride_xt, stride_xk, stride_pt, stride_ct, stride_ci,
                       stride_yt, stride_yk,
-                      HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                      HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     j = tl.arange(0, HC)
@@ -164,7 +168,7 @@ def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb,
         part, sq, base, scale, outs[0], outs[1], outs[2], T, S, hc * D, iters,
         hc_eps, norm_eps, part.stride(0), part.stride(1), sq.stride(0), outs[0].stride(0),
         outs[1].stride(0), outs[2].stride(0), outs[2].stride(1), HC=hc, BLOCK_T=bt, BLOCK_S=bs,
-        num_warps=4)
+        num_warps=4, **pdl(part.device))
     for o, t in zip(outs, (pre, post, comb)):
         if o is not t:
             t.copy_(o)
@@ -186,7 +190,7 @@ def triton_hc_collapse(X, mix, out, *, block_d: int | None = None) -> None:
         return
     bt, bd, grid = _stream_tiles(T, D, 1, block_d)
     _hc_collapse_kernel[grid](X, mix, out, T, D, X.stride(0), X.stride(1), mix.stride(0),
-                              mix.stride(1), out.stride(0), HC=hc, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
+                              mix.stride(1), out.stride(0), HC=hc, BLOCK_T=bt, BLOCK_D=bd, num_warps=4, **pdl(X.device))
 
 
 def triton_hc_expand(out_, X, post, comb, Y, *, block_d: int | None = None) -> None:
@@ -201,7 +205,7 @@ def triton_hc_expand(out_, X, post, comb, Y, *, block_d: int | None = None) -> N
     bt, bd, grid = _stream_tiles(T, D, hc, block_d)
     _hc_expand_kernel[grid](out_, X, post, comb, Y, T, D, out_.stride(0), X.stride(0), X.stride(1),
                             post.stride(0), comb.stride(0), comb.stride(1), Y.stride(0),
-                            Y.stride(1), HC=hc, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
+                            Y.stride(1), HC=hc, BLOCK_T=bt, BLOCK_D=bd, num_warps=4, **pdl(X.device))
 
 
 register_impl("mhc_mix", "triton", triton_mhc_mix, device_type="cuda")

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, fp8_qat_groups
+from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, fp8_qat_groups, pdl, pdl_wait
 from custom_ops.triton.fp4 import fp4_tile, fp4_words_dot
 from custom_ops.triton.fp8 import sum_splits, tile_counters
 from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, tile_rows
@@ -70,11 +70,12 @@ def gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N: tl.constexpr, SORTED: tl.cons
 def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, wts_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, part_ptr, cnt_ptr, h_ptr,
                  I, D, k, k_split, limit, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_ps, stride_pu,
                  stride_h, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
-                 SORTED: tl.constexpr):
+                 SORTED: tl.constexpr, PDL: tl.constexpr = False):
     """FP4 up GEMMs at decode widths, grid (rows, I / BLOCK_N, K splits): one pair's
     token row against BLOCK_N rows of w1[e] and w3[e] (int32 words, strides in words), its FP32
     sums over the split's K range into the partials [splits, 2, rows, I]; the split that counts
     last at its (row, N block) sums them in split order and runs the epilogue into h's row."""
+    pdl_wait(PDL)
     r, pair, e, rn, k_lo = gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N, SORTED)
     if e < 0:
         return
@@ -108,11 +109,12 @@ def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, wts_ptr, w1_ptr, w3_ptr, s1_ptr, s3
 def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, cnt_ptr, y_ptr, D, I, k_split,
                    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_ps, stride_y,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
-                   SORTED: tl.constexpr):
+                   SORTED: tl.constexpr, PDL: tl.constexpr = False):
     """FP4 down GEMM at decode widths, grid (rows, D / BLOCK_N, K splits): one h row
     against BLOCK_N rows of w2[e] (int32 words), the FP32 sum over the split's K range into the
     partials [splits, pairs, D] at the pair's row, which the split that counts last at its (row,
     N block) sums in split order into the pair's row of y (fp8.sum_splits, as the FP8 split-K)."""
+    pdl_wait(PDL)
     r, pair, e, rn, k_lo = gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N, SORTED)
     if e < 0:
         return
@@ -145,12 +147,14 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
                    I, D, k, k_split, limit, stride_x, stride_w1e, stride_w1n, stride_w3e, stride_w3n, stride_se,
                    stride_sn, stride_h, stride_ps, stride_pu,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                   DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr):
+                   DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """One (tile, N block, K split): the tile's token rows against w1[e] and w3[e] over the
     split's K range, then the epilogue, or (SPLIT) the FP32 sums into the partials [splits, 2,
     rows, I] as the GEMVs' (_moe_up_sum_kernel finishes them). FP4: w1 and w3 packed E2M1 (s1,
     s3 their scales, strides shared), each tile dequantized exactly (`fp4_tile`) to x's dtype
     before its dot; BLOCK_K divides D."""
+    pdl_wait(PDL)
     r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
@@ -212,9 +216,11 @@ def swiglu_store(acc_g, acc_u, wt, rows, rn, rmask, nmask, h_ptr, stride_h, limi
 
 @triton.jit
 def _moe_up_sum_kernel(part_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr, n_tiles, I, splits, limit,
-                       stride_ps, stride_pu, stride_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       stride_ps, stride_pu, stride_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Split-K up GEMMs, grid (tiles, N blocks): the partials summed in split order from 0,
     then the epilogue."""
+    pdl_wait(PDL)
     r0, r1, _, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
@@ -235,10 +241,12 @@ def _moe_up_sum_kernel(part_ptr, order_ptr, wts_ptr, meta_ptr, h_ptr, n_tiles, I
 def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, part_ptr, n_tiles, D, I, k_split,
                      stride_h, stride_w2e, stride_w2n, stride_se, stride_sn, stride_y, stride_ps,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                     DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr):
+                     DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """One (tile, N block, K split): h rows · w2[e]ᵀ over the split's K range, rounded, at the
     pairs' own rows of y, or (SPLIT) the FP32 sums at the pairs' rows of the partials [splits,
     pairs, D] (_moe_down_sum_kernel finishes them). FP4: as the up kernel's."""
+    pdl_wait(PDL)
     r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
@@ -272,9 +280,10 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, part_ptr
 
 @triton.jit
 def _moe_down_sum_kernel(part_ptr, order_ptr, meta_ptr, y_ptr, n_tiles, D, splits, stride_ps, stride_y,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     """Split-K down GEMM, grid (tiles, N blocks): each pair's partials summed in split order
     from 0, rounded to the activation dtype at the pair's row of y."""
+    pdl_wait(PDL)
     r0, r1, _, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
@@ -384,17 +393,17 @@ def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, b
     _moe_up_kernel[(n_tiles, triton.cdiv(I, bnu), su)](
         xq, w1, w3, s1, s3, order, wts, meta, h, pu, n_tiles, I, D, k, ku, limit, xq.stride(0), w1.stride(0),
         w1.stride(1), w3.stride(0), w3.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-        pu.stride(0), pu.stride(1) if su > 1 else 0, BLOCK_N=bnu, BLOCK_K=bku, SPLIT=su > 1, **common)
+        pu.stride(0), pu.stride(1) if su > 1 else 0, BLOCK_N=bnu, BLOCK_K=bku, SPLIT=su > 1, **common, **pdl(h.device))
     if su > 1:
         _moe_up_sum_kernel[(n_tiles, triton.cdiv(I, 32))](
             pu, order, wts, meta, h, n_tiles, I, su, limit, pu.stride(0), pu.stride(1), h.stride(0),
-            BLOCK_M=bm, BLOCK_N=32, num_warps=4)
+            BLOCK_M=bm, BLOCK_N=32, num_warps=4, **pdl(h.device))
     _moe_down_kernel[(n_tiles, triton.cdiv(D, bnd), sd)](
         h, w2, s2, order, meta, y, pd, n_tiles, D, I, kd, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
-        s2.stride(1), y.stride(0), pd.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, SPLIT=sd > 1, **common)
+        s2.stride(1), y.stride(0), pd.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, SPLIT=sd > 1, **common, **pdl(h.device))
     if sd > 1:
         _moe_down_sum_kernel[(n_tiles, triton.cdiv(D, 128))](
-            pd, order, meta, y, n_tiles, D, sd, pd.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=128, num_warps=4)
+            pd, order, meta, y, n_tiles, D, sd, pd.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=128, num_warps=4, **pdl(h.device))
 
 
 def fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, block_n_down, block_k, splits,
@@ -421,11 +430,11 @@ def fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, 
     _fp4_up_gemv[grid_up](
         xq, flat, order, wts, w1, w3, s1, s3, pu, tile_counters(h.device, P * grid_up[1]), h, I, D, k, ku, limit,
         xq.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), pu.stride(0), pu.stride(1), h.stride(0),
-        BLOCK_N=bnu, BLOCK_K=bku, ASM=asm, STAGES=stages, SORTED=sorted_, num_warps=num_warps)
+        BLOCK_N=bnu, BLOCK_K=bku, ASM=asm, STAGES=stages, SORTED=sorted_, num_warps=num_warps, **pdl(h.device))
     _fp4_down_gemv[grid_down](
         h, flat, order, w2, s2, pd, tile_counters(h.device, P * grid_down[1]), y, D, I, kd, h.stride(0), w2.stride(0),
         w2.stride(1), s2.stride(0), s2.stride(1), pd.stride(0), y.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, ASM=asm,
-        STAGES=stages, SORTED=sorted_, num_warps=num_warps)
+        STAGES=stages, SORTED=sorted_, num_warps=num_warps, **pdl(h.device))
 
 
 register_impl("moe_experts", "triton", triton_moe_experts, device_type="cuda")

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, skinny_gemm
+from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, skinny_gemm
 
 ROUTE_BLOCK_T = 4
 
@@ -22,7 +22,9 @@ ROUTE_BLOCK_T = 4
 @triton.jit
 def _route_select_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, T, E, S, top_k, route_scale,
                          stride_ps, stride_pt, stride_it, stride_wt,
-                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
     tmask = t < T
@@ -76,7 +78,7 @@ def triton_moe_route(x, gate, bias, top_k, route_scale, ids, weights, *,
     _route_select_kernel[(triton.cdiv(T, bt),)](
         part, bias.contiguous(), dst_i, dst_w, T, E, part.shape[0], top_k, route_scale,
         part.stride(0), part.stride(1), dst_i.stride(0), dst_w.stride(0),
-        BLOCK_T=bt, BLOCK_E=BLOCK_E, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+        BLOCK_T=bt, BLOCK_E=BLOCK_E, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4, **pdl(part.device))
     if dst_i is not ids:
         ids.copy_(dst_i)
     if dst_w is not weights:

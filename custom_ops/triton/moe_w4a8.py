@@ -27,7 +27,7 @@ import triton.language as tl
 
 from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES
+from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait
 from custom_ops.triton.fp8 import GROUP, GROUP_K, fp8_quant_groups
 from custom_ops.triton.fp8_gemm import triton_fp8_act_quant
 from custom_ops.triton.fp4 import e2m1_codes, e2m1_scale
@@ -56,7 +56,9 @@ def _w4a8_up_kernel(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, w
                     hq_ptr, hs_ptr, n_tiles, I, KB, k, limit,
                     stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn,
                     stride_h, stride_hs,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, ASM: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, ASM: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
@@ -98,7 +100,8 @@ def _w4a8_up_kernel(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, w
 @triton.jit
 def _w4a8_down_kernel(hq_ptr, hs_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, n_tiles, D, KB,
                       stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_y,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
         return
@@ -148,11 +151,11 @@ def w4a8_expert_gemms(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, *, block_m
         xq, xs, w1, s1, w3, s3, order, wts, meta, hq, hs, n_tiles, I, D // GROUP, k, limit,
         xq.stride(0), xs.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
         hq.stride(0), hs.stride(0), BLOCK_M=bm, BLOCK_N=bnu, ACT=TL_DTYPES[x.dtype], ASM=dev.type == "cuda",
-        **launch)
+        **launch, **pdl(dev))
     _w4a8_down_kernel[(n_tiles, triton.cdiv(D, bnd))](
         hq, hs, w2, s2, order, meta, y, n_tiles, D, I // GROUP, hq.stride(0), hs.stride(0),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bnd, ASM=dev.type == "cuda", **launch)
+        BLOCK_M=bm, BLOCK_N=bnd, ASM=dev.type == "cuda", **launch, **pdl(dev))
     return hq, hs, y, order
 
 

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from custom_ops import norm as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, fp8_qat_groups, rows2d
+from custom_ops.triton.common import TL_DTYPES, fp8_qat_groups, pdl, pdl_wait, rows2d
 
 CHUNK = 1024                  # elements of a row per chunk
 TILE = 2048                   # elements per program per chunk (rows x chunk)
@@ -25,7 +25,8 @@ TILE = 2048                   # elements per program per chunk (rows x chunk)
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
-                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     r = rows.to(tl.int64)[:, None]
@@ -48,7 +49,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
 
 @triton.jit
 def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
-                         BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     r = rows.to(tl.int64)[:, None, None]
@@ -87,12 +89,12 @@ def _launch(kernel, x, w, eps, out, fp8: bool) -> bool:
             bg = min(triton.next_power_of_2(D // 32), CHUNK // 32)
             br = max(1, min(16, TILE // (bg * 32)))
             kernel[(triton.cdiv(N, br),)](x2, w, dst, N, D, eps, x2.stride(0), dst.stride(0),
-                                          BLOCK_R=br, BLOCK_G=bg, num_warps=4)
+                                          BLOCK_R=br, BLOCK_G=bg, num_warps=4, **pdl(x2.device))
         else:
             bd = min(triton.next_power_of_2(D), CHUNK)
             br = max(1, min(16, TILE // bd))
             kernel[(triton.cdiv(N, br),)](x2, w, dst, N, D, eps, x2.stride(0), dst.stride(0),
-                                          BLOCK_R=br, BLOCK_D=bd, num_warps=4)
+                                          BLOCK_R=br, BLOCK_D=bd, num_warps=4, **pdl(x2.device))
     if o2 is None:
         out.copy_(dst.view(out.shape))
     return True

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from custom_ops import rope as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, fp8_qat_groups
+from custom_ops.triton.common import TL_DTYPES, fp8_qat_groups, pdl, pdl_wait
 
 TILE = 4096                   # elements per program
 
@@ -45,7 +45,8 @@ def rope_values(ptrs, hcol, mask, cos_row, sin_row, tail0, INVERSE: tl.constexpr
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, R, d, tail0,
                  stride_xt, stride_xr, stride_ot, stride_or, stride_cos, stride_sin,
-                 INVERSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                 INVERSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     rr = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     col = tl.arange(0, BLOCK_D)
@@ -62,7 +63,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, R, d, tail0,
 @triton.jit
 def _rope_fp8_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, R, d, tail0,
                      stride_xt, stride_xr, stride_ot, stride_or, stride_cos, stride_sin,
-                     INVERSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+                     INVERSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     rr = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     col = tl.arange(0, BLOCK_G)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
@@ -109,12 +111,12 @@ def _launch(kernel, x, cos, sin, positions, inverse, out, fp8: bool) -> bool:
         bg = triton.next_power_of_2(d // 32)
         br = max(1, min(triton.next_power_of_2(R), TILE // (bg * 32)))
         kernel[(T, triton.cdiv(R, br))](*args, INVERSE=bool(inverse), BLOCK_R=br, BLOCK_G=bg,
-                                        num_warps=4)
+                                        num_warps=4, **pdl(x3.device))
     else:
         bd = triton.next_power_of_2(d)
         br = max(1, min(triton.next_power_of_2(R), TILE // bd))
         kernel[(T, triton.cdiv(R, br))](*args, INVERSE=bool(inverse), BLOCK_R=br, BLOCK_D=bd,
-                                        num_warps=4)
+                                        num_warps=4, **pdl(x3.device))
     if o3 is None:
         out.copy_(dst.view(out.shape))
     return True

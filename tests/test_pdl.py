@@ -1,0 +1,100 @@
+"""Programmatic dependent launch (custom_ops/triton/common.py `pdl`): a kernel launched with it may
+run beside the end of the kernel before it, so it must wait (`pdl_wait(PDL)`) before it touches
+memory another kernel writes or reads. These read the kernels' source: every kernel that takes
+PDL waits first thing, and every launch in custom_ops/triton passes `**pdl(device)`; the sm_90
+build shows the wait and the launch trigger in the PTX before the first global access, and
+nothing of them without PDL."""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import os
+import pkgutil
+import textwrap
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed (make setup installs it)")
+import custom_ops.triton as kernels  # noqa: E402
+from custom_ops.triton.common import pdl  # noqa: E402
+
+
+def modules():
+    for info in pkgutil.iter_modules(kernels.__path__):
+        yield importlib.import_module(f"{kernels.__name__}.{info.name}")
+
+
+def pdl_kernels() -> dict:
+    return {f"{m.__name__}.{n}": f for m in modules() for n, f in vars(m).items()
+            if isinstance(f, triton.runtime.JITFunction) and f.__module__ == m.__name__ and "PDL" in f.arg_names
+            and n != "pdl_wait"}
+
+
+def first_statement(fn) -> ast.stmt:
+    body = ast.parse(textwrap.dedent(fn.src)).body[0].body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]                                   # the docstring
+    return body[0]
+
+
+def test_every_pdl_kernel_waits_first():
+    found = pdl_kernels()
+    assert len(found) >= 30, sorted(found)
+    bad = [name for name, fn in found.items() if ast.unparse(first_statement(fn)) != "pdl_wait(PDL)"]
+    assert not bad, f"kernels taking PDL whose first statement is not pdl_wait(PDL): {bad}"
+
+
+def launches(mod):
+    """(kernel name, passes **pdl(...)) of each `kernel[grid](...)` call in `mod`'s source."""
+    jit = {n for n, f in vars(mod).items() if isinstance(f, triton.runtime.JITFunction)}
+    tree = ast.parse(inspect.getsource(mod))
+    # a launcher's `kernel` argument (norm, rope), or `kernel = _a if fp8 else _b`
+    local_kernels = {a.arg for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) for a in n.args.args
+                     if a.arg == "kernel"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(isinstance(n, ast.Name) and n.id in jit for n in ast.walk(node.value)):
+            local_kernels |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and \
+                isinstance(node.func.value, ast.Name) and node.func.value.id in jit | local_kernels:
+            yield node.func.value.id, any(k.arg is None and isinstance(k.value, ast.Call) and
+                                          getattr(k.value.func, "id", None) == "pdl" for k in node.keywords)
+
+
+def test_every_launch_passes_pdl():
+    found = [(m.__name__, name, ok) for m in modules() for name, ok in launches(m)]
+    assert len(found) >= 30, found
+    missing = [(m, name) for m, name, ok in found if not ok]
+    assert not missing, f"launches without **pdl(device): {missing}"
+
+
+def test_the_launch_check_sees_a_launch_without_pdl(tmp_path, monkeypatch):
+    (tmp_path / "pdl_launch_case.py").write_text(
+        "import triton\nimport triton.language as tl\nfrom custom_ops.triton.common import pdl\n\n"
+        "@triton.jit\ndef k(x_ptr, PDL: tl.constexpr = False):\n    tl.store(x_ptr, 0)\n\n"
+        "def go(x):\n    k[(1,)](x, **pdl(x.device))\n    k[(1,)](x)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert list(launches(importlib.import_module("pdl_launch_case"))) == [("k", True), ("k", False)]
+
+
+def test_no_pdl_off_cuda():
+    assert pdl(torch.device("cpu")) == {}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="builds kernels: needs compiled Triton")
+def test_the_hopper_build_waits_before_its_first_load():
+    from benchmarks import sm90_build as B
+    if not B.tools_present():
+        pytest.skip(f"this Triton build ships no CUDA ptxas in {B.NVIDIA_BIN}")
+    from custom_ops.triton.norm import _rms_norm_kernel
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "D": "i32", "eps": "fp32",
+           "stride_x": "i32", "stride_o": "i32", "BLOCK_R": "constexpr", "BLOCK_D": "constexpr"}
+    ptx = {on: B.build(_rms_norm_kernel, sig, {"BLOCK_R": 1, "BLOCK_D": 1024, "PDL": on}).asm["ptx"]
+           for on in (False, True)}
+    assert "griddepcontrol" not in ptx[False]
+    body = ptx[True]
+    first_load = body.index("ld.global")
+    assert body.index("griddepcontrol.wait") < first_load, "the wait comes after a global load"
+    assert body.index("griddepcontrol.launch_dependents") < first_load
