@@ -2,7 +2,7 @@
 
 `profile_step(eng, title, path)` runs `eng.step()` once under the profiler with each phase in
 `phases` wrapped in a `record_function` range `step:<phase>` and appends to `path` a summary
-(summed kernel time; per phase its host time and, from the device's side, the span of the work
+(device busy time; per phase its host time and, from the device's side, the span of the work
 it launched) and the profiler's tables sorted by device and by host time. Every profile of a run
 goes to one file: a device call brings back few files. The profiler inflates host times several
 fold; `phases_timed` gives the same phases' host times of ordinary steps (perf_counter, no sync).
@@ -96,12 +96,25 @@ def device_profile(fn):
 
 
 def kernel_time(fn) -> tuple[float, int]:
-    """(summed device time in ms, count) of the kernels `fn` launches; (NaN, 0) without CUDA."""
+    """(device busy ms, count) of the kernels `fn` launches; (NaN, 0) without CUDA. Busy time
+    merges overlapping kernels: under programmatic dependent launch a kernel starts before the
+    one it follows ends and waits inside, so a sum of durations would count that time twice."""
     prof = device_profile(fn)
     if prof is None:
         return float("nan"), 0
-    avg = prof.key_averages()
-    return sum(e.self_device_time_total for e in avg) / 1e3, sum(e.count for e in avg)
+    events = device_events(prof)
+    return (busy_ms(events), len(events))
+
+
+def device_events(prof) -> list:
+    """(start µs, end µs, name) of the profile's device events."""
+    return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def busy_ms(events) -> float:
+    """Device busy time of (start µs, end µs, name) events in ms, overlaps merged."""
+    return idle_intervals(events)[1] / 1e3 if events else 0.0
 
 
 def kernel_gaps(fn, top: int = 12) -> dict:
@@ -110,8 +123,7 @@ def kernel_gaps(fn, top: int = 12) -> dict:
     prof = device_profile(fn)
     if prof is None:
         return {}
-    return gaps_between([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                         if e.device_type == torch.autograd.DeviceType.CUDA], top)
+    return gaps_between(device_events(prof), top)
 
 
 def idle_intervals(events, start: float | None = None) -> tuple[list, float, float]:
@@ -194,7 +206,10 @@ def kernel_table(events, order: int = 0) -> str:
     for e in ks:
         n, t = by.get(e.name, (0, 0.0))
         by[e.name] = (n + 1, t + e.time_range.elapsed_us())
-    lines = [f"{len(ks)} kernels, {sum(t for _, t in by.values()) / 1e3:.3f} ms",
+    busy = busy_ms([(e.time_range.start, e.time_range.end, e.name) for e in ks])
+    # a kernel launched with programmatic dependent launch waits inside while the one before it
+    # ends: its duration includes that wait, and the durations' sum exceeds the busy time
+    lines = [f"{len(ks)} kernels, {sum(t for _, t in by.values()) / 1e3:.3f} ms summed, {busy:.3f} ms busy",
              f"{'calls':>6} {'total us':>10} {'mean us':>8}  kernel"]
     lines += [f"{n:6d} {t:10.1f} {t / n:8.2f}  {name[:110]}"
               for name, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1])]
@@ -224,7 +239,7 @@ def phase_summary(events) -> list[str]:
 def profile_step(eng, title: str, path: str, phases=STEP_PHASES, rows: int = 40, order: int = 0) -> float:
     """One `eng.step()` under the profiler (CPU and, on CUDA, device activity); appends the
     summary and tables to `path`: on CUDA every kernel by device time, then the first `order`
-    kernels in launch order (a layer's sequence, for fusion work). Returns the summed kernel
+    kernels in launch order (a layer's sequence, for fusion work). Returns the device's busy
     time, ms (NaN on the CPU)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     cuda = torch.cuda.is_available()
@@ -234,9 +249,9 @@ def profile_step(eng, title: str, path: str, phases=STEP_PHASES, rows: int = 40,
         if cuda:
             torch.cuda.synchronize()
     avg = prof.key_averages()
-    kernel_ms = sum(e.self_device_time_total for e in avg) / 1e3 if cuda else float("nan")
+    kernel_ms = busy_ms([e for e in device_events(prof) if not e[2].startswith("step:")]) if cuda else float("nan")
     with open(path, "a") as f:
-        f.write(f"==== {title}\nkernel time {kernel_ms:.3f} ms\n")
+        f.write(f"==== {title}\ndevice busy {kernel_ms:.3f} ms\n")
         f.write("\n".join(phase_summary(prof.events())) + "\n\n")
         if cuda:
             f.write(kernel_table(prof.events(), order) + "\n\n")

@@ -1,9 +1,9 @@
 """Engine step latency on a GPU (flash-slice, bf16, random weights): decode steps at batch 1,
 16 and 64 (contexts of 1,024 tokens) and prefill steps of 1x4096 and 8x1024 tokens, timed with
-CUDA events after warm-up, median of several steps, each case beside the summed kernel time of
-more steps of it under torch.profiler (`device_ms`, decode: the median of three; wall / device
-says how host-bound it is; `kernels`: their count; `step_idle`: one more step's device idle time
-(from the step's host start) by the host phase it waited for; `replayed`: of the timed and the
+CUDA events after warm-up, median of several steps, each case beside the device's busy time in
+more steps of it under torch.profiler (`device_ms`, overlapping kernels counted once; decode: the
+median of three; wall / device says how host-bound it is; `kernels`: their count; `step_idle`:
+one more step's device idle time (from the step's host start) by the host phase it waited for; `replayed`: of the timed and the
 profiled steps, how many replayed; FULL: `graph_ms`, the width's graphs replayed back to back, timed with
 CUDA events, and `graph_gaps`, one replay's device span, busy and idle time and its largest idle
 intervals);

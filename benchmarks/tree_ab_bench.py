@@ -59,7 +59,7 @@ def main(argv=None) -> dict:
            "date": datetime.date.today().isoformat(), "trees": {k: commit_of(t) for k, t in trees.items()},
            "method": "two step_bench workers on one device, one engine per tree, the cases given to each in "
                      "turn (trees alternating case by case); CUDA events around LLMEngine.step, median after "
-                     "warm-up; device_ms: the kernels of one more step"}
+                     "warm-up; device_ms: the device busy time of one more step, overlapping kernels counted once"}
     side_by_side.run({k: side_by_side.worker(t, a.weight_format, a) for k, t in trees.items()},
                      DRY_CASES if a.dry_run else CASES, res, a.out, a.profile)
     if a.dry_run:

@@ -43,7 +43,7 @@ def main(argv=None) -> dict:
            "date": datetime.date.today().isoformat(),
            "method": "two step_bench workers on one device, one engine per weight format, the cases "
                      "given to each in turn (variants alternating case by case); CUDA events around "
-                     "LLMEngine.step, median after warm-up; device_ms: the kernels of one more step"}
+                     "LLMEngine.step, median after warm-up; device_ms: the device busy time of one more step, overlapping kernels counted once"}
     side_by_side.run({NAMES[f]: side_by_side.worker(tree, f, a) for f in NAMES}, DRY_CASES if a.dry_run else CASES,
                      res, None if a.dry_run else a.out, a.profile)
     if a.dry_run:

@@ -83,6 +83,18 @@ def test_no_pdl_off_cuda():
     assert pdl(torch.device("cpu")) == {}
 
 
+@pytest.mark.parametrize("capability,env,on", [((9, 0), None, True), ((8, 0), None, False), ((9, 0), "0", False)])
+def test_pdl_on_hopper_unless_switched_off(monkeypatch, capability, env, on):
+    from custom_ops.triton import common
+    monkeypatch.setattr(common, "_pdl", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: capability)
+    if env is None:
+        monkeypatch.delenv("V41_PDL", raising=False)
+    else:
+        monkeypatch.setenv("V41_PDL", env)
+    assert pdl(torch.device("cuda", 0)) == ({"PDL": True, "launch_pdl": True} if on else {})
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="builds kernels: needs compiled Triton")
 def test_the_hopper_build_waits_before_its_first_load():
     from benchmarks import sm90_build as B

@@ -42,10 +42,19 @@ def test_idle_time_goes_to_the_innermost_host_phase_running_then():
 def test_the_kernel_table_lists_every_kernel_by_total_then_the_first_in_start_order():
     def ev(name, a, b, dev=torch.autograd.DeviceType.CUDA):
         return SimpleNamespace(name=name, device_type=dev,
-                               time_range=SimpleNamespace(start=a, elapsed_us=lambda: b - a))
-    events = [ev("gemv", 10, 14), ev("norm", 0, 2), ev("gemv", 20, 30), ev("step:runner.run", 0, 40),
+                               time_range=SimpleNamespace(start=a, end=b, elapsed_us=lambda: b - a))
+    # the second gemv starts inside the first (a dependent launch): 16 µs summed, 14 busy
+    events = [ev("gemv", 10, 14), ev("norm", 0, 2), ev("gemv", 12, 22), ev("step:runner.run", 0, 40),
               ev("aten::mm", 0, 50, torch.autograd.DeviceType.CPU)]
     lines = kernel_table(events, order=2).splitlines()
-    assert lines[0] == "3 kernels, 0.016 ms"
+    assert lines[0] == "3 kernels, 0.016 ms summed, 0.014 ms busy"
     assert lines[2].split() == ["2", "14.0", "7.00", "gemv"] and lines[3].split() == ["1", "2.0", "2.00", "norm"]
     assert lines[4:] == ["first 2 kernels in order:", "      2.00  norm", "      4.00  gemv"]
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    """Under programmatic dependent launch a kernel starts inside the one before it: busy time
+    merges them (kernel_time's device ms), a sum of durations would not."""
+    from benchmarks.profiling import busy_ms
+    assert busy_ms([(0, 4e3, "a"), (3e3, 6e3, "b"), (8e3, 9e3, "c")]) == 7.0
+    assert busy_ms([]) == 0.0

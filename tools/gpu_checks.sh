@@ -143,14 +143,16 @@ native-decode)
     --decode-only --profile "$OUT/native-profiles.txt" --out "$OUT/native-decode.json" > "$OUT/native.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | cut -c1-200 | tail -6 ;;
 ab)
-  # both engines compile at once (flash-slice native: about 23 GB each)
+  # both engines compile at once (flash-slice native: about 23 GB each). Cold (2026-12-05) the compiles and
+  # the cases ran past 585 s after batch 16's first engine; the next call, warm, about 200 s
   step "tree_ab_bench against base_tree"
   export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
   timeout $(( ${LIMIT:-575} - SECONDS )) $py benchmarks/tree_ab_bench.py --base base_tree --out "$OUT/tree-ab.json" \
     --profile "$OUT/tree-ab" > "$OUT/tree-ab.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/tree-ab.log" | cut -c1-200 | tail -8 ;;
 formats)
-  # bf16 and native engines side by side, alternating cases; both compile at once (one cold native compile alone: 229 s, native-weights-flash-slice-h200.json)
+  # bf16 and native engines side by side, alternating cases; both compile at once (2026-12-05, a cold bf16 compile
+  # beside a warm native one: 248 s, the whole part 392 s; native-weights-flash-slice-h200.json `setup`)
   step "weight_formats_bench"
   export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))   # two compiles share the cores
   timeout $(( 575 - SECONDS )) $py benchmarks/weight_formats_bench.py --out "$OUT/native-weights-flash-slice-h200.json" \

@@ -24,6 +24,8 @@ everything earlier in the stream is complete too.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -52,8 +54,9 @@ def num_sms(device: torch.device) -> int:
 
 def pdl(device: torch.device) -> dict:
     """The launch arguments of a kernel that calls `pdl_wait(PDL)`: programmatic dependent launch
-    on a CUDA device of compute capability 9 or more, nothing elsewhere (the interpreter)."""
-    if device.type != "cuda" or gdc_wait is None:
+    on a CUDA device of compute capability 9 or more, nothing elsewhere (the interpreter) or with
+    V41_PDL=0 (a profile's per-kernel durations then exclude the waits)."""
+    if device.type != "cuda" or gdc_wait is None or os.environ.get("V41_PDL", "1") == "0":
         return {}
     i = device.index if device.index is not None else torch.cuda.current_device()
     if i not in _pdl:
