@@ -158,7 +158,8 @@ else:
         ref = torch.empty(T, K, dtype=torch.long)
         ref_c = torch.empty(T, C, dtype=torch.long) if produce else None
         ref_index.index_topk(*args, ref, ref_c)
-        for kw in ({}, {"score_budget": 50, "block_j": 16, "select_block": 4}, {"static_width": True}):
+        for kw in ({}, {"score_budget": 50, "block_j": 16, "select_block": 4}, {"static_width": True},
+                   {"static_width": True, "select_block": 4, "row_max": 1}):
             out = torch.full((T, K), -7, dtype=torch.long)
             out_c = torch.full((T, C), -7, dtype=torch.long) if produce else None
             triton_index_topk(*args, out, out_c, **kw)
@@ -180,8 +181,32 @@ else:
         ref, ref_c = torch.empty(step.T, K, dtype=torch.long), torch.empty(step.T, C, dtype=torch.long)
         ref_index.index_topk(*args, ref, ref_c)
         out, out_c = torch.full_like(ref, -7), torch.full_like(ref_c, -7)
-        triton_index_topk(*args, out, out_c, block_j=8, select_block=2)
-        assert torch.equal(out, ref) and torch.equal(out_c, ref_c)
+        for row_max in (None, 1):                           # one program a row, and the chunked passes
+            out, out_c = torch.full_like(ref, -7), torch.full_like(ref_c, -7)
+            triton_index_topk(*args, out, out_c, block_j=8, select_block=2, row_max=row_max)
+            assert torch.equal(out, ref) and torch.equal(out_c, ref_c), row_max
+
+    @pytest.mark.parametrize("row_max", [None, 1])
+    def test_select_into(g, row_max):
+        """The selection alone against a stable descending sort: ties (smaller column first),
+        -inf never taken, +inf first, fewer finite scores than k, rows of nothing finite,
+        negative and positive scores across the key's sign bit, several chunks a row."""
+        from custom_ops.triton.index import select_into
+        n, w, k = 7, 45, 9
+        score = torch.randint(-4, 5, (n, w), generator=g).float() * 0.5     # many exact ties
+        score[1] = torch.randn(w, generator=g) * 1e-30                      # tiny, both signs
+        score[2, 5:] = float("-inf")                                        # 5 finite < k
+        score[3] = float("-inf")                                            # nothing finite
+        score[4, [3, 40]] = float("inf")
+        score[5, :] = -0.0
+        score[5, ::3] = 0.0                                                 # -0.0 and +0.0 tie in the reference's order
+        order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :k]
+        ref = torch.where(score.gather(1, order) > float("-inf"), order, -1)
+        ref = torch.where(ref >= 0, ref, w + 1).sort(1).values
+        ref = torch.where(ref == w + 1, -1, ref)
+        out = torch.full((n, k), -1, dtype=torch.long)
+        select_into(score, out, block=8, row_max=row_max)
+        assert torch.equal(out, ref), (out, ref)
 
     # ---- scatter_rows ----------------------------------------------------------------------
     @pytest.mark.parametrize("kind", ["f32", "bf16", "fp8", "e8m0", "scale1d", "odd_bytes", "gapped"])

@@ -143,6 +143,18 @@ def test_index_select_kernels_build_for_hopper(map_cand):
     assert 0 < registers(k) <= 255
 
 
+@pytest.mark.parametrize("bounded,map_cand", [(True, False), (False, True)])
+def test_row_select_kernel_builds_for_hopper(bounded, map_cand):
+    """One program a row: the radix select's histograms and the column-order write, no spills,
+    with programmatic dependent launch on as the GPU launches it."""
+    from custom_ops.triton.index import SELECT_BLOCK, _select_row_kernel
+    sig = {"score_ptr": "*fp32", "out_ptr": "*i64", "cand_ptr": "*i64", "pos_ptr": "*i64", "bid_ptr": "*i64",
+           **dict.fromkeys(("t0", "ratio", "per", "width", "k", "cand_block", "n_cand", "stride_s", "stride_o",
+                            "stride_cand"), "i32"), **dict.fromkeys(("BOUNDED", "MAP_CAND", "BLOCK", "PDL"), "constexpr")}
+    k = build(_select_row_kernel, sig, {"BOUNDED": bounded, "MAP_CAND": map_cand, "BLOCK": SELECT_BLOCK, "PDL": True})
+    assert 0 < registers(k) <= 255
+
+
 @pytest.mark.parametrize("block_m,block_n,splits", [(16, 64, 1), (16, 64, 4), (128, 128, 1)])
 def test_inv_rope_wo_a_builds_for_hopper(block_m, block_n, splits):
     """The attention output's grouped GEMM at the decode tile, with and without split-K, and at

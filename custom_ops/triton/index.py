@@ -14,14 +14,17 @@ heads as the N of `tl.dot`. The query is rounded first exactly as the reference 
 packed bytes are never interleaved.
 
 Selection, on the tile's score buffer (bounded: query rows are processed in tiles of at most
-SCORE_BUDGET scores). Top-k with smaller-column-first ties and no sort of the row: the k-th
-largest score (torch.topk) is the threshold; every finite score above it is taken, and of the
-scores equal to it the first ones in column order until k. Two Triton passes over chunks of
-SELECT_BLOCK columns: one counts (above, equal) per chunk, a prefix over the chunk counts gives
-each chunk its first tie rank and first output slot, the second writes each taken column at its
-slot - so the output is ascending in column order (FULL: row order; REINDEX: candidate order,
-then sorted by row like the reference). Level-1 candidates: block max over the score buffer,
-the newest visible block forced +inf, the same selection over blocks.
+SCORE_BUDGET scores). Top-k with smaller-column-first ties and no sort of the row. Rows up to
+ROW_SELECT_MAX columns, one program a row in one launch: a radix select over the score's four
+bytes (order-preserving uint32 keys, a 256-bin histogram a byte) finds the k-th largest key,
+then a pass in column order takes every key above it and the first ones equal to it until k,
+each at its rank - so the output is ascending in column order (FULL: row order; REINDEX:
+candidate order, then sorted by row like the reference). FULL rows read only the columns below
+the token's bound, so a CUDA graph captured at the block table's width costs what the context
+costs. Wider rows: the k-th largest score (torch.topk) is the threshold, and two Triton passes
+over chunks of SELECT_BLOCK columns, one counting (above, equal) per chunk and, after a prefix
+over the chunk counts, one writing each taken column at its slot. Level-1 candidates: block max
+over the score buffer, the newest visible block forced +inf, the same selection over blocks.
 
 Width. REINDEX scores C·B columns. FULL scores up to the longest visible prefix of the batch
 (read from the device, like the reference), or - while a CUDA graph is being captured, or with
@@ -44,6 +47,7 @@ BLOCK_J = 64                 # columns per program
 NUM_WARPS = 4
 SCORE_BUDGET = 1 << 24       # FP32 scores per token tile (64 MiB)
 SELECT_BLOCK = 1024          # columns per program of the selection passes
+ROW_SELECT_MAX = 1 << 15     # rows up to this many columns are selected one program a row
 
 
 @triton.jit
@@ -178,20 +182,107 @@ def _select_write_kernel(score_ptr, thr_ptr, need_ptr, eq_before_ptr, taken_befo
     tl.store(out_ptr + i * stride_o + slot, src, mask=take)
 
 
+@triton.jit
+def _order_key(s):
+    """FP32 scores as uint32 keys in the same order (the sign bit set for positives, every bit
+    flipped for negatives); -0.0 is +0.0 first, equal to it as the float comparison has it."""
+    bits = tl.where(s == 0.0, 0.0, s).to(tl.uint32, bitcast=True)
+    return tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
+
+
+@triton.jit
+def _select_row_kernel(score_ptr, out_ptr, cand_ptr, pos_ptr, bid_ptr, t0, ratio, per, width, k, cand_block,
+                       n_cand, stride_s, stride_o, stride_cand, BOUNDED: tl.constexpr, MAP_CAND: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """One row per program, the whole selection in one launch: the kk-th largest finite score's
+    key (kk = min(k, width)) by a radix select over its four bytes (a 256-bin histogram of the
+    next byte among the keys that share the bytes found so far, the byte where the count from the
+    top reaches what is still needed), then one pass in column order that takes every key above
+    it and the first `need` equal to it, each at its rank. Fewer finite scores than kk: all of
+    them. BOUNDED: only columns below the token's bound are read, ceil(((p + 1) // ratio) / per)
+    (0 for a padding row), the same columns the scorer left finite."""
+    pdl_wait(PDL)
+    i = tl.program_id(0).to(tl.int64)
+    lim = width
+    if BOUNDED:
+        p = tl.load(pos_ptr + t0 + i)
+        v = tl.where(tl.load(bid_ptr + t0 + i) >= 0, (p + 1) // ratio, 0)
+        lim = tl.minimum((v + per - 1) // per, width)
+    row = score_ptr + i * stride_s
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
+    kk = tl.minimum(k, width)
+    need = kk                                   # still to find, from the top
+    prefix = tl.zeros([], tl.uint32)            # the threshold key's bytes found so far
+    finite = 0
+    for byte in tl.static_range(4):
+        shift = 24 - 8 * byte
+        hist = tl.zeros([256], tl.int32)
+        for c0 in range(0, lim, BLOCK):
+            s = tl.load(row + c0 + offs, mask=c0 + offs < lim, other=float("-inf"))
+            key = _order_key(s)
+            m = s > float("-inf")
+            if byte > 0:
+                m = m & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+            # excluded keys counted in bin 0, then taken out
+            hist += tl.histogram(tl.where(m, (key >> shift) & 255, 0).to(tl.int32), 256) - \
+                tl.where(bins == 0, tl.sum((~m).to(tl.int32), 0), 0)
+        if byte == 0:
+            finite = tl.sum(hist, 0)
+        from_top = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist      # keys at this byte or above
+        d = tl.maximum(tl.max(tl.where(from_top >= need, bins, -1), 0), 0)
+        need -= tl.sum(tl.where(bins > d, hist, 0), 0)
+        prefix = prefix | (d.to(tl.uint32) << shift)
+    # fewer finite scores than kk: all of them (every finite key is above key 0)
+    prefix = tl.where(finite <= kk, tl.zeros([], tl.uint32), prefix)
+    eq_seen = 0
+    taken = 0
+    for c0 in range(0, lim, BLOCK):
+        cols = c0 + offs
+        s = tl.load(row + cols, mask=cols < lim, other=float("-inf"))
+        key = _order_key(s)
+        fin = s > float("-inf")
+        eq = fin & (key == prefix)
+        rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)
+        take = fin & ((key > prefix) | (eq & (rank <= need)))
+        slot = taken + tl.cumsum(take.to(tl.int32), 0) - 1
+        if MAP_CAND:
+            cs = cols // cand_block
+            cb = tl.load(cand_ptr + i * stride_cand + cs, mask=take & (cs < n_cand), other=-1).to(tl.int64)
+            src = tl.where(cb >= 0, cb * cand_block + cols % cand_block, -1)
+        else:
+            src = cols.to(tl.int64)
+        tl.store(out_ptr + i * stride_o + slot, src, mask=take)
+        eq_seen += tl.sum(eq.to(tl.int32), 0)
+        taken += tl.sum(take.to(tl.int32), 0)
+
+
 def select_into(score: torch.Tensor, out: torch.Tensor, cand: torch.Tensor | None = None,
-                cand_block: int = 1, block: int | None = None) -> None:
+                cand_block: int = 1, block: int | None = None, bound: tuple | None = None,
+                row_max: int | None = None) -> None:
     """Per row of `score` [n, w], the best min(k, w) finite scores (k = out.shape[1]; equal
     scores: smaller column first) written to `out` [n, k] (already -1) in ascending column order:
     the column, or with `cand` the owner row cand[c // cand_block]·cand_block + c % cand_block.
-    The k-th largest score is the threshold; a count pass and a prefix over chunks give every
-    taken column its slot, so nothing [n, w]-sized is materialized besides the scores."""
+    Rows up to `row_max` (ROW_SELECT_MAX) columns: one program a row (`_select_row_kernel`),
+    reading only the columns below `bound` = (positions, batch_ids, t0, ratio, per), the row's
+    ceil(((p + 1) // ratio) / per), where given. Wider: the k-th largest score (torch.topk) is
+    the threshold, and a count pass and a prefix over chunks give every taken column its slot,
+    so nothing [n, w]-sized is materialized besides the scores."""
     n, w = score.shape
     k = out.shape[1]
     kk = min(k, w)
     if n == 0 or kk == 0:
         return
-    thr = torch.topk(score, kk, dim=1, sorted=False).values.amin(1).contiguous()
     block = block or SELECT_BLOCK
+    if w <= (row_max or ROW_SELECT_MAX):
+        pos, bid, t0, ratio, per = bound if bound is not None else (out, out, 0, 1, 1)     # unread
+        _select_row_kernel[(n,)](
+            score, out, cand if cand is not None else out, pos, bid, t0, ratio, per, w, k, cand_block,
+            cand.shape[1] if cand is not None else 0, score.stride(0), out.stride(0),
+            cand.stride(0) if cand is not None else 0, BOUNDED=bound is not None, MAP_CAND=cand is not None,
+            BLOCK=block, num_warps=4, **pdl(score.device))
+        return
+    thr = torch.topk(score, kk, dim=1, sorted=False).values.amin(1).contiguous()
     n_chunks = triton.cdiv(w, block)
     cnt = torch.empty(n, n_chunks, 2, dtype=torch.int32, device=score.device)
     _select_count_kernel[(n, n_chunks)](score, thr, cnt, w, n_chunks, score.stride(0),
@@ -216,10 +307,11 @@ def _capturing(device: torch.device) -> bool:
 def triton_index_topk(q, w, plane, plane_scale, block_table, batch_ids, positions, ratio, rows_per_page,
                       fmt, cand, cand_block, topk, cand_out, *, static_width: bool | None = None,
                       score_budget: int | None = None, block_j: int | None = None,
-                      select_block: int | None = None, num_warps: int | None = None) -> None:
+                      select_block: int | None = None, row_max: int | None = None,
+                      num_warps: int | None = None) -> None:
     """`v41::index_topk` (same signature); keyword knobs: `static_width` (FULL width from the
     block table instead of the batch's longest prefix; default: only while capturing), the
-    score-tile budget and launch options."""
+    score-tile budget, the widest row one program selects (`row_max`) and launch options."""
     T, K = topk.shape
     if w.dtype != torch.float32 or fmt not in ("fp8", "fp4"):
         return _ref.index_topk(q, w, plane, plane_scale, block_table, batch_ids, positions, ratio,
@@ -281,10 +373,10 @@ def triton_index_topk(q, w, plane, plane_scale, block_table, batch_ids, position
             HAS_CAND=cand is not None, BLOCK_J=bj, PREC="ieee" if cdt == torch.float32 else "tf32",
             num_warps=num_warps or NUM_WARPS, **pdl(s.device))
         sel = tk[t0:t0 + n]
-        if cand is None:
-            select_into(s, sel, block=select_block)      # columns are rows: already ascending
+        if cand is None:                                 # columns are rows: already ascending
+            select_into(s, sel, block=select_block, bound=(positions, batch_ids, t0, ratio, 1), row_max=row_max)
         else:
-            select_into(s, sel, cand[t0:t0 + n], cand_block, block=select_block)
+            select_into(s, sel, cand[t0:t0 + n], cand_block, block=select_block, row_max=row_max)
             big = torch.iinfo(sel.dtype).max             # rows in candidate order: sort them
             rows = torch.where(sel >= 0, sel, big).sort(1).values
             sel.copy_(torch.where(rows == big, -1, rows))
@@ -294,7 +386,8 @@ def triton_index_topk(q, w, plane, plane_scale, block_table, batch_ids, position
             v = vis[t0:t0 + n]
             newest = ((v - 1) // cand_block).clamp(0, nb - 1)[:, None]
             bs.scatter_(1, newest, torch.where((v > 0)[:, None], float("inf"), bs.gather(1, newest)))
-            select_into(bs, co[t0:t0 + n], block=select_block)
+            select_into(bs, co[t0:t0 + n], block=select_block, bound=(positions, batch_ids, t0, ratio, cand_block),
+                        row_max=row_max)
     if tk is not topk:
         topk.copy_(tk)
     if co is not cand_out:
