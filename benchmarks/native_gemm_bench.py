@@ -43,16 +43,18 @@ TINY_DENSE = {"tiny": (96, 64)}
 TINY_EXPERTS = (6, 2, 64, 64)
 # tile variants timed beside the defaults (the "sweep" rows) at SWEEP_M and the first prefill width.
 # The path first: the MMA tiles where the CUDA-core GEMV is the default (one row) and the GEMV
-# beside the tiles at 8 and 64 rows, then the GEMV's tiles and stages (64 x 128, 4 warps,
-# unpipelined by default: native-gemm-paths-h200.json), then the MMA tiles that beat its
-# defaults on some shapes at 1 and 8 rows in native-gemm-h200.json (2026-12-03; its other tiles
-# lost everywhere and left the list). The CPU dry run takes the first, which runs at any K.
+# beside the tiles at 8 and 64 rows, then the GEMV's tiles and stages (128 x 128, 4 warps,
+# unpipelined by default: native-gemm-paths-h200.json, native-gemm-one-row-h200.json), then the
+# MMA tiles that beat its defaults on some shapes at 1 and 8 rows in native-gemm-h200.json
+# (2026-12-03; its other tiles lost everywhere and left the list), then the GEMV's register
+# prefetch at the tiles where it does not spill. The CPU dry run takes the first, which runs at any K.
 DECODE_SWEEP = ({"path": "mma"}, {"path": "gemv"}, {"path": "gemv", "block_n": 128}, {"path": "gemv", "block_k": 256},
                 {"path": "gemv", "block_n": 32}, {"path": "gemv", "block_n": 128, "num_warps": 8},
                 {"path": "gemv", "num_warps": 8}, {"path": "gemv", "num_warps": 2},
                 {"path": "gemv", "block_n": 128, "block_k": 256}, {"path": "gemv", "block_k": 64},
                 {"path": "gemv", "split_k": 2}, {"path": "gemv", "split_k": 8}, {"path": "gemv", "num_stages": 2},
-                {"path": "mma", "block_n": 128, "num_stages": 2}, {"path": "mma", "split_k": 8})
+                {"path": "mma", "block_n": 128, "num_stages": 2}, {"path": "mma", "split_k": 8},
+                {"path": "gemv", "prefetch": True, "num_warps": 8}, {"path": "gemv", "prefetch": True, "block_n": 64})
 # the first prefill width: the FP8 MMA kernel (fp8_gemm.gemm_path) at its default and at a 128 x 128
 # tile, and its stages
 PREFILL_SWEEP = ({"path": "mma"}, {"path": "mma", "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},

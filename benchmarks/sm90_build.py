@@ -137,14 +137,17 @@ FP8_GEMV_INTS = ("M", "N", "K", "K_SPLIT", "ROWS_G", "stride_xm", "stride_sm", "
                  "stride_ps", "stride_pm")
 
 
-def fp8_gemv(rows: int, block_n: int, block_k: int, quant_x: bool, warps: int = 4, asm: bool = True, stages: int = 3):
-    """The W8A8 GEMV (fp8_gemm.py `_fp8_gemv_kernel`) with split-K; quant_x: x in bf16."""
+def fp8_gemv(rows: int, block_n: int, block_k: int, quant_x: bool, warps: int = 4, asm: bool = True, stages: int = 3,
+             prefetch: bool = False):
+    """The W8A8 GEMV (fp8_gemm.py `_fp8_gemv_kernel`) with split-K; quant_x: x in bf16; prefetch:
+    the next K block's weights loaded during this one's products (PREFETCH, with PDL)."""
     from custom_ops.triton.fp8_gemv import _fp8_gemv_kernel
     sig = {"x_ptr": "*bf16" if quant_x else "*fp8e4nv", "xs_ptr": "*bf16" if quant_x else "*fp32", "w_ptr": "*i32",
            "ws_ptr": "*u8", "o_ptr": "*bf16", "p_ptr": "*fp32", "cnt_ptr": "*i32", **dict.fromkeys(FP8_GEMV_INTS, "i32"),
            **dict.fromkeys(("ROWS", "BLOCK_N", "BLOCK_K", "SPLIT_K", "QUANT_X", "ASM", "STAGES"), "constexpr")}
     return build(_fp8_gemv_kernel, sig, {"ROWS": rows, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": True,
-                                         "QUANT_X": quant_x, "ASM": asm, "STAGES": stages},
+                                         "QUANT_X": quant_x, "ASM": asm, "STAGES": stages, "PREFETCH": prefetch,
+                                         "PDL": prefetch},
                  aligned=("N", "K", "K_SPLIT", "ROWS_G", "stride_xm", "stride_wn", "stride_om", "stride_pm"),
                  num_warps=warps)
 

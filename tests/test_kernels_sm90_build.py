@@ -49,6 +49,19 @@ def test_fp8_gemv_builds_for_hopper():
                    for r in one_row), (gemm, one_row)
 
 
+def test_fp8_gemv_prefetch_builds_for_hopper():
+    """The GEMV with the next K block's weights loaded during this one's products, at the tiles
+    native_gemm_bench sweeps it (the default 128-row tile at 8 warps, a 64-row tile at 4): no
+    spills, from codes and from bf16 x; the words stay in registers (no cp.async). At the
+    default tile and 4 warps, x quantized inside, it spills (16 bytes a thread)."""
+    from custom_ops.triton.fp8_gemm import GEMV_BLOCK_K, GEMV_BLOCK_N
+    for quant_x in (False, True):
+        for block_n, warps in ((GEMV_BLOCK_N, 8), (64, 4)):
+            k = B.fp8_gemv(1, block_n, GEMV_BLOCK_K, quant_x, warps=warps, stages=1, prefetch=True)
+            assert 0 < registers(k) <= 255
+            assert "cp.async" not in k.asm["ptx"] and "griddepcontrol.wait" in k.asm["ptx"]
+
+
 def test_fp8_prefill_kernel_builds_for_hopper():
     """The W8A8 GEMM's prefill kernel builds without spills and multiplies with warpgroup MMA;
     its K loop issues more cycles of instructions than its FP8 tensor work takes (the per-32

@@ -39,11 +39,47 @@ def first_statement(fn) -> ast.stmt:
     return body[0]
 
 
+# kernels that may load constant weights before the wait, with PREFETCH: {kernel: {pointer: its source}}
+PREFETCHING = {"_fp8_gemv_kernel": {"w_at": "w_ptr", "s_at": "ws_ptr"}}
+
+
 def test_every_pdl_kernel_waits_first():
     found = pdl_kernels()
     assert len(found) >= 30, sorted(found)
-    bad = [name for name, fn in found.items() if ast.unparse(first_statement(fn)) != "pdl_wait(PDL)"]
+    bad = [name for name, fn in found.items() if ast.unparse(first_statement(fn)) !=
+           ("if not PREFETCH:\n    pdl_wait(PDL)" if fn.__name__ in PREFETCHING else "pdl_wait(PDL)")]
     assert not bad, f"kernels taking PDL whose first statement is not pdl_wait(PDL): {bad}"
+
+
+def before_wait_with_prefetch(fn) -> list:
+    """The statements a PREFETCH launch runs before `pdl_wait(PDL)`: the body's top level with
+    `if PREFETCH:` blocks inlined and `if not PREFETCH:` blocks dropped."""
+    flat = []
+    for st in ast.parse(textwrap.dedent(fn.src)).body[0].body:
+        if isinstance(st, ast.If) and ast.unparse(st.test) == "PREFETCH":
+            flat += st.body
+        elif not (isinstance(st, ast.If) and ast.unparse(st.test) == "not PREFETCH"):
+            flat.append(st)
+    waits = [i for i, st in enumerate(flat) if ast.unparse(st) == "pdl_wait(PDL)"]
+    assert waits, f"{fn.__name__}: no pdl_wait(PDL) on the PREFETCH path"
+    return flat[:waits[0]]
+
+
+@pytest.mark.parametrize("name", sorted(PREFETCHING))
+def test_a_prefetching_kernel_touches_only_weights_before_its_wait(name):
+    fn = next(f for k, f in pdl_kernels().items() if k.endswith("." + name))
+    allowed = PREFETCHING[name]
+    for st in before_wait_with_prefetch(fn):
+        for node in ast.walk(st):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).startswith("tl.") and \
+                    any(w in ast.unparse(node.func) for w in ("store", "atomic")):
+                raise AssertionError(f"{name} writes before its wait: {ast.unparse(st)}")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "tl.load":
+                names = {n.id for n in ast.walk(node.args[0]) if isinstance(n, ast.Name)}
+                assert names & set(allowed) and not names - set(allowed) - {"k_lo", "GROUP_K"}, ast.unparse(st)
+            if isinstance(node, ast.Assign) and any(ast.unparse(t) in allowed for t in node.targets):
+                src = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name) and n.id.endswith("_ptr")}
+                assert src == {allowed[ast.unparse(node.targets[0])]}, ast.unparse(st)
 
 
 def launches(mod):

@@ -23,7 +23,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
                      stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
     """The W8A8 GEMM on CUDA cores for a few rows of x, program (m, n, s): ROWS rows of x against
     BLOCK_N weight rows over K range [s·K_SPLIT, (s+1)·K_SPLIT) (multiples of BLOCK_K, itself a
     multiple of 32). The weight arrives as int32 words of four E4M3 codes (stride_wn in words).
@@ -31,8 +31,11 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
     else its codes times its scales: the same values) are summed and scaled by the word's 32x32
     block scale into an FP32 accumulator per word; the words are summed once, after the K loop.
     STAGES > 1 software-pipelines the K loop's loads (the weight words through shared memory).
-    Grouped, split-K and the output as in `_fp8_gemm_kernel`."""
-    pdl_wait(PDL)
+    PREFETCH: the next K block's weight words and scales are loaded in registers while this one
+    is multiplied, the first before `pdl_wait` (constant weights: they may stream while the
+    kernel before ends). Grouped, split-K and the output as in `_fp8_gemm_kernel`."""
+    if not PREFETCH:
+        pdl_wait(PDL)
     W: tl.constexpr = BLOCK_K // 4                      # words a row a K block
     n0 = tl.program_id(1) * BLOCK_N
     rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -47,9 +50,23 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
     w_at = w_ptr + rn.to(tl.int64)[None, :, None] * stride_wn + j
     s_at = ws_ptr + (rn // GROUP_K).to(tl.int64)[None, :, None] * stride_wsn + j // (GROUP_K // 4)
     acc = tl.zeros([ROWS, BLOCK_N, W], tl.float32)
-    for k0 in tl.range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K, num_stages=STAGES):
-        w0, w1, w2, w3 = e4m3_word_values(tl.load(w_at + k0 // 4, mask=nmask, other=0), ASM)
-        sw = e8m0_to_f32(tl.load(s_at + k0 // GROUP_K, mask=nmask, other=127).to(tl.int32))
+    k_lo = split * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    if PREFETCH:
+        w_next = tl.load(w_at + k_lo // 4, mask=nmask, other=0)
+        s_next = tl.load(s_at + k_lo // GROUP_K, mask=nmask, other=127)
+        pdl_wait(PDL)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        if PREFETCH:
+            words, codes = w_next, s_next
+            k_next = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)     # the last block again: in bounds, unused
+            w_next = tl.load(w_at + k_next // 4, mask=nmask, other=0)
+            s_next = tl.load(s_at + k_next // GROUP_K, mask=nmask, other=127)
+        else:
+            words = tl.load(w_at + k0 // 4, mask=nmask, other=0)
+            codes = tl.load(s_at + k0 // GROUP_K, mask=nmask, other=127)
+        w0, w1, w2, w3 = e4m3_word_values(words, ASM)
+        sw = e8m0_to_f32(codes.to(tl.int32))
         x0 = tl.load(x_at + k0, mask=mmask, other=0.0).to(tl.float32)
         x1 = tl.load(x_at + k0 + 1, mask=mmask, other=0.0).to(tl.float32)
         x2 = tl.load(x_at + k0 + 2, mask=mmask, other=0.0).to(tl.float32)
