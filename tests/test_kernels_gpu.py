@@ -208,6 +208,29 @@ def test_index_topk_capturable_width(g):
     assert torch.equal(a, b) and torch.equal(ac, bc)
 
 
+@pytest.mark.parametrize("w,row_max", [(30000, None), (40000, None), (3000, 1)])
+def test_select_into_equals_the_stable_sort(g, w, row_max):
+    """The selection alone, on the reference's own scores: exactly the stable sort's rows (ties
+    smaller column first, -inf never, +inf first, -0.0 equal to +0.0, fewer finite than k), one
+    program a row up to ROW_SELECT_MAX columns, the chunked passes past it or when forced."""
+    from custom_ops.triton.index import select_into
+    n, k = 6, K
+    gd = device_generator(g, DEV)
+    score = torch.randint(-40, 40, (n, w), generator=gd, device=DEV).float() * 0.25     # ties
+    score[0] = torch.randn(w, generator=gd, device=DEV)
+    score[1, 300:] = float("-inf")                                                     # 300 finite < k
+    score[2, ::7] = float("inf")
+    score[3] = torch.where(score[3] > 0, 0.0, -0.0)
+    score[4, w // 2:] = float("-inf")
+    order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :k]
+    ref = torch.where(score.gather(1, order) > float("-inf"), order, -1)
+    ref = torch.where(ref >= 0, ref, w + 1).sort(1).values
+    ref = torch.where(ref == w + 1, -1, ref)
+    out = torch.full((n, k), -1, dtype=torch.long, device=DEV)
+    select_into(score, out, row_max=row_max)
+    assert torch.equal(out, ref)
+
+
 # ---- scatter_rows, compress_pool -------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "scale", "e8m0"])
 def test_scatter_rows(g, kind):

@@ -53,8 +53,10 @@ tests)
   for m in tests/test_native_gemm_gpu.py tests/test_memory.py tests/test_compile_gpu.py tests/test_kernels_gpu.py \
            tests/test_fused_ops_gpu.py; do
     step "$m"
-    # -x: the first failure's traceback is printed before a time limit can cut the run
-    timeout 240 $py -m pytest -q -x -m gpu --timeout=300 --tb=long -p no:cacheprovider "$m" \
+    # -x: the first failure's traceback is printed before a time limit can cut the run; -n 8: the
+    # kernels' compiles (most of a cold run: test_native_gemm_gpu.py and test_fused_ops_gpu.py did
+    # not finish in 225 s in one process, 2026-12-05) spread over eight processes on the one GPU
+    timeout 240 $py -m pytest -q -x -n 8 -m gpu --timeout=300 --tb=long -p no:cacheprovider "$m" \
       > "$OUT/$(basename "$m" .py).log" 2>&1
     echo "rc=$?"; tail -3 "$OUT/$(basename "$m" .py).log"
   done ;;
@@ -135,7 +137,7 @@ native)
 native-decode)
   # the fused ops' and native GEMMs' GPU tests first (a minute or two), then native decode steps only
   step "fused ops and native GEMMs (GPU tests)"
-  timeout 200 $py -m pytest -q -m gpu -p no:cacheprovider --timeout=190 tests/test_fused_ops_gpu.py \
+  timeout 200 $py -m pytest -q -n 8 -m gpu -p no:cacheprovider --timeout=190 tests/test_fused_ops_gpu.py \
     tests/test_native_gemm_gpu.py > "$OUT/fused-ops-gpu.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/fused-ops-gpu.log"
   step "step_bench --weight-format native --decode-only"
