@@ -173,6 +173,14 @@ def _select_write_kernel(score_ptr, thr_ptr, need_ptr, eq_before_ptr, taken_befo
     eq_rank = tl.load(eq_before_ptr + at) + tl.cumsum(eq.to(tl.int32), 0)
     take = gt | (eq & (eq_rank <= tl.load(need_ptr + i)))
     slot = tl.load(taken_before_ptr + at) + tl.cumsum(take.to(tl.int32), 0) - 1
+    _write_taken(out_ptr, cand_ptr, i, cols, take, slot, cand_block, n_cand, stride_o, stride_cand, MAP_CAND)
+
+
+@triton.jit
+def _write_taken(out_ptr, cand_ptr, i, cols, take, slot, cand_block, n_cand, stride_o, stride_cand,
+                 MAP_CAND: tl.constexpr):
+    """Row i's taken columns to their slots: the column, or (MAP_CAND) the candidate row it
+    stands for."""
     if MAP_CAND:
         cs = cols // cand_block
         cb = tl.load(cand_ptr + i * stride_cand + cs, mask=take & (cs < n_cand), other=-1).to(tl.int64)
@@ -246,13 +254,7 @@ def _select_row_kernel(score_ptr, out_ptr, cand_ptr, pos_ptr, bid_ptr, t0, ratio
         rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)
         take = fin & ((key > prefix) | (eq & (rank <= need)))
         slot = taken + tl.cumsum(take.to(tl.int32), 0) - 1
-        if MAP_CAND:
-            cs = cols // cand_block
-            cb = tl.load(cand_ptr + i * stride_cand + cs, mask=take & (cs < n_cand), other=-1).to(tl.int64)
-            src = tl.where(cb >= 0, cb * cand_block + cols % cand_block, -1)
-        else:
-            src = cols.to(tl.int64)
-        tl.store(out_ptr + i * stride_o + slot, src, mask=take)
+        _write_taken(out_ptr, cand_ptr, i, cols, take, slot, cand_block, n_cand, stride_o, stride_cand, MAP_CAND)
         eq_seen += tl.sum(eq.to(tl.int32), 0)
         taken += tl.sum(take.to(tl.int32), 0)
 
