@@ -7,7 +7,8 @@ shapes and `torch._scaled_mm` (FP8, per-tensor scales) as the FP8 dense peak.
     python benchmarks/native_gemm_bench.py --dry-run  # CPU, Triton interpreter, tiny shapes, prints only
 
 Dense rows at decode widths also time the call from bf16 x: `fp8_linear` (the act quant inside
-the GEMM up to 16 rows) against `fp8_act_quant` then `fp8_block_gemm`.
+the one-row GEMV where `fp8_gemm.quantizes_inside` says so) against `fp8_act_quant` then
+`fp8_block_gemm`.
 Figures per case: device time (CUDA graph of `copies` calls, each on its own weight copy, so
 the weights come from HBM and not from the 50 MB L2; CUDA events around 20 replays, median of
 9), weight bytes read (codes + scales; for the experts, those of the experts the routing hits),

@@ -27,7 +27,7 @@ build, registers = B.build, B.registers
 @pytest.mark.parametrize("quant_x", [False, True])
 def test_fp8_gemm_builds_for_hopper(M, split_k, quant_x):
     """Every width's default tile, with and without split-K and the in-GEMM act quant
-    (fp8_linear runs that up to 16 rows; built here at every width all the same)."""
+    (fp8_linear's path "mma" at one row; built here at every width all the same)."""
     block_n, unroll, stages = _tiles(M)
     assert 0 < registers(B.fp8_gemm(min(64, max(16, M)), block_n, unroll, stages, split_k, quant_x)) <= 255
 

@@ -43,6 +43,7 @@ else:
     from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_fp8_linear, \
         triton_moe_experts_w4a8
     from custom_ops.triton.fp8 import tile_counters
+    from custom_ops.triton.fp8_gemm import quantizes_inside
     import triton
     import triton.language as tl
 
@@ -107,8 +108,8 @@ else:
                                         (2, 3, {"split_k": 2}), (3, 1, {"path": "gemv"})])
     def test_fp8_linear_equals_quant_then_gemm(g, dtype, M, G, kw):
         """`fp8_linear` on x in the activation dtype == `fp8_act_quant` then `fp8_block_gemm`,
-        bitwise: up to 16 rows x is quantized inside the GEMM or GEMV (the same codes and scales,
-        the same sums), above that by the act-quant kernel first; the reference likewise."""
+        bitwise: x quantized inside the GEMV (or, path "mma" at one row, the MMA tile) gives the
+        act-quant kernel's codes and scales and the same sums; the reference likewise."""
         N, K = 96, 320
         x = (torch.randn(M, G * K, generator=g) *
              torch.exp2(torch.randint(-6, 6, (M, G * K // 32), generator=g)).repeat_interleave(32, -1)).to(dtype)
@@ -178,6 +179,23 @@ else:
         bound = gamma(K) * S
         assert ((out.double() - exact).abs() <= bound).all()
         assert ((out.double() - r.double()).abs() <= 2 * bound).all()
+
+    def test_fp8_linear_quantizes_inside_only_where_little_is_quantized(g, monkeypatch):
+        """The rule (`quantizes_inside`) at Flash's one-row shapes, and the launches it makes:
+        the act-quant kernel first for wider x and for a wide N."""
+        from custom_ops.triton import fp8_gemm
+        assert [quantizes_inside(1, N, K) for N, K in ((1280, 5120), (2304, 5120), (5120, 8192), (32768, 1280))] == \
+            [True, True, False, False]
+        assert not quantizes_inside(2, 1280, 5120)
+        calls = []
+        monkeypatch.setattr(fp8_gemm, "triton_fp8_act_quant",
+                            lambda *a: calls.append(a[0].shape) or triton_fp8_act_quant(*a))
+        monkeypatch.setattr(fp8_gemm, "FUSED_QUANT_WORK", 320 * 2)           # two 128-row tiles of K = 320
+        for M, N in ((1, 256), (1, 384), (3, 96)):
+            _, _, w, ws = fp8_gemm_case(g, 1, N, 320)
+            x = torch.randn(M, 320, generator=g).bfloat16()
+            fp8_gemm.triton_fp8_linear(x, w, ws, torch.empty(M, N, dtype=torch.bfloat16))
+        assert calls == [(1, 320), (3, 320)]
 
     @pytest.mark.parametrize("M,kw", [(1, {}), (1, {"split_k": 3, "block_k": 64}), (2, {"block_k": 32}),
                                       (1, {"split_k": 5, "block_k": 64})])

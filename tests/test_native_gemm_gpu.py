@@ -41,7 +41,7 @@ def test_registry_picks_triton():
 @pytest.mark.parametrize("M", [1, 5, 16, 17, 64])
 @pytest.mark.parametrize("N,K,G", [(1280, 5120, 1), (32768, 1280, 1), (8192, 4096, 8)])
 def test_fp8_linear_equals_quant_then_gemm(M, N, K, G):
-    """`fp8_linear` (x quantized inside the GEMM up to 16 rows) gives the bits of
+    """`fp8_linear` (x quantized inside the GEMV where `quantizes_inside` says so) gives the bits of
     `fp8_act_quant` then `fp8_block_gemm` at Flash's shapes (wq_a, wq_b, wo_a's 8 groups)."""
     g = torch.Generator(device=DEV).manual_seed(M + N)
     x = (torch.randn(M, G * K, device=DEV, generator=g) * 4).bfloat16()

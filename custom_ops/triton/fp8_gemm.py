@@ -23,9 +23,9 @@ same launch (fp8.py).
 
 For one row (decode at batch 1) the GEMV of fp8_gemv.py runs instead, same grid and split-K.
 
-fp8_linear from x in the activation dtype: up to FUSED_QUANT_M rows the GEMM or GEMV program
-quantizes each block of x it reads with the act-quant kernel's function (QUANT_X); wider, the
-act-quant kernel runs first.
+fp8_linear from x in the activation dtype: the one-row GEMV quantizes each block of x it reads
+with the act-quant kernel's function (QUANT_X) where its column tiles, each quantizing all of K
+again, quantize little (`quantizes_inside`); otherwise the act-quant kernel runs first.
 """
 from __future__ import annotations
 
@@ -42,7 +42,9 @@ from custom_ops.triton.fp8_gemv import _fp8_gemv_kernel
 
 BLOCK_M_MAX = 64
 PREFILL_M = 1024
-FUSED_QUANT_M = 16            # fp8_linear quantizes x inside the GEMM up to this many rows
+# fp8_linear quantizes x inside the GEMV while its column tiles quantize at most this many
+# elements of x in all (`quantizes_inside`)
+FUSED_QUANT_WORK = 1 << 17
 GEMV_M = 1                    # up to this many rows the CUDA-core GEMV runs (native-gemm-paths-h200.json)
 # the GEMV's weight rows a program (128: native-gemm-one-row-h200.json), K block, pipeline stages
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_STAGES = 128, 128, 1
@@ -146,12 +148,23 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, groups: int = 1, **knobs) -> None:
         _ref.fp8_block_gemm(xq, xs, w, ws, out, groups)
 
 
+def quantizes_inside(M: int, N: int, K: int) -> bool:
+    """Whether `fp8_linear` leaves x's quantization to the GEMV (no act-quant launch, no FP8 copy
+    of x): one row, and its N / GEMV_BLOCK_N column tiles, each quantizing all K of x again,
+    quantize at most FUSED_QUANT_WORK elements. H200, Flash's dense shapes from bf16 x, the
+    quantization inside against the act-quant kernel first (same run each): one row, wq_a (10
+    tiles x 5,120) 8.8 against 9.5 µs, shared_w1 (18 x 5,120) 11.7 against 11.6, wo_b (40 x
+    8,192) 28.2 against 25.4, wq_b (256 x 1,280) 24.4 against 21.0 (native-gemm-one-row-h200.json);
+    at 4-16 rows the MMA tiles quantizing inside took 1.0-1.4x the time of the act quant first on
+    every shape (native-gemm-h200.json)."""
+    return M <= GEMV_M and triton.cdiv(N, GEMV_BLOCK_N) * K <= FUSED_QUANT_WORK
+
+
 def triton_fp8_linear(x, w, ws, out, groups: int = 1, **knobs) -> None:
-    """`v41::fp8_linear` (same signature): up to FUSED_QUANT_M rows x is quantized inside the
-    GEMM (each program quantizes the blocks it reads: no act-quant launch, no FP8 copy of x);
-    wider, `triton_fp8_act_quant` first, since every column tile would quantize x again. Knobs:
-    `_gemm`'s."""
-    if x.shape[0] > FUSED_QUANT_M or x.dtype not in TL_DTYPES:
+    """`v41::fp8_linear` (same signature): x is quantized inside the GEMV where
+    `quantizes_inside` says so (each program quantizes the blocks it reads), else by
+    `triton_fp8_act_quant` first. Knobs: `_gemm`'s."""
+    if not quantizes_inside(x.shape[0], w.shape[0], w.shape[1]) or x.dtype not in TL_DTYPES:
         q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
         s = torch.empty(x.shape[0], x.shape[1] // GROUP, dtype=torch.float32, device=x.device)
         triton_fp8_act_quant(x, q, s)
