@@ -139,6 +139,14 @@ def test_fp4_gemvs_build_for_hopper(warps, asm):
         assert all(r["loop_opcodes"].get("F2FP.F16.E4M3.UNPACK_B") for r in rows), rows
 
 
+def test_fp4_gemvs_prefetch_build_for_hopper():
+    """The FP4 GEMVs loading the next K block during this one's products (PREFETCH) build at the
+    default tile without spills (the interpreter tests show the same bits)."""
+    from custom_ops.triton.moe import FP4_BLOCK_K, FP4_BLOCK_N
+    for which in ("up", "down"):
+        assert 0 < registers(B.fp4_gemv(which, FP4_BLOCK_N, FP4_BLOCK_K, 4, prefetch=True)) <= 255
+
+
 @pytest.mark.parametrize("map_cand", [False, True])
 def test_index_select_kernels_build_for_hopper(map_cand):
     """The top-k selection's count and write kernels (index.py), which share the threshold

@@ -430,6 +430,18 @@ else:
         assert (row_err[1:] <= 1e-5).float().mean() >= 0.75
         assert float((out - r).double().norm() / r.double().norm()) < 2e-2
 
+    @pytest.mark.parametrize("T,kw", [(1, {}), (4, {"splits": 3, "block_k": 32}), (1, {"splits": 1, "block_k": 32})])
+    def test_fp4_gemv_prefetch_changes_no_bit(g, T, kw):
+        """The FP4 GEMVs' prefetch of the next K block moves loads, not sums: the same bits (one
+        token's unsorted pairs and several tokens' sorted ones, one K block a split or many)."""
+        E, D, I, k = 7, 192, 96, 3
+        args = w4a8_case(g, T, E, D, I, k, dtype=torch.float32)
+        outs = []
+        for prefetch in (False, True):
+            outs.append(torch.full((T, D), float("nan")))
+            triton_moe_experts_w4a8(*args, 1.5, outs[-1], path="gemv", prefetch=prefetch, **kw)
+        assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+
     def test_tile_counters_grow_and_keep_their_buffers():
         """A split-K call needing more counters than the largest buffer gets a larger one (the
         FP4 GEMVs forced at 2,048 tokens: 98,304 tiles); earlier buffers stay, as a captured CUDA

@@ -97,16 +97,24 @@ def fp4_tile(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
-def fp4_words_dot(acc, a_ptr, w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_K / 8] plus, for each int32 word j of K block [k0, k0 + BLOCK_K) of
-    the [BLOCK_N] rows of packed E2M1 weights (w_rows: each row's words; s_rows: its E8M0
-    scales, one per 32 along K): the FP32 sum of the word's eight products a[k]·w[n, k], times
-    its group's scale (`e2m1_scale`). BLOCK_K is a multiple of 32 dividing K (no K mask). Each
-    product of an FP8-QAT activation and an E4M3 value is exact and the scales are powers of
-    two, so only the order of the FP32 sums differs from the reference; the caller sums the
-    words once, after its K loop."""
+def fp4_words_load(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr):
+    """The int32 words (eight E2M1 values each) and E8M0 scale codes of K block
+    [k0, k0 + BLOCK_K) of the [BLOCK_N] rows of packed weights (w_rows: each row's words;
+    s_rows: its scales, one per 32 along K): [BLOCK_N, BLOCK_K / 8] each."""
     j = tl.arange(0, BLOCK_K // 8)
-    w = tl.load(w_rows[:, None] + (k0 // 8 + j)[None, :], mask=nmask[:, None], other=0)
+    return (tl.load(w_rows[:, None] + (k0 // 8 + j)[None, :], mask=nmask[:, None], other=0),
+            tl.load(s_rows[:, None] + (k0 // 32 + j // 4)[None, :], mask=nmask[:, None], other=127))
+
+
+@triton.jit
+def fp4_words_dot(acc, a_ptr, w, codes, k0, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K / 8] plus, for each int32 word of K block [k0, k0 + BLOCK_K)
+    (`fp4_words_load`'s words and scale codes): the FP32 sum of the word's eight products
+    a[k]·w[n, k], times its group's scale (`e2m1_scale`). BLOCK_K is a multiple of 32 dividing
+    K (no K mask). Each product of an FP8-QAT activation and an E4M3 value is exact and the
+    scales are powers of two, so only the order of the FP32 sums differs from the reference;
+    the caller sums the words once, after its K loop."""
+    j = tl.arange(0, BLOCK_K // 8)
     v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word_values(w, ASM)
     a = a_ptr + k0 + 8 * j
     part = v0 * tl.load(a).to(tl.float32)[None, :]
@@ -117,6 +125,4 @@ def fp4_words_dot(acc, a_ptr, w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, 
     part += v5 * tl.load(a + 5).to(tl.float32)[None, :]
     part += v6 * tl.load(a + 6).to(tl.float32)[None, :]
     part += v7 * tl.load(a + 7).to(tl.float32)[None, :]
-    s = e2m1_scale(tl.load(s_rows[:, None] + (k0 // 32 + j // 4)[None, :], mask=nmask[:, None], other=127)
-                   .to(tl.int32))
-    return acc + part * s
+    return acc + part * e2m1_scale(codes.to(tl.int32))

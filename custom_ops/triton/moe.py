@@ -43,7 +43,7 @@ import triton.language as tl
 from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, fp8_qat_groups, pdl, pdl_wait
-from custom_ops.triton.fp4 import fp4_tile, fp4_words_dot
+from custom_ops.triton.fp4 import fp4_tile, fp4_words_dot, fp4_words_load
 from custom_ops.triton.fp8 import sum_splits, tile_counters
 from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, tile_rows
 
@@ -70,11 +70,12 @@ def gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N: tl.constexpr, SORTED: tl.cons
 def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, wts_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, part_ptr, cnt_ptr, h_ptr,
                  I, D, k, k_split, limit, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_ps, stride_pu,
                  stride_h, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
-                 SORTED: tl.constexpr, PDL: tl.constexpr = False):
+                 SORTED: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
     """FP4 up GEMMs at decode widths, grid (rows, I / BLOCK_N, K splits): one pair's
     token row against BLOCK_N rows of w1[e] and w3[e] (int32 words, strides in words), its FP32
     sums over the split's K range into the partials [splits, 2, rows, I]; the split that counts
-    last at its (row, N block) sums them in split order and runs the epilogue into h's row."""
+    last at its (row, N block) sums them in split order and runs the epilogue into h's row.
+    PREFETCH: the next K block's words and scales load while this one is multiplied."""
     pdl_wait(PDL)
     r, pair, e, rn, k_lo = gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N, SORTED)
     if e < 0:
@@ -85,9 +86,21 @@ def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, wts_ptr, w1_ptr, w3_ptr, s1_ptr, s3
     s_off = e * stride_se + rn.to(tl.int64) * stride_sn
     acc_g = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
-    for k0 in tl.range(k_lo, tl.minimum(D, k_lo + k_split), BLOCK_K, num_stages=STAGES):
-        acc_g = fp4_words_dot(acc_g, a, w1_ptr + w_off, s1_ptr + s_off, k0, nmask, BLOCK_K, ASM)
-        acc_u = fp4_words_dot(acc_u, a, w3_ptr + w_off, s3_ptr + s_off, k0, nmask, BLOCK_K, ASM)
+    k_hi = tl.minimum(D, k_lo + k_split)
+    if PREFETCH:
+        g_next, gs_next = fp4_words_load(w1_ptr + w_off, s1_ptr + s_off, k_lo, nmask, BLOCK_K)
+        u_next, us_next = fp4_words_load(w3_ptr + w_off, s3_ptr + s_off, k_lo, nmask, BLOCK_K)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        if PREFETCH:
+            gw, gs, uw, us = g_next, gs_next, u_next, us_next
+            k_next = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)         # the last block again: unused
+            g_next, gs_next = fp4_words_load(w1_ptr + w_off, s1_ptr + s_off, k_next, nmask, BLOCK_K)
+            u_next, us_next = fp4_words_load(w3_ptr + w_off, s3_ptr + s_off, k_next, nmask, BLOCK_K)
+        else:
+            gw, gs = fp4_words_load(w1_ptr + w_off, s1_ptr + s_off, k0, nmask, BLOCK_K)
+            uw, us = fp4_words_load(w3_ptr + w_off, s3_ptr + s_off, k0, nmask, BLOCK_K)
+        acc_g = fp4_words_dot(acc_g, a, gw, gs, k0, BLOCK_K, ASM)
+        acc_u = fp4_words_dot(acc_u, a, uw, us, k0, BLOCK_K, ASM)
     at = part_ptr + r * I + rn
     tl.store(at + tl.program_id(2) * stride_ps, tl.sum(acc_g, axis=1), mask=nmask)
     tl.store(at + tl.program_id(2) * stride_ps + stride_pu, tl.sum(acc_u, axis=1), mask=nmask)
@@ -109,11 +122,12 @@ def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, wts_ptr, w1_ptr, w3_ptr, s1_ptr, s3
 def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, cnt_ptr, y_ptr, D, I, k_split,
                    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_ps, stride_y,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
-                   SORTED: tl.constexpr, PDL: tl.constexpr = False):
+                   SORTED: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
     """FP4 down GEMM at decode widths, grid (rows, D / BLOCK_N, K splits): one h row
     against BLOCK_N rows of w2[e] (int32 words), the FP32 sum over the split's K range into the
     partials [splits, pairs, D] at the pair's row, which the split that counts last at its (row,
-    N block) sums in split order into the pair's row of y (fp8.sum_splits, as the FP8 split-K)."""
+    N block) sums in split order into the pair's row of y (fp8.sum_splits, as the FP8 split-K).
+    PREFETCH: as the up GEMV's."""
     pdl_wait(PDL)
     r, pair, e, rn, k_lo = gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N, SORTED)
     if e < 0:
@@ -122,8 +136,16 @@ def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, cnt_ptr,
     w = w2_ptr + e * stride_we + rn.to(tl.int64) * stride_wn
     sc = s2_ptr + e * stride_se + rn.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
-    for k0 in tl.range(k_lo, tl.minimum(I, k_lo + k_split), BLOCK_K, num_stages=STAGES):
-        acc = fp4_words_dot(acc, h_ptr + r * stride_h, w, sc, k0, nmask, BLOCK_K, ASM)
+    k_hi = tl.minimum(I, k_lo + k_split)
+    if PREFETCH:
+        w_next, s_next = fp4_words_load(w, sc, k_lo, nmask, BLOCK_K)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        if PREFETCH:
+            words, codes = w_next, s_next
+            w_next, s_next = fp4_words_load(w, sc, tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), nmask, BLOCK_K)
+        else:
+            words, codes = fp4_words_load(w, sc, k0, nmask, BLOCK_K)
+        acc = fp4_words_dot(acc, h_ptr + r * stride_h, words, codes, k0, BLOCK_K, ASM)
     sum_splits(tl.sum(acc, axis=1), y_ptr + pair * stride_y + rn, part_ptr + pair * D + rn, stride_ps,
                tl.program_id(2), tl.num_programs(2), cnt_ptr + r * tl.num_programs(1) + tl.program_id(1), nmask)
 
@@ -333,13 +355,15 @@ def _k_split(K: int, block_k: int, splits: int) -> tuple[int, int]:
 def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int | None = None,
                 block_n_up: int | None = None, block_n_down: int | None = None,
                 block_k: int | None = None, splits: int | None = None, num_warps: int = 4,
-                num_stages: int | None = None, tiles: bool = False, hidden: list | None = None) -> None:
+                num_stages: int | None = None, tiles: bool = False, prefetch: bool = False,
+                hidden: list | None = None) -> None:
     """Steps 0-3 on dequantized experts (`scales` None: the tile kernels) or packed FP4 ones
     (`scales` = their E8M0 scales as uint8, (s1, s3, s2): a GEMV per pair, both GEMMs split
     over K, `splits` or `fp4_splits` of each GEMM's K, their FP32 partials summed in split
     order by each output block's last split, their loads pipelined `num_stages` deep (FP4_STAGES: 1,
     not pipelined); `tiles`: the tile kernels, each weight tile dequantized exactly to x's dtype
     in registers, `splits` (default 1) and `num_stages` (default Triton's) as `tile_gemms`).
+    `prefetch`: the FP4 GEMVs load each next K block during this one's products.
     `hidden`, when given, receives (h, order, y): w2's input rows (row r: pair order[r]), the
     order, the per-pair outputs, for the tests."""
     T, D = x.shape
@@ -363,7 +387,7 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
         # one token's pairs are distinct experts: nothing to share, so no sort (a launch less)
         order = expert_tiles(ids, E, bm)[0] if T > 1 else None
         fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, block_n_down, block_k, splits,
-                  num_warps, num_stages or FP4_STAGES)
+                  num_warps, num_stages or FP4_STAGES, prefetch)
     if hidden is not None:
         hidden.extend((h, order if order is not None else torch.arange(T * k, device=dev), y))
     reduce_pairs(y, ids, E, out)
@@ -407,10 +431,11 @@ def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, b
 
 
 def fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, block_n_down, block_k, splits,
-              num_warps, stages) -> None:
+              num_warps, stages, prefetch: bool = False) -> None:
     """Steps 1-2 on FP4 experts, two launches: the up GEMVs into partials, whose last split
     sums them and runs the epilogue -> h; the down GEMVs likewise -> y. `order` (the pairs
-    sorted by expert: h's rows in that order) or None (h's rows are the pairs')."""
+    sorted by expert: h's rows in that order) or None (h's rows are the pairs'). `prefetch`:
+    each GEMV loads its next K block during this one's products (PREFETCH)."""
     P, I = h.shape
     D = y.shape[1]
     k = ids.shape[1]
@@ -430,11 +455,12 @@ def fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, 
     _fp4_up_gemv[grid_up](
         xq, flat, order, wts, w1, w3, s1, s3, pu, tile_counters(h.device, P * grid_up[1]), h, I, D, k, ku, limit,
         xq.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), pu.stride(0), pu.stride(1), h.stride(0),
-        BLOCK_N=bnu, BLOCK_K=bku, ASM=asm, STAGES=stages, SORTED=sorted_, num_warps=num_warps, **pdl(h.device))
+        BLOCK_N=bnu, BLOCK_K=bku, ASM=asm, STAGES=stages, SORTED=sorted_, PREFETCH=prefetch, num_warps=num_warps,
+        **pdl(h.device))
     _fp4_down_gemv[grid_down](
         h, flat, order, w2, s2, pd, tile_counters(h.device, P * grid_down[1]), y, D, I, kd, h.stride(0), w2.stride(0),
         w2.stride(1), s2.stride(0), s2.stride(1), pd.stride(0), y.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, ASM=asm,
-        STAGES=stages, SORTED=sorted_, num_warps=num_warps, **pdl(h.device))
+        STAGES=stages, SORTED=sorted_, PREFETCH=prefetch, num_warps=num_warps, **pdl(h.device))
 
 
 register_impl("moe_experts", "triton", triton_moe_experts, device_type="cuda")
