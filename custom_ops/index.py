@@ -59,8 +59,9 @@ def index_topk(q, w, plane, plane_scale, block_table, batch_ids, positions, rati
                fmt, cand, cand_block, topk, cand_out) -> None:
     """q [T, h, d] rotated index queries; w [T, h] head weights (already scaled).
     topk [T, K] <- the selected rows of each token, ascending, -1 padded.
-    cand: [T, C] candidate blocks (REINDEX: score only inside them), or None (score every
-    visible row). cand_out: [T, C] <- this layer's own candidate blocks (the producer)."""
+    cand: [T, C] candidate blocks, ascending, -1 padded (REINDEX: score only inside them; a
+    producer's cand_out), or None (score every visible row). cand_out: [T, C] <- this layer's
+    own candidate blocks (the producer), ascending, -1 padded."""
     T, K = topk.shape
     acc = w.dtype
     qr = round_query(q, fmt).to(acc)

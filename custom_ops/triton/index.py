@@ -19,7 +19,7 @@ ROW_SELECT_MAX columns, one program a row in one launch: a radix select over the
 bytes (order-preserving uint32 keys, a 256-bin histogram a byte) finds the k-th largest key,
 then a pass in column order takes every key above it and the first ones equal to it until k,
 each at its rank - so the output is ascending in column order (FULL: row order; REINDEX:
-candidate order, then sorted by row like the reference). FULL rows read only the columns below
+candidate order, which the op's ascending candidates make row order). FULL rows read only the columns below
 the token's bound, so a CUDA graph captured at the block table's width costs what the context
 costs. Wider rows: the k-th largest score (torch.topk) is the threshold, and two Triton passes
 over chunks of SELECT_BLOCK columns, one counting (above, equal) per chunk and, after a prefix
@@ -377,11 +377,8 @@ def triton_index_topk(q, w, plane, plane_scale, block_table, batch_ids, position
         sel = tk[t0:t0 + n]
         if cand is None:                                 # columns are rows: already ascending
             select_into(s, sel, block=select_block, bound=(positions, batch_ids, t0, ratio, 1), row_max=row_max)
-        else:
+        else:                                            # ascending candidates: rows ascending too
             select_into(s, sel, cand[t0:t0 + n], cand_block, block=select_block, row_max=row_max)
-            big = torch.iinfo(sel.dtype).max             # rows in candidate order: sort them
-            rows = torch.where(sel >= 0, sel, big).sort(1).values
-            sel.copy_(torch.where(rows == big, -1, rows))
         if cand_out is not None:
             nb = width // cand_block
             bs = s.view(n, nb, cand_block).amax(-1)
