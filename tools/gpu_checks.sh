@@ -18,7 +18,7 @@
 #                                     # (default plain,dspark), a profiled step per case (dspark-eager: eager);
 #                                     # WEIGHTS=native: both variants native (dspark-native-flash-slice-h200.json)
 #   tools/gpu_checks.sh OUT native    # step_bench --weight-format native (FULL graphs), profiled
-#   tools/gpu_checks.sh OUT native-decode  # the fused ops' and the native GEMMs' GPU tests, then
+#   tools/gpu_checks.sh OUT native-decode  # the kernels' GPU tests (eight processes), then
 #                                     # step_bench native FULL decode cases only, the batch-1 step profiled
 #   tools/gpu_checks.sh OUT ab        # tree_ab_bench: this tree against base_tree/ (git archive REV, carried),
 #                                     # native FULL decode at 1 / 16 / 64 alternating, batch 1 profiled each
@@ -50,14 +50,14 @@ step() { echo "== $* ($(date +%T))"; }
 
 case $PART in
 tests)
-  for m in tests/test_native_gemm_gpu.py tests/test_memory.py tests/test_compile_gpu.py tests/test_kernels_gpu.py \
-           tests/test_fused_ops_gpu.py; do
+  for m in tests/test_pdl_gpu.py tests/test_native_gemm_gpu.py tests/test_memory.py tests/test_compile_gpu.py \
+           tests/test_kernels_gpu.py tests/test_fused_ops_gpu.py; do
     step "$m"
     # -x: the first failure's traceback is printed before a time limit can cut the run. The kernel
     # modules' Triton compiles (most of a cold run: test_native_gemm_gpu.py and test_fused_ops_gpu.py
     # did not finish in 225 s in one process, 2026-12-05) spread over eight processes on the one
     # GPU; the memory and compile modules measure the device or compile alone: one process
-    n=8; case $m in *memory*|*compile*) n=0 ;; esac
+    n=8; case $m in *memory*|*compile*|*pdl*) n=0 ;; esac
     timeout 240 $py -m pytest -q -x -n $n -m gpu --timeout=300 --tb=long -p no:cacheprovider "$m" \
       > "$OUT/$(basename "$m" .py).log" 2>&1
     echo "rc=$?"; tail -3 "$OUT/$(basename "$m" .py).log"
@@ -137,10 +137,11 @@ native)
     --profile "$OUT/native-profiles.txt" --out "$OUT/native-weights-flash-slice-h200.json" > "$OUT/native.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | cut -c1-200 | tail -12 ;;
 native-decode)
-  # the fused ops' and native GEMMs' GPU tests first (a minute or two), then native decode steps only
-  step "fused ops and native GEMMs (GPU tests)"
-  timeout 200 $py -m pytest -q -n 8 -m gpu -p no:cacheprovider --timeout=190 tests/test_fused_ops_gpu.py \
-    tests/test_native_gemm_gpu.py > "$OUT/fused-ops-gpu.log" 2>&1
+  # the kernels' GPU tests first (dependent launch, fused ops, native GEMMs, attention and index;
+  # eight processes), then native decode steps only
+  step "kernel GPU tests"
+  timeout 200 $py -m pytest -q -n 8 -m gpu -p no:cacheprovider --timeout=190 tests/test_pdl_gpu.py \
+    tests/test_fused_ops_gpu.py tests/test_native_gemm_gpu.py tests/test_kernels_gpu.py > "$OUT/fused-ops-gpu.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/fused-ops-gpu.log"
   step "step_bench --weight-format native --decode-only"
   timeout $(( ${LIMIT:-560} - SECONDS )) $py benchmarks/step_bench.py --weight-format native --variants full --no-agreement \
