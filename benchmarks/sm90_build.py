@@ -279,7 +279,7 @@ def tile_row(which: str, per: int, block_m: int, block_n: int, block_k: int, war
 def fp4_gemv(which: str, block_n: int, block_k: int, warps: int, asm: bool = True, stages: int | None = None,
              prefetch: bool = False):
     """The decode FP4 expert GEMV `which` ('up' or 'down') built at a tile (prefetch: PREFETCH)."""
-    from custom_ops.triton.moe import FP4_STAGES, _fp4_down_gemv, _fp4_up_gemv
+    from custom_ops.triton.moe_gemv import FP4_STAGES, _fp4_down_gemv, _fp4_up_gemv
     fn, sig = (_fp4_up_gemv, FP4_UP_SIG) if which == "up" else (_fp4_down_gemv, FP4_DOWN_SIG)
     return build(fn, sig, {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": asm, "STAGES": stages or FP4_STAGES,
                            "SORTED": True, "PREFETCH": prefetch}, aligned=FP4_ALIGNED, num_warps=warps)
@@ -287,7 +287,7 @@ def fp4_gemv(which: str, block_n: int, block_k: int, warps: int, asm: bool = Tru
 
 def fp4_gemv_row(which: str, block_n: int, block_k: int, warps: int, asm: bool = True,
                  stages: int | None = None, prefetch: bool = False) -> dict:
-    from custom_ops.triton.moe import FP4_STAGES
+    from custom_ops.triton.moe_gemv import FP4_STAGES
     k = fp4_gemv(which, block_n, block_k, warps, asm, stages, prefetch)
     body = loop_body(k)
     weights = (2 if which == "up" else 1) * block_n * block_k      # elements of w1 and w3, or of w2

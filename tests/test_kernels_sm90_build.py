@@ -129,7 +129,7 @@ def test_fp4_gemvs_build_for_hopper(warps, asm):
     """The decode-width FP4 expert GEMVs (moe.py) at their default tile, with the word unpack's
     PTX (what CUDA runs; ptxas checks it here) and with the interpreter's Triton form. The PTX
     form spends fewer instructions a weight in the K loop."""
-    from custom_ops.triton.moe import FP4_BLOCK_K, FP4_BLOCK_N
+    from custom_ops.triton.moe_gemv import FP4_BLOCK_K, FP4_BLOCK_N
     rows = [B.fp4_gemv_row(which, FP4_BLOCK_N, FP4_BLOCK_K, warps, asm) for which in ("up", "down")]
     assert all(0 < r["registers"] <= 255 for r in rows), rows
     if warps == 4:           # the default (8 warps, a sweep candidate, spills 8 bytes in the up GEMV)
@@ -142,7 +142,7 @@ def test_fp4_gemvs_build_for_hopper(warps, asm):
 def test_fp4_gemvs_prefetch_build_for_hopper():
     """The FP4 GEMVs loading the next K block during this one's products (PREFETCH) build at the
     default tile without spills (the interpreter tests show the same bits)."""
-    from custom_ops.triton.moe import FP4_BLOCK_K, FP4_BLOCK_N
+    from custom_ops.triton.moe_gemv import FP4_BLOCK_K, FP4_BLOCK_N
     for which in ("up", "down"):
         assert 0 < registers(B.fp4_gemv(which, FP4_BLOCK_N, FP4_BLOCK_K, 4, prefetch=True)) <= 255
 

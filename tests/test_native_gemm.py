@@ -401,6 +401,7 @@ else:
         rounding), so the GEMVs are the op's only GEMM launches; every counter is back at zero,
         the rows meet the reference and a second call repeats the bits."""
         from custom_ops.triton import moe as moe_kernels
+        from custom_ops.triton import moe_gemv
         from custom_ops.triton.fp8 import tile_counters
         rne_bf16_casts(monkeypatch)
         T, E, D, I, k = 6, 7, 192, 96, 3
@@ -410,14 +411,15 @@ else:
         launched = []
 
         class Recorded:
-            def __init__(self, name):
-                self.name, self.kernel = name, getattr(moe_kernels, name)
+            def __init__(self, module, name):
+                self.name, self.kernel = name, getattr(module, name)
 
             def __getitem__(self, grid):
                 launched.append((self.name, grid))
                 return self.kernel[grid]
-        for name in ("_fp4_up_gemv", "_fp4_down_gemv", "_moe_up_sum_kernel", "_moe_down_sum_kernel"):
-            monkeypatch.setattr(moe_kernels, name, Recorded(name))
+        for module, name in ((moe_gemv, "_fp4_up_gemv"), (moe_gemv, "_fp4_down_gemv"),
+                             (moe_kernels, "_moe_up_sum_kernel"), (moe_kernels, "_moe_down_sum_kernel")):
+            monkeypatch.setattr(module, name, Recorded(module, name))
         outs = []
         for _ in range(2):
             outs.append(torch.full((T, D), float("nan")))
@@ -457,7 +459,7 @@ else:
         """The op's default split-K: about 4 K blocks of 128 a split, set by the GEMM's K alone (D =
         1024: the up GEMVs in 2 splits, the down GEMVs whole), and the op still gives the
         reference's rows."""
-        from custom_ops.triton.moe import FP4_BLOCK_K, fp4_splits
+        from custom_ops.triton.moe_gemv import FP4_BLOCK_K, fp4_splits
         assert FP4_BLOCK_K == 128
         assert (fp4_splits(1024, 128), fp4_splits(96, 128), fp4_splits(5120, 128)) == (2, 1, 10)
         rne_bf16_casts(monkeypatch)

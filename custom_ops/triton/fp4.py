@@ -1,5 +1,5 @@
 """FP4 (E2M1) weights decoded inside Triton kernels: the shared pieces of the FP4 expert kernels
-(moe.py's GEMVs and tile kernels, moe_w4a8.py's FP8-MMA tiles).
+(moe_gemv.py's GEMVs, moe.py's tile kernels, moe_w4a8.py's FP8-MMA tiles).
 
 Packed E2M1: two values a byte, element 2j in byte j's low nibble and 2j + 1 in its high one,
 with an E8M0 scale per 32 along K (v41.quant). A nibble becomes an E4M3 code of 2^-6 times its

@@ -7,6 +7,7 @@ of (token, slot) pairs into BLOCK_M-row tiles of one expert, and the final per-t
   by counting, no sort), where the torch ops it replaces are ~20 kernels of a few µs each;
   above, those torch ops (stable sort, searchsorted), whose cost prefill amortizes.
 - `tile_rows`: a GEMM program's view of its tile.
+- `swiglu_store`: the up GEMMs' epilogue (the tile kernels' and the GEMVs').
 - `reduce_pairs`: out[t] = Σ of the token's valid slots in ascending expert id, in FP32 from 0
   (the reference's order, so the result depends on neither the batch nor atomics); each
   program ranks its tokens' slots itself.
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.triton.common import pdl, pdl_wait
+from custom_ops.triton.common import fp8_qat_groups, pdl, pdl_wait
 
 FUSED_PAIRS = 384         # one program ranks P pairs by P² comparisons; H200 at 384: 65.7 µs, the torch ops 92.1
 REDUCE_BLOCK_D = 512
@@ -183,3 +184,20 @@ def reduce_pairs(y: torch.Tensor, ids: torch.Tensor, E: int, out: torch.Tensor) 
         K=K, KP=triton.next_power_of_2(K), BLOCK_T=bt, BLOCK_D=bd, num_warps=4, **pdl(y.device))
     if dst is not out:
         out.copy_(dst)
+
+
+@triton.jit
+def swiglu_store(acc_g, acc_u, wt, rows, rn, rmask, nmask, h_ptr, stride_h, limit,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The up GEMMs' epilogue: both sums rounded to the activation dtype (the reference's GEMM
+    outputs), clamp, silu, x routing weight, rounded, FP8 QAT per 32 along I -> h rows."""
+    act = h_ptr.dtype.element_ty
+    g = acc_g.to(act).to(tl.float32)
+    u = acc_u.to(act).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    g = tl.minimum(g, limit)
+    h = (g / (1.0 + tl.exp(-g))) * u * wt[:, None]
+    h = h.to(act).to(tl.float32)
+    hq = tl.reshape(fp8_qat_groups(tl.reshape(h, [BLOCK_M, BLOCK_N // 32, 32]), 2), [BLOCK_M, BLOCK_N])
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_h + rn[None, :], hq.to(act),
+             mask=rmask[:, None] & nmask[None, :])

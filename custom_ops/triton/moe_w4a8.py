@@ -1,5 +1,5 @@
 """`v41::moe_experts_w4a8`: the routed experts read as stored, FP4 E2M1 packed two per byte with
-an E8M0 scale per 32 along K. `triton_moe_experts_w4a8` dispatches by `expert_path`: moe.py's
+an E8M0 scale per 32 along K. `triton_moe_experts_w4a8` dispatches by `expert_path`: moe_gemv.py's
 FP4 GEMVs while the (token, slot) pairs are few, moe.py's MMA tiles on FP4 tiles dequantized to
 bf16 beyond ('tiles'); or, asked for by path='mma', the FP8-MMA kernels of this file, multiplied
 on FP8 tensor cores with a per-32 scale promotion after every 32-deep dot.
@@ -36,7 +36,7 @@ from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, tile_rows
 
 BLOCK_N_UP = 64
 BLOCK_N_DOWN = 64
-DECODE_PAIRS = 384         # 64 tokens x top-6: up to here moe.py's FP4 GEMVs (H200: faster than these at 1-64 tokens)
+DECODE_PAIRS = 384         # 64 tokens x top-6: up to here moe_gemv.py's FP4 GEMVs (H200: faster than these at 1-64 tokens)
 GEMV_PAIRS_PER_EXPERT = 2  # a GEMV reads its expert's weights once per pair, an MMA tile once per tile
 
 
@@ -160,7 +160,7 @@ def w4a8_expert_gemms(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, *, block_m
 
 
 def expert_path(pairs: int, experts: int) -> str:
-    """'gemv' (moe.py's FP4 GEMVs, a pass over an expert's weights per pair) while the (token,
+    """'gemv' (moe_gemv.py's FP4 GEMVs, a pass over an expert's weights per pair) while the (token,
     slot) pairs are few, at most DECODE_PAIRS and GEMV_PAIRS_PER_EXPERT per expert on average;
     'tiles' (moe.py's MMA tiles on FP4 weight tiles dequantized to bf16, one pass per tile)
     beyond. H200, one run (native-gemm-paths-h200.json): flash-slice's 16 experts at 6 / 16 /
@@ -172,7 +172,7 @@ def expert_path(pairs: int, experts: int) -> str:
 def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out, *, path: str | None = None,
                             **knobs) -> None:
     """`v41::moe_experts_w4a8` (same signature). `path` (default `expert_path`; knobs without a
-    path imply 'gemv'): 'gemv', moe.py's tile grouping with FP4 GEMVs
+    path imply 'gemv'): 'gemv', moe.py's tile grouping with moe_gemv.py's FP4 GEMVs
     (`run_experts` with scales); 'tiles', moe.py's MMA tile kernels with each FP4 weight tile
     dequantized exactly to x's dtype in registers (no per-32 scale promotion after the dots: the
     scales are in the tile); 'mma', the FP8-MMA kernels above. Every product is exact in FP32,
