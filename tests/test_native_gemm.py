@@ -197,7 +197,7 @@ else:
             fp8_gemm.triton_fp8_linear(x, w, ws, torch.empty(M, N, dtype=torch.bfloat16))
         assert calls == [(1, 320), (3, 320)]
 
-    @pytest.mark.parametrize("M,kw", [(1, {}), (1, {"split_k": 3, "block_k": 64}), (2, {"block_k": 32}),
+    @pytest.mark.parametrize("M,kw", [(1, {"split_k": 3, "block_k": 64}), (2, {"block_k": 32}),
                                       (1, {"split_k": 5, "block_k": 64})])
     def test_fp8_gemv_prefetch_changes_no_bit(g, M, kw):
         """The GEMV's register prefetch of the next K block moves loads, not sums: the same bits
@@ -432,7 +432,7 @@ else:
         assert (row_err[1:] <= 1e-5).float().mean() >= 0.75
         assert float((out - r).double().norm() / r.double().norm()) < 2e-2
 
-    @pytest.mark.parametrize("T,kw", [(1, {}), (4, {"splits": 3, "block_k": 32}), (1, {"splits": 1, "block_k": 32})])
+    @pytest.mark.parametrize("T,kw", [(1, {}), (2, {"splits": 3, "block_k": 32}), (1, {"splits": 1, "block_k": 32})])
     def test_fp4_gemv_prefetch_changes_no_bit(g, T, kw):
         """The FP4 GEMVs' prefetch of the next K block moves loads, not sums: the same bits (one
         token's unsorted pairs and several tokens' sorted ones, one K block a split or many)."""
