@@ -1,17 +1,20 @@
-"""This tree against another commit's in one run: two `step_bench.py --worker` processes on the
-same GPU (benchmarks/side_by_side.py), one engine from each tree on the same weight format,
+"""This tree against other commits' in one run: a `step_bench.py --worker` process per tree on
+the same GPU (benchmarks/side_by_side.py), one engine from each tree on the same weight format,
 built and compiled at the same time, then given the same decode cases in turn, the trees
 alternating case by case. A change's effect on a step then comes from one run on one machine,
-not from two runs that a machine's drift or another card can separate.
+not from two runs that a machine's drift or another card can separate; a third tree between the
+two splits a pair of changes.
 
-    git archive REV | (mkdir -p base_tree && tar -x -C base_tree)     # the other tree
+    git archive REV | (mkdir -p base_tree && tar -x -C base_tree)     # another tree
     python benchmarks/tree_ab_bench.py --base base_tree --out /tmp/ab.json --profile /tmp/ab
+    python benchmarks/tree_ab_bench.py --base base_tree --base mid_tree --out /tmp/abc.json
     python benchmarks/tree_ab_bench.py --base . --dry-run               # the toy on the CPU, eager
 
 Writes `{"trees": {"base": commit or path, "head": ...}, "results": [{"variant": "base"|"head",
-"step", "requests", "tokens_each", "ms", "device_ms", "floor_ms", "kernels", ...}]}`: each row is
-the worker's step_bench row (`graphs`: step_bench's own variant, e.g. full). flash-slice native
-takes about 23 GB a engine, so both fit an 80 GB card.
+"step", "requests", "tokens_each", "ms", "device_ms", "floor_ms", "kernels", ...}]}` (several
+bases: labelled by their folders): each row is the worker's step_bench row (`graphs`:
+step_bench's own variant, e.g. full). flash-slice native takes about 23 GB an engine, so two fit
+an 80 GB card and three an H200.
 """
 from __future__ import annotations
 
@@ -37,9 +40,20 @@ def commit_of(tree: str) -> str:
     return r.stdout.strip() if r.returncode == 0 and same_root else os.path.abspath(tree)
 
 
+def labelled(bases: list, head: str) -> dict:
+    """{label: tree root}: one base is 'base'; several are named by their folders (base_tree,
+    mid_tree, ...), in the order given; this tree is 'head', last."""
+    roots = [os.path.abspath(b) for b in bases]
+    names = ["base"] if len(roots) == 1 else [os.path.basename(r.rstrip(os.sep)) for r in roots]
+    if len(set(names)) != len(names) or "head" in names:
+        raise ValueError(f"--base folders need distinct names other than 'head': {names}")
+    return {**dict(zip(names, roots)), "head": head}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", required=True, help="the other tree's root (a checkout or a git archive)")
+    ap.add_argument("--base", required=True, action="append",
+                    help="another tree's root (a checkout or a git archive); repeated, one engine each")
     ap.add_argument("--weight-format", default="native", choices=["dequant", "native"])
     ap.add_argument("--model", default="flash-slice")
     ap.add_argument("--variant", default="full", help="step_bench's variant each worker runs")
@@ -51,13 +65,13 @@ def main(argv=None) -> dict:
                     help="after the cases, each engine profiles a batch-1 decode step in turn into PROFILE.<tree>.txt")
     ap.add_argument("--dry-run", action="store_true", help="toy, CPU, eager, one small case; prints the JSON")
     a = ap.parse_args(argv)
-    if not os.path.isfile(os.path.join(a.base, "benchmarks", "step_bench.py")):
-        ap.error(f"--base {a.base}: no benchmarks/step_bench.py there (the root of another tree)")
-    head = os.path.dirname(side_by_side.HERE)
-    trees = {"base": os.path.abspath(a.base), "head": head}
+    for base in a.base:
+        if not os.path.isfile(os.path.join(base, "benchmarks", "step_bench.py")):
+            ap.error(f"--base {base}: no benchmarks/step_bench.py there (the root of another tree)")
+    trees = labelled(a.base, os.path.dirname(side_by_side.HERE))
     res = {"benchmark": "tree_ab", "model": "toy" if a.dry_run else a.model, "weight_format": a.weight_format,
            "date": datetime.date.today().isoformat(), "trees": {k: commit_of(t) for k, t in trees.items()},
-           "method": "two step_bench workers on one device, one engine per tree, the cases given to each in "
+           "method": "a step_bench worker per tree on one device, one engine each, the cases given to each in "
                      "turn (trees alternating case by case); CUDA events around LLMEngine.step, median after "
                      "warm-up; device_ms: the device busy time of one more step, overlapping kernels counted once"}
     side_by_side.run({k: side_by_side.worker(t, a.weight_format, a) for k, t in trees.items()},

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -47,3 +49,13 @@ def test_tree_ab_bench_dry_run(tmp_path):
     bad = subprocess.run([sys.executable, "benchmarks/tree_ab_bench.py", "--dry-run", "--base", str(tmp_path)],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no benchmarks/step_bench.py" in bad.stderr
+
+
+def test_tree_ab_labels_its_trees():
+    """One base is 'base'; several are named by their folders, in order, this tree last."""
+    from benchmarks.tree_ab_bench import labelled
+    assert list(labelled(["/x/base_tree"], "/h")) == ["base", "head"]
+    assert labelled(["/x/base_tree", "/x/mid_tree/"], "/h") == {"base_tree": "/x/base_tree", "mid_tree": "/x/mid_tree",
+                                                                "head": "/h"}
+    with pytest.raises(ValueError, match="distinct names"):
+        labelled(["/x/t", "/y/t"], "/h")

@@ -20,8 +20,9 @@
 #   tools/gpu_checks.sh OUT native    # step_bench --weight-format native (FULL graphs), profiled
 #   tools/gpu_checks.sh OUT native-decode  # the kernels' GPU tests (eight processes), then
 #                                     # step_bench native FULL decode cases only, the batch-1 step profiled
-#   tools/gpu_checks.sh OUT ab        # tree_ab_bench: this tree against base_tree/ (git archive REV, carried),
-#                                     # native FULL decode at 1 / 16 / 64 alternating, batch 1 profiled each
+#   tools/gpu_checks.sh OUT ab        # tree_ab_bench: this tree against base_tree/ (git archive REV, carried;
+#                                     # and mid_tree/ too where it is there), native FULL decode at 1 / 16 / 64
+#                                     # alternating, batch 1 profiled each
 #   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
 #   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles;
 #                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm;
@@ -150,9 +151,11 @@ native-decode)
 ab)
   # both engines compile at once (flash-slice native: about 23 GB each). Cold (2026-12-05) the compiles and
   # the cases ran past 585 s after batch 16's first engine; the next call, warm, about 200 s
-  step "tree_ab_bench against base_tree"
-  export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
-  timeout $(( ${LIMIT:-575} - SECONDS )) $py benchmarks/tree_ab_bench.py --base base_tree --out "$OUT/tree-ab.json" \
+  bases=(--base base_tree); [ -d mid_tree ] && bases+=(--base mid_tree)
+  step "tree_ab_bench: ${bases[*]} and this tree"
+  n=$(( ${#bases[@]} / 2 + 1 ))                 # engines compiling at once share the cores
+  export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / n > 0 ? $(nproc) / n : 1 ))
+  timeout $(( ${LIMIT:-575} - SECONDS )) $py benchmarks/tree_ab_bench.py "${bases[@]}" --out "$OUT/tree-ab.json" \
     --profile "$OUT/tree-ab" > "$OUT/tree-ab.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/tree-ab.log" | cut -c1-200 | tail -8 ;;
 formats)
