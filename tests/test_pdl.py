@@ -7,29 +7,20 @@ nothing of them without PDL."""
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import os
-import pkgutil
 import textwrap
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed (make setup installs it)")
-import custom_ops.triton as kernels  # noqa: E402
 from custom_ops.triton.common import pdl  # noqa: E402
-
-
-def modules():
-    for info in pkgutil.iter_modules(kernels.__path__):
-        yield importlib.import_module(f"{kernels.__name__}.{info.name}")
+from tests.triton_source import case_module, jit_functions, modules  # noqa: E402
 
 
 def pdl_kernels() -> dict:
-    return {f"{m.__name__}.{n}": f for m in modules() for n, f in vars(m).items()
-            if isinstance(f, triton.runtime.JITFunction) and f.__module__ == m.__name__ and "PDL" in f.arg_names
-            and n != "pdl_wait"}
+    return {name: f for name, f in jit_functions() if "PDL" in f.arg_names and f.__name__ != "pdl_wait"}
 
 
 def first_statement(fn) -> ast.stmt:
@@ -107,12 +98,11 @@ def test_every_launch_passes_pdl():
 
 
 def test_the_launch_check_sees_a_launch_without_pdl(tmp_path, monkeypatch):
-    (tmp_path / "pdl_launch_case.py").write_text(
-        "import triton\nimport triton.language as tl\nfrom custom_ops.triton.common import pdl\n\n"
-        "@triton.jit\ndef k(x_ptr, PDL: tl.constexpr = False):\n    tl.store(x_ptr, 0)\n\n"
-        "def go(x):\n    k[(1,)](x, **pdl(x.device))\n    k[(1,)](x)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert list(launches(importlib.import_module("pdl_launch_case"))) == [("k", True), ("k", False)]
+    case = case_module(tmp_path, monkeypatch, "pdl_launch_case",
+                       "import triton\nimport triton.language as tl\nfrom custom_ops.triton.common import pdl\n\n"
+                       "@triton.jit\ndef k(x_ptr, PDL: tl.constexpr = False):\n    tl.store(x_ptr, 0)\n\n"
+                       "def go(x):\n    k[(1,)](x, **pdl(x.device))\n    k[(1,)](x)\n")
+    assert list(launches(case)) == [("k", True), ("k", False)]
 
 
 def test_no_pdl_off_cuda():

@@ -5,22 +5,12 @@ custom_ops/triton and names each plain number it reads from its module."""
 from __future__ import annotations
 
 import ast
-import importlib
-import pkgutil
 import textwrap
 
 import pytest
 
 triton = pytest.importorskip("triton", reason="triton is not installed (make setup installs it)")
-import custom_ops.triton as kernels  # noqa: E402
-
-
-def jit_functions():
-    for info in pkgutil.iter_modules(kernels.__path__):
-        mod = importlib.import_module(f"{kernels.__name__}.{info.name}")
-        for name, obj in vars(mod).items():
-            if isinstance(obj, triton.runtime.JITFunction) and obj.__module__ == mod.__name__:
-                yield f"{mod.__name__}.{name}", obj
+from tests.triton_source import case_module, jit_functions  # noqa: E402
 
 
 def plain_globals(fn) -> set[str]:
@@ -41,10 +31,8 @@ def test_kernels_read_only_constexpr_globals():
 
 
 def test_the_check_sees_a_plain_global(tmp_path, monkeypatch):
-    (tmp_path / "plain_global_case.py").write_text(
-        "import triton\nimport triton.language as tl\nGROUP = 32\nWIDTH = tl.constexpr(32)\n\n"
-        "@triton.jit\ndef k(x_ptr, BLOCK: tl.constexpr):\n"
-        "    tl.store(x_ptr + tl.arange(0, GROUP) + tl.arange(0, WIDTH) + tl.arange(0, BLOCK), 0)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    case = importlib.import_module("plain_global_case")
+    case = case_module(tmp_path, monkeypatch, "plain_global_case",
+                       "import triton\nimport triton.language as tl\nGROUP = 32\nWIDTH = tl.constexpr(32)\n\n"
+                       "@triton.jit\ndef k(x_ptr, BLOCK: tl.constexpr):\n"
+                       "    tl.store(x_ptr + tl.arange(0, GROUP) + tl.arange(0, WIDTH) + tl.arange(0, BLOCK), 0)\n")
     assert plain_globals(case.k) == {"GROUP"}

@@ -73,6 +73,13 @@ def pdl_wait(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def next_block(k0, k_hi, BLOCK_K: tl.constexpr):
+    """The K block a prefetching loop loads while it multiplies block k0: the next one, or past
+    the split's last block that last block again (in bounds; the loop ends before using it)."""
+    return tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)
+
+
 def dot_precision(t: torch.Tensor) -> str:
     """`input_precision` of tl.dot for operands of t's dtype: FP32 operands get full-precision
     products (the reference's FP32 GEMMs, no TF32); BF16 operands are exact either way."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from custom_ops.triton.common import group_exponent, pdl_wait, pow2, round_e4m3
+from custom_ops.triton.common import group_exponent, next_block, pdl_wait, pow2, round_e4m3
 from custom_ops.triton.fp8 import GROUP_K, e4m3_word_values, e8m0_to_f32, store_tile
 
 
@@ -59,7 +59,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         if PREFETCH:
             words, codes = w_next, s_next
-            k_next = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)     # the last block again: in bounds, unused
+            k_next = next_block(k0, k_hi, BLOCK_K)
             w_next = tl.load(w_at + k_next // 4, mask=nmask, other=0)
             s_next = tl.load(s_at + k_next // GROUP_K, mask=nmask, other=127)
         else:

@@ -19,9 +19,9 @@ ROW_SELECT_MAX columns, one program a row in one launch: a radix select over the
 bytes (order-preserving uint32 keys, a 256-bin histogram a byte) finds the k-th largest key,
 then a pass in column order takes every key above it and the first ones equal to it until k,
 each at its rank - so the output is ascending in column order (FULL: row order; REINDEX:
-candidate order, which the op's ascending candidates make row order). FULL rows read only the columns below
-the token's bound, so a CUDA graph captured at the block table's width costs what the context
-costs. Wider rows: the k-th largest score (torch.topk) is the threshold, and two Triton passes
+candidate order, which the op's ascending candidates make row order). FULL rows read only the
+columns below the token's bound, so a CUDA graph captured at the block table's width costs what
+the context costs. Wider rows: the k-th largest score (torch.topk) is the threshold, and two Triton passes
 over chunks of SELECT_BLOCK columns, one counting (above, equal) per chunk and, after a prefix
 over the chunk counts, one writing each taken column at its slot. Level-1 candidates: block max
 over the score buffer, the newest visible block forced +inf, the same selection over blocks.
@@ -235,9 +235,10 @@ def _select_row_kernel(score_ptr, out_ptr, cand_ptr, pos_ptr, bid_ptr, t0, ratio
             # excluded keys counted in bin 0, then taken out
             hist += tl.histogram(tl.where(m, (key >> shift) & 255, 0).to(tl.int32), 256) - \
                 tl.where(bins == 0, tl.sum((~m).to(tl.int32), 0), 0)
+        total = tl.sum(hist, 0)
         if byte == 0:
-            finite = tl.sum(hist, 0)
-        from_top = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist      # keys at this byte or above
+            finite = total
+        from_top = total - tl.cumsum(hist, 0) + hist                # keys at this byte or above
         d = tl.maximum(tl.max(tl.where(from_top >= need, bins, -1), 0), 0)
         need -= tl.sum(tl.where(bins > d, hist, 0), 0)
         prefix = prefix | (d.to(tl.uint32) << shift)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.triton.common import pdl, pdl_wait
+from custom_ops.triton.common import next_block, pdl, pdl_wait
 from custom_ops.triton.fp4 import fp4_words_dot, fp4_words_load
 from custom_ops.triton.fp8 import sum_splits, tile_counters
 from custom_ops.triton.moe_tiles import swiglu_store
@@ -66,7 +66,7 @@ def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, wts_ptr, w1_ptr, w3_ptr, s1_ptr, s3
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         if PREFETCH:
             gw, gs, uw, us = g_next, gs_next, u_next, us_next
-            k_next = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)         # the last block again: unused
+            k_next = next_block(k0, k_hi, BLOCK_K)
             g_next, gs_next = fp4_words_load(w1_ptr + w_off, s1_ptr + s_off, k_next, nmask, BLOCK_K)
             u_next, us_next = fp4_words_load(w3_ptr + w_off, s3_ptr + s_off, k_next, nmask, BLOCK_K)
         else:
@@ -115,7 +115,7 @@ def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, cnt_ptr,
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         if PREFETCH:
             words, codes = w_next, s_next
-            w_next, s_next = fp4_words_load(w, sc, tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), nmask, BLOCK_K)
+            w_next, s_next = fp4_words_load(w, sc, next_block(k0, k_hi, BLOCK_K), nmask, BLOCK_K)
         else:
             words, codes = fp4_words_load(w, sc, k0, nmask, BLOCK_K)
         acc = fp4_words_dot(acc, h_ptr + r * stride_h, words, codes, k0, BLOCK_K, ASM)
