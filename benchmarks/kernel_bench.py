@@ -1,7 +1,7 @@
 """Per-kernel timings on a GPU against the floor of the bytes each call must move (Flash shapes,
 bf16): v41::sparse_attn (decode 1/16/64 tokens, prefill 4096) and v41::index_topk (`--mhc`:
 v41::mhc_mix alone; `--wo-a`: v41::inv_rope_wo_a alone, split-K and tile variants; `--lm-head`: the
-FP32 LM head at the row counts of decode and DSpark steps, cuBLAS against common.skinny_gemm). Each call is
+LM head at the row counts of decode and DSpark steps, bf16 and FP32, cuBLAS and common.skinny_gemm). Each call is
 captured in a CUDA graph and replayed; CUDA events around 50 replays, median of 15 repeats.
 
     python benchmarks/kernel_bench.py --out benchmarks/results/kernels-h200.json
@@ -205,12 +205,14 @@ def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
 
 def alternate(rows: list, cases: list, nbytes: int, rate, rounds: int = 2) -> None:
     """`cases` ((a row's leading fields, the call) each) timed in turn, `rounds` times: a row
-    each with its round, µs, the floor of `nbytes` and `rate(us)`'s fields, printed as it comes."""
+    each with its round, µs, the floor of its bytes (a case's own "bytes" field, else `nbytes`)
+    and `rate(us)`'s fields, printed as it comes."""
     for r in range(rounds):
         for fields, fn in cases:
             us = time_graph(fn)
-            rows.append({**fields, "round": r, "us": round(us, 2), "bytes": nbytes,
-                         "floor_us": round(floor_us(nbytes), 2), **rate(us)})
+            nb = fields.get("bytes", nbytes)
+            rows.append({**fields, "round": r, "us": round(us, 2), "bytes": nb,
+                         "floor_us": round(floor_us(nb), 2), **rate(us)})
             print(json.dumps(rows[-1]), flush=True)
 
 
@@ -235,22 +237,28 @@ def bench_wo_a(rows: list, G: int = 8, R: int = 1024, I: int = 4096, d: int = 51
 
 
 def bench_lm_head(rows: list, V: int = 129280, D: int = 5120) -> None:
-    """The FP32 LM head (Flash: [129280, 5120], 2.65 GB) at the rows a step multiplies: plain
-    decode (1, 16, 64), DSpark's draft (5 a request) and verify rows (6 a request) at 1 and 16
-    requests. cuBLAS (`h @ head.T`, the model's: h is the final norm's bf16 output widened to
-    FP32) beside common.skinny_gemm unsplit (FP32 FMA products, one program per row tile and 64
-    vocabulary rows, each weight byte read once a row tile) and split (h in bf16, the head split
-    into three bf16 parts on tensor cores: the same exact products), in alternation; the floor is
-    the head's bytes."""
+    """The LM head (Flash: [129280, 5120]) at the rows a step multiplies: plain decode (1, 16,
+    64), DSpark's draft (5 a request) and verify rows (6 a request) at 1 and 16 requests, h the
+    final norm's bf16 output. Held in bf16 (1.32 GB, the engine's): common.skinny_gemm (one bf16
+    dot a tile, exact products, FP32 sums) at its defaults, with 4 stages and with 128-wide K
+    blocks, beside cuBLAS with an FP32 output (`torch.mm(..., out_dtype=float32)`). Held in FP32
+    (2.65 GB, before): cuBLAS on h widened to FP32 and skinny_gemm's three-part split. In
+    alternation; each floor is its own head's bytes."""
     from custom_ops.triton.common import skinny_gemm
     head = torch.randn(V, D, device="cuda") * 0.02
-    for M in (1, 5, 6, 16, 64, 80, 96):
+    head16 = head.bfloat16()
+    for M in (1, 5, 6, 16, 64, 96):
         hb = torch.randn(M, D, device="cuda").bfloat16()
         h = hb.float()
-        cases = [({"kernel": "lm_head", "rows": M, "variant": "cublas"}, lambda: h @ head.T),
-                 ({"kernel": "lm_head", "rows": M, "variant": "skinny"}, lambda: skinny_gemm(h, head, False, split=1)),
-                 ({"kernel": "lm_head", "rows": M, "variant": "skinny_split"},
-                  lambda: skinny_gemm(hb, head, False, split=1))]
+        f32, b16 = {"kernel": "lm_head", "rows": M, "bytes": head.nbytes}, {"kernel": "lm_head", "rows": M,
+                                                                           "bytes": head16.nbytes}
+        cases = [({**b16, "variant": "bf16_skinny"}, lambda: skinny_gemm(hb, head16, False, split=1)),
+                 ({**b16, "variant": "bf16_skinny_stages4"},
+                  lambda: skinny_gemm(hb, head16, False, split=1, num_stages=4)),
+                 ({**b16, "variant": "bf16_skinny_k128"}, lambda: skinny_gemm(hb, head16, False, split=1, block_k=128)),
+                 ({**b16, "variant": "bf16_cublas"}, lambda: torch.mm(hb, head16.T, out_dtype=torch.float32)),
+                 ({**f32, "variant": "f32_cublas"}, lambda: h @ head.T),
+                 ({**f32, "variant": "f32_skinny_split"}, lambda: skinny_gemm(hb, head, False, split=1))]
         alternate(rows, cases, head.nbytes, lambda us: {"TFLOPs": round(2 * M * V * D / us / 1e6, 2)})
 
 
@@ -261,7 +269,7 @@ def main():
     ap.add_argument("--breakdown", action="store_true", help="only the decode sparse_attn breakdown")
     ap.add_argument("--mhc", action="store_true", help="only mhc_mix: the default beside more projection splits")
     ap.add_argument("--wo-a", action="store_true", help="only inv_rope_wo_a at decode widths, split-K and tiles")
-    ap.add_argument("--lm-head", action="store_true", help="only the FP32 LM head, cuBLAS vs skinny_gemm")
+    ap.add_argument("--lm-head", action="store_true", help="only the LM head: bf16 and FP32, cuBLAS and skinny_gemm")
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []

@@ -190,29 +190,35 @@ def dense_prefill_rows() -> list[dict]:
              "loop_mma": sum(op.startswith(("HGMMA", "QGMMA", "HMMA")) for op in body)}]
 
 
-def skinny_rows() -> list[dict]:
-    """common.skinny_gemm (the mHC and router projections: A bf16, W FP32) at the decode tile
-    (16 rows) and the prefill one (64), N = 32 (mHC's 24 padded), 64-deep K blocks, as the
-    launcher builds them: FP32 FMA products ("ieee") or W split into three bf16 parts on tensor
-    cores (split_w). Thread instructions a weight of the K loop, and its MMA instructions."""
+def skinny_row(w_dtype: str, split_w: bool, bm: int, bn: int, sumsq: bool, stages: int) -> dict:
+    """common.skinny_gemm_kernel (A bf16, W `w_dtype`) at a bm x bn x 64 tile as the launcher
+    builds it: its resources, thread instructions a weight of the K loop and the loop's MMAs."""
     from custom_ops.triton.common import skinny_gemm_kernel
-    sig = {"a_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32", "sq_ptr": "*fp32",
+    sig = {"a_ptr": "*bf16", "w_ptr": w_dtype, "part_ptr": "*fp32", "sq_ptr": "*fp32",
            **dict.fromkeys(("M", "N", "K", "k_split", "stride_am", "stride_wn", "stride_ps", "stride_pm", "stride_ss"),
                            "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "SUMSQ", "SPLIT_W", "DOT_F32"), "constexpr")}
-    rows = []
-    for split_w in (False, True):
-        for bm in (16, 64):
-            stages = 2 if split_w and bm == 16 else 3
-            k = build(skinny_gemm_kernel, sig, {"BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": 64, "SUMSQ": True,
-                                                "SPLIT_W": split_w, "DOT_F32": False},
-                      aligned=("K", "k_split", "stride_am", "stride_wn", "stride_ps", "stride_pm", "stride_ss"),
-                      num_stages=stages)
-            body = loop_body(k)
-            rows.append({"kernel": "skinny_gemm_kernel", "tile": f"{bm}x32x64", "split_w": split_w, "num_warps": 4,
-                         "num_stages": stages, **resources(k),
-                         "thread_instructions_per_weight": per_weight(body, 4, 32 * 64),
-                         "loop_mma": sum(op.startswith(("HGMMA", "HMMA")) for op in body)})
-    return rows
+    k = build(skinny_gemm_kernel, sig, {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "SUMSQ": sumsq,
+                                        "SPLIT_W": split_w, "DOT_F32": False},
+              aligned=("K", "k_split", "stride_am", "stride_wn", "stride_ps", "stride_pm", "stride_ss"),
+              num_stages=stages)
+    body = loop_body(k)
+    return {"kernel": "skinny_gemm_kernel", "w": w_dtype, "tile": f"{bm}x{bn}x64", "split_w": split_w, "num_warps": 4,
+            "num_stages": stages, **resources(k), "thread_instructions_per_weight": per_weight(body, 4, bn * 64),
+            "loop_mma": sum(op.startswith(("HGMMA", "HMMA")) for op in body)}
+
+
+def skinny_rows() -> list[dict]:
+    """common.skinny_gemm for the mHC and router projections (W FP32) at the decode tile (16
+    rows) and the prefill one (64), N = 32 (mHC's 24 padded), with sums of squares: FP32 FMA
+    products ("ieee") or W split into three bf16 parts on tensor cores (split_w)."""
+    return [skinny_row("*fp32", split_w, bm, 32, True, 2 if split_w and bm == 16 else 3)
+            for split_w in (False, True) for bm in (16, 64)]
+
+
+def head_rows() -> list[dict]:
+    """common.skinny_gemm for the LM head (triton_f32_linear: 64 vocabulary rows a program) at the
+    decode tile, the head held in bf16 (one bf16 dot a K block) beside FP32 (three)."""
+    return [skinny_row("*bf16", True, 16, 64, False, 3), skinny_row("*fp32", True, 16, 64, False, 2)]
 
 
 def w4a8_up(block_m: int, block_n: int, warps: int, asm: bool = True):

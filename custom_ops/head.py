@@ -1,7 +1,8 @@
 """The FP32 products of the model's heads (spec: the LM head, and DSpark's draft head over the
-same weight, multiply in FP32): `f32_linear`, x in the activation dtype widened to the weight's
-dtype, times the weight transposed. The reference is that matmul; an impl may order the FP32
-sums otherwise, but every product stays exact (x·w of a widened bf16 x and an FP32 w)."""
+same weight, multiply in FP32): `f32_linear`, x and w widened to out's dtype, x times w
+transposed. The weight holds bf16 values (the checkpoint's), stored as bf16 on the GPU, where
+a bf16·bf16 product is exact in FP32, or in the accumulation dtype. The reference is that
+matmul; an impl may order the sums otherwise, but every product stays exact."""
 from __future__ import annotations
 
 import torch
@@ -11,6 +12,6 @@ from custom_ops.registry import define
 
 @define("f32_linear(Tensor x, Tensor w, Tensor(a!) out) -> ()")
 def f32_linear(x, w, out) -> None:
-    """x [M, K] (the activation dtype), w [N, K] (FP32; FP64 in the oracle); out [M, N] in w's
-    dtype <- x.to(w.dtype) @ wᵀ."""
-    torch.mm(x.to(w.dtype), w.T, out=out)
+    """x [M, K] (the activation dtype), w [N, K] (bf16 values, stored bf16 or in out's dtype),
+    out [M, N] FP32 (FP64 in the oracle) <- x.to(out.dtype) @ w.to(out.dtype)ᵀ."""
+    torch.mm(x.to(out.dtype), w.to(out.dtype).T, out=out)

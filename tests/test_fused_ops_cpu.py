@@ -158,22 +158,35 @@ else:
             skinny_gemm(a.float(), w, False, split_w=True)
 
     def test_f32_linear(g):
-        """The FP32 head op: from two rows with x in bf16 the split-weight kernel, written into
-        out, within γ_3K·Σ|products| of float64; one row, or x in FP32, the reference's bits."""
+        """The FP32 head op with a bf16 head and x in bf16: the kernel (one bf16 dot a tile: exact
+        products, FP32 sums) written into out at one row and several, within γ_K·Σ|products| of
+        float64 each and so within 2·γ_K·Σ of the reference (an FP32 matmul of the same exact
+        products); exactly summable inputs give the reference's bits. Other dtypes (x in FP32,
+        an FP32 head) are the reference's bits."""
         from custom_ops import head as ref_head
         from custom_ops.triton import triton_f32_linear
         N, K = 200, 320
-        w = rnd(g, N, K)
-        for M, dtype in ((6, torch.bfloat16), (1, torch.bfloat16), (6, torch.float32)):
-            x = rnd(g, M, K).to(dtype)
+        w = rnd(g, N, K).bfloat16()
+        for M, x_dtype, w_ in ((6, torch.bfloat16, w), (1, torch.bfloat16, w), (6, torch.float32, w),
+                               (6, torch.bfloat16, w.float())):
+            x = rnd(g, M, K).to(x_dtype)
             out, ref = torch.full((M, N), float("nan")), torch.empty(M, N)
-            triton_f32_linear(x, w, out)
-            ref_head.f32_linear(x, w, ref)
-            if M == 1 or dtype == torch.float32:
+            triton_f32_linear(x, w_, out)
+            ref_head.f32_linear(x, w_, ref)
+            if x_dtype == torch.float32 or w_.dtype == torch.float32:
                 assert torch.equal(out, ref)
-            else:
-                exact = x.double() @ w.double().T
-                assert ((out.double() - exact).abs() <= 3 * K * 2.0**-24 * (x.double().abs() @ w.double().abs().T)).all()
+                continue
+            exact = x.double() @ w.double().T
+            S = x.double().abs() @ w.double().abs().T
+            assert ((out.double() - exact).abs() <= K * 2.0**-24 * S).all()
+            assert ((out.double() - ref.double()).abs() <= 2 * K * 2.0**-24 * S).all()
+        # integers below 2^8 (exact in bf16) whose every partial sum is exact in FP32: the bits
+        xi = torch.randint(-8, 9, (5, K), generator=g).bfloat16()
+        wi = torch.randint(-8, 9, (N, K), generator=g).bfloat16()
+        out, ref = torch.full((5, N), float("nan")), torch.empty(5, N)
+        triton_f32_linear(xi, wi, out)
+        ref_head.f32_linear(xi, wi, ref)
+        assert torch.equal(out, ref)
 
     def test_hc_collapse_expand(g):
         T, hc, D = 5, 4, 80

@@ -170,16 +170,15 @@ def test_skinny_gemm_split_weight(g, M):
 @pytest.mark.parametrize("M", [1, 6, 96])
 def test_f32_linear(g, M):
     """The FP32 head at plain decode's, DSpark's and a batch's rows (the model's head: 129,280 x
-    5,120): within γ_3K·Σ|products| of float64 (the split weight's exact products; one row: the
-    reference's cuBLAS GEMV, within γ_K)."""
+    5,120, held in bf16): within γ_K·Σ|products| of float64 (exact products, FP32 sums)."""
     N = 129280
-    x, w = rnd(g, M, D), rnd(g, N, D, dtype=torch.float32, scale=0.02)
+    x, w = rnd(g, M, D), rnd(g, N, D, scale=0.02)
     out = torch.full((M, N), float("nan"), device=DEV)
     ops.f32_linear(x, w, out)
     exact = x.double() @ w.double().T
     S = x.double().abs() @ w.double().abs().T
     assert not out.isnan().any()
-    assert ((out.double() - exact).abs() <= 3 * D * 2.0**-24 * S).all()
+    assert ((out.double() - exact).abs() <= D * 2.0**-24 * S).all()
 
 
 @pytest.mark.parametrize("T", T_ALL)

@@ -81,6 +81,14 @@ def test_skinny_gemm_builds_for_hopper():
     assert all(s["thread_instructions_per_weight"] < f["thread_instructions_per_weight"] for s, f in zip(split, fma))
 
 
+def test_bf16_head_builds_for_hopper():
+    """The LM head's tile with the head in bf16: no spills, and its K loop issues a third of the
+    MMAs of the FP32 head's three-part split."""
+    bf16, f32 = B.head_rows()
+    assert bf16["spilled_bytes"] == f32["spilled_bytes"] == 0, (bf16, f32)
+    assert bf16["loop_mma"] > 0 and 3 * bf16["loop_mma"] == f32["loop_mma"], (bf16, f32)
+
+
 @pytest.mark.parametrize("block_t,block_s", [(1, 128), (16, 1), (8, 16)])
 def test_mhc_coef_builds_for_hopper(block_t, block_s):
     sig = {**dict.fromkeys(("part_ptr", "sq_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr"),

@@ -92,10 +92,10 @@ def fp8_linear(x, w, scale, groups: int = 1):
 
 
 def f32_linear(x, w):
-    """x @ wᵀ in w's dtype with x widened first (the FP32 heads): the `v41::f32_linear` op
-    (custom_ops/head.py)."""
+    """x @ wᵀ in the accumulation dtype (the FP32 heads; w may be stored in bf16): the
+    `v41::f32_linear` op (custom_ops/head.py)."""
     x2 = x.reshape(-1, x.shape[-1])
-    out = torch.empty(x2.shape[0], w.shape[0], dtype=w.dtype, device=x.device)
+    out = torch.empty(x2.shape[0], w.shape[0], dtype=acc_dtype(w.dtype), device=x.device)
     torch.ops.v41.f32_linear(x2, w, out)
     return out.view(*x.shape[:-1], w.shape[0])
 

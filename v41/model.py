@@ -157,7 +157,7 @@ def prepare_weights(cfg: V41Config, weights: dict, dtype, device, native: bool |
             t = quant.BlockScaled(t, weights[name[: -len("weight")] + "scale"])
             t = t.to(device) if native else t.dequant(dtype)
         if not name.startswith("layers."):
-            out[name] = t.to(device=device, dtype=acc if name == "head.weight" else dtype)
+            out[name] = t.to(device=device, dtype=dtype)
             continue
         _, idx, rest = name.split(".", 2)
         rest = rest.removesuffix(".weight")

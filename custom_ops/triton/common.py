@@ -178,6 +178,16 @@ def fp8_qat(x: torch.Tensor, out: torch.Tensor) -> None:
 # ---- split-K skinny GEMM ---------------------------------------------------------------------
 
 @triton.jit
+def _dot_exact(a, w, acc, DOT_F32: tl.constexpr):
+    """acc + a·w of bf16 tiles with exact products: on tensor cores, or (DOT_F32) as FP32 FMAs."""
+    if DOT_F32:
+        acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
 def skinny_gemm_kernel(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split,
                        stride_am, stride_wn, stride_ps, stride_pm, stride_ss,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -186,9 +196,9 @@ def skinny_gemm_kernel(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split,
     full-precision products; with SUMSQ the programs of the first N tile also write
     sq[s, m] = Σ A[m, k]². SPLIT_W (A in bf16): each FP32 weight tile splits exactly into three
     bf16 tiles (w = w1 + w2 + w3: each rounding leaves a remainder of at most 16, then 8,
-    significant bits), whose bf16 dots with A run on tensor cores and give exact products; else
-    A is read as FP32 and the dot is FP32 FMAs ("ieee"). DOT_F32: SPLIT_W's dots in FP32 (the
-    interpreter; the same exact products)."""
+    significant bits), a bf16 weight is its own one part; their bf16 dots with A run on tensor
+    cores and give exact products. Else A is read as FP32 and the dot is FP32 FMAs ("ieee").
+    DOT_F32: SPLIT_W's dots in FP32 (the interpreter; the same exact products)."""
     pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -208,23 +218,17 @@ def skinny_gemm_kernel(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split,
         ks = kk + rk
         kmask = ks < k1
         a = tl.load(a_rows + ks[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_cols + ks[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+        wt = tl.load(w_cols + ks[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
         if SPLIT_W:
-            w1 = w.to(tl.bfloat16)
-            r = w - w1.to(tl.float32)
-            w2 = r.to(tl.bfloat16)
-            w3 = (r - w2.to(tl.float32)).to(tl.bfloat16)
-            if DOT_F32:
-                af = a.to(tl.float32)
-                acc = tl.dot(af, w1.to(tl.float32), acc, input_precision="ieee")
-                acc = tl.dot(af, w2.to(tl.float32), acc, input_precision="ieee")
-                acc = tl.dot(af, w3.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w1, acc)
-                acc = tl.dot(a, w2, acc)
-                acc = tl.dot(a, w3, acc)
+            w1 = wt.to(tl.bfloat16)
+            acc = _dot_exact(a, w1, acc, DOT_F32)
+            if w_ptr.dtype.element_ty == tl.float32:       # the FP32 weight's two remainders
+                r = wt - w1.to(tl.float32)
+                w2 = r.to(tl.bfloat16)
+                acc = _dot_exact(a, w2, acc, DOT_F32)
+                acc = _dot_exact(a, (r - w2.to(tl.float32)).to(tl.bfloat16), acc, DOT_F32)
         else:
-            acc = tl.dot(a.to(tl.float32), w, acc, input_precision="ieee")
+            acc = tl.dot(a.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
         if SUMSQ:
             af = a.to(tl.float32)
             sq += tl.sum(af * af, axis=1)
@@ -237,11 +241,12 @@ def skinny_gemm_kernel(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split,
 
 def skinny_gemm(a: torch.Tensor, w: torch.Tensor, sumsq: bool, *, block_m: int | None = None,
                 block_n: int | None = None, block_k: int = 64, split: int | None = None,
-                split_w: bool | None = None, out: torch.Tensor | None = None):
-    """A [M, K] (unit last stride), W [N, K] FP32 -> (partial [S, M, N] FP32, sq [S, M] FP32 or
-    None). S from the SM count unless `split` is given. `split_w` (default: A in bf16): the
-    weight split into three bf16 parts on tensor cores (`skinny_gemm_kernel`). `out`
-    (contiguous FP32 [M, N], with split 1): the one partial is written there."""
+                split_w: bool | None = None, out: torch.Tensor | None = None, num_stages: int | None = None):
+    """A [M, K] (unit last stride), W [N, K] FP32 or bf16 -> (partial [S, M, N] FP32, sq [S, M]
+    FP32 or None). S from the SM count unless `split` is given. `split_w` (default: A in bf16):
+    bf16 dots on tensor cores, an FP32 weight split into three bf16 parts
+    (`skinny_gemm_kernel`). `out` (contiguous FP32 [M, N], with split 1): the one partial is
+    written there."""
     M, K = a.shape
     N = w.shape[0]
     if w.stride(-1) != 1:
@@ -265,6 +270,7 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor, sumsq: bool, *, block_m: int |
                              part.stride(0), part.stride(1), sq.stride(0),
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SUMSQ=sumsq,
                              SPLIT_W=split_w, DOT_F32=not a.is_cuda, num_warps=4,
-                             # the split's 16-row tile spills 16 bytes a thread at 3 stages (sm_90 build)
-                             num_stages=2 if split_w and bm == 16 else 3, **pdl(a.device))
+                             # the FP32 split's 16-row tile spills 16 bytes a thread at 3 stages (sm_90 build)
+                             num_stages=num_stages or (2 if split_w and bm == 16 and w.dtype == torch.float32 else 3),
+                             **pdl(a.device))
     return part, (sq if sumsq else None)
