@@ -3,7 +3,7 @@ device (no weights are built, so the `flash` preset counts too): the bytes a pla
 one request reads against a DSpark step's (the verify forward of 1 + K rows and the draft's K
 rows), by benchmarks/floor.py's rule: every resident tensor once, of a MoE layer's routed experts
 the ones its rows can reach (min(E, k·rows) of E), of the embedding (and the draft's Markov
-embedding) the rows looked up, the FP32
+embedding) the rows looked up, the bf16 LM
 head once a forward; the Engram tables stay on the host and the KV state is left out (8 MB a
 request at flash-slice's 1,024 tokens). `bound` = L × plain / DSpark bytes: DSpark's speedup at
 acceptance length L (tokens a step) for a runtime whose steps run at their byte floors.

@@ -7,7 +7,7 @@ reach (min(E, k·n) of E: exact for one token, the worst case above), of the emb
 DSpark draft's Markov embedding) the rows looked up, of the RoPE tables nothing worth counting;
 plus the KV pages and slot state the requests hold (at 1,024-token contexts the sparse attention
 and the indexer read all of it).
-FLOPs: 2 x the weight elements each token multiplies (the routed experts k of E, the FP32 head
+FLOPs: 2 x the weight elements each token multiplies (the routed experts k of E, the LM head
 once per sampled row: a request's last in decode and prefill, every row in a DSpark verify step
 or draft), at the FP8 peak for FP8/FP4 weights and the bf16 peak for the rest (FP32
 weights too: a lower bound of their time, so the floor stays a floor); attention's own FLOPs

@@ -190,20 +190,20 @@ def dense_prefill_rows() -> list[dict]:
              "loop_mma": sum(op.startswith(("HGMMA", "QGMMA", "HMMA")) for op in body)}]
 
 
-def skinny_row(w_dtype: str, split_w: bool, bm: int, bn: int, sumsq: bool, stages: int) -> dict:
-    """common.skinny_gemm_kernel (A bf16, W `w_dtype`) at a bm x bn x 64 tile as the launcher
+def skinny_row(w_dtype: str, split_w: bool, bm: int, bn: int, sumsq: bool, stages: int, bk: int = 64) -> dict:
+    """common.skinny_gemm_kernel (A bf16, W `w_dtype`) at a bm x bn x bk tile as the launcher
     builds it: its resources, thread instructions a weight of the K loop and the loop's MMAs."""
     from custom_ops.triton.common import skinny_gemm_kernel
     sig = {"a_ptr": "*bf16", "w_ptr": w_dtype, "part_ptr": "*fp32", "sq_ptr": "*fp32",
            **dict.fromkeys(("M", "N", "K", "k_split", "stride_am", "stride_wn", "stride_ps", "stride_pm", "stride_ss"),
                            "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "SUMSQ", "SPLIT_W", "DOT_F32"), "constexpr")}
-    k = build(skinny_gemm_kernel, sig, {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "SUMSQ": sumsq,
+    k = build(skinny_gemm_kernel, sig, {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SUMSQ": sumsq,
                                         "SPLIT_W": split_w, "DOT_F32": False},
               aligned=("K", "k_split", "stride_am", "stride_wn", "stride_ps", "stride_pm", "stride_ss"),
               num_stages=stages)
     body = loop_body(k)
-    return {"kernel": "skinny_gemm_kernel", "w": w_dtype, "tile": f"{bm}x{bn}x64", "split_w": split_w, "num_warps": 4,
-            "num_stages": stages, **resources(k), "thread_instructions_per_weight": per_weight(body, 4, bn * 64),
+    return {"kernel": "skinny_gemm_kernel", "w": w_dtype, "tile": f"{bm}x{bn}x{bk}", "split_w": split_w, "num_warps": 4,
+            "num_stages": stages, **resources(k), "thread_instructions_per_weight": per_weight(body, 4, bn * bk),
             "loop_mma": sum(op.startswith(("HGMMA", "HMMA")) for op in body)}
 
 
@@ -217,8 +217,9 @@ def skinny_rows() -> list[dict]:
 
 def head_rows() -> list[dict]:
     """common.skinny_gemm for the LM head (triton_f32_linear: 64 vocabulary rows a program) at the
-    decode tile, the head held in bf16 (one bf16 dot a K block) beside FP32 (three)."""
-    return [skinny_row("*bf16", True, 16, 64, False, 3), skinny_row("*fp32", True, 16, 64, False, 2)]
+    decode tile, 128-wide K blocks, the head held in bf16 (one bf16 dot a K block) beside FP32
+    (three)."""
+    return [skinny_row("*bf16", True, 16, 64, False, 3, 128), skinny_row("*fp32", True, 16, 64, False, 2, 128)]
 
 
 def w4a8_up(block_m: int, block_n: int, warps: int, asm: bool = True):
