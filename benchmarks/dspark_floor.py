@@ -27,8 +27,8 @@ K = 5                                      # DSpark drafts five tokens
 
 
 def resident_bytes(cfg, weight_format: str) -> dict[str, int]:
-    """Bytes of each device tensor as the engine holds it: native, as stored (the draft's FP32
-    heads copied to FP32); dequant, every FP8/FP4 weight as bf16 without its scales."""
+    """Bytes of each device tensor as the engine holds it: native, as stored (the draft's
+    confidence head copied to FP32); dequant, every FP8/FP4 weight as bf16 without its scales."""
     schema = checkpoint_schema(cfg)
     f32 = set(fp32_copy_names(schema))
     out = {}

@@ -29,15 +29,15 @@ def test_rows_reach_experts_and_embedding_rows(cfg, fmt):
 
 
 def test_formats(cfg):
-    """dequant holds FP8/FP4 weights as bf16 without scales, native as stored; the LM head is
-    BF16 in both, the draft's FP32 heads FP32."""
+    """dequant holds FP8/FP4 weights as bf16 without scales, native as stored; the LM and
+    Markov heads are BF16 in both, the draft's confidence head FP32."""
     schema = checkpoint_schema(cfg)
     native, dequant = D.resident_bytes(cfg, "native"), D.resident_bytes(cfg, "dequant")
     w = next(n for n, s in schema.items() if s.kind == "fp4")
     assert dequant[w] == 4 * native[w]                  # two E2M1 values a byte -> two bf16
     assert not any(schema[n].kind == "e8m0" for n in dequant)
     assert native["head.weight"] == dequant["head.weight"] == 2 * schema["head.weight"].numel
-    f32 = next(n for n in schema if n.endswith("markov_head.head.weight"))
+    f32 = next(n for n in schema if n.endswith("confidence_head.proj.weight"))
     assert native[f32] == dequant[f32] == 4 * schema[f32].numel
 
 

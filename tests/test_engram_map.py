@@ -191,7 +191,7 @@ def test_memory_report(toy, resident, mapped, ckpt, caplog):
     for w, kind in ((resident, "resident"), (mapped, "mapped")):
         rep = memory_report(w)
         f = rep["formats"]
-        # §5.4 post-load: wo_a FP8 + scale -> BF16, the draft's head copies BF16 -> FP32
+        # §5.4 post-load: wo_a FP8 + scale -> BF16, the confidence head BF16 -> FP32
         assert f["fp4"] == by_kind["fp4"]
         assert f["fp8"] == by_kind["fp8"] - sum(schema[n].nbytes for n in wo_a)
         assert f["e8m0"] == by_kind["e8m0"] - sum(schema[n[:-6] + "scale"].nbytes for n in wo_a)

@@ -36,7 +36,8 @@ def prepare_draft_weights(cfg: V41Config, weights, dtype, device=None, native: b
     """The draft stages' compute tensors, one dict per stage in the layout `prepare_weights`
     gives a backbone layer (the stage `mtp.s` is layer n+s of the topology), plus the extras:
     `main_proj`, `main_norm` (stage 0); `norm`, `markov_head.embed`, `markov_head.head`,
-    `confidence_head.proj` (last stage; the two FP32 heads in the accumulation dtype)."""
+    `confidence_head.proj` (last stage; the confidence head in the accumulation dtype, the Markov
+    head, like the LM head, in the activation dtype: its FP32 products are exact from bf16)."""
     n, acc = cfg.num_hidden_layers, acc_dtype(dtype)
     renamed = {}
     for name, t in weights.items():
@@ -57,8 +58,7 @@ def prepare_draft_weights(cfg: V41Config, weights, dtype, device=None, native: b
     for name in ("norm", "markov_head.embed", "markov_head.head", "confidence_head.proj"):
         if name not in last:
             raise KeyError(f"weights: mtp.{cfg.n_draft - 1}.{name}.weight is missing")
-    for name in ("markov_head.head", "confidence_head.proj"):
-        last[name] = last[name].to(acc)
+    last["confidence_head.proj"] = last["confidence_head.proj"].to(acc)
     return out
 
 
@@ -198,7 +198,7 @@ class DSpark(nn.Module):
         tok, logits, tokens, embeds = anchors, [], [], []
         for i in range(T):
             e = self.markov_embed[tok]
-            lg = base[:, i] + e.to(acc) @ self.markov_head.T
+            lg = base[:, i] + f32_linear(e, self.markov_head)
             tok = lg.argmax(-1) if choose is None else choose(lg, i)
             logits.append(lg), tokens.append(tok), embeds.append(e)
         conf_in = torch.cat([hd.view(B, T, -1), torch.stack(embeds, 1)], -1).to(acc)

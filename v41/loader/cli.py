@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     p.add_argument("--rule", choices=RULES, default="dp-attention",
                    help="dense weights replicated (dp-attention) or tensor-parallel slices (tp)")
     p.add_argument("--processed", action="store_true",
-                   help="bytes after the post-load processing (wo_a BF16, the draft's FP32 heads)")
+                   help="bytes after the post-load processing (wo_a BF16, the draft's confidence head FP32)")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "write":

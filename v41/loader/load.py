@@ -29,10 +29,9 @@ log = logging.getLogger("v41.loader")
 # ---- weights + post-load processing -----------------------------------------------------
 
 def fp32_copy_names(schema) -> list[str]:
-    """The BF16 tensors §5.4 copies to FP32: DSpark's Markov and confidence heads. The LM head
-    stays BF16: its FP32 products are exact from BF16 (custom_ops/head.py)."""
-    return [n for n in schema if n.startswith("mtp.") and
-            n.endswith(("markov_head.head.weight", "confidence_head.proj.weight"))]
+    """The BF16 tensors §5.4 copies to FP32: DSpark's confidence head. The LM head and the
+    Markov head stay BF16: their FP32 products are exact from BF16 (custom_ops/head.py)."""
+    return [n for n in schema if n.startswith("mtp.") and n.endswith("confidence_head.proj.weight")]
 
 
 WO_A_FORMATS = ("bf16", "fp8")     # §5.4's BF16 copy, or kept FP8 for the native weight format
@@ -78,9 +77,9 @@ class Weights(Mapping):
     def postprocess(self, wo_a: str = "bf16") -> "Weights":
         """§5.4: `attn.wo_a.weight` FP8 x E8M0 (32x32) -> BF16 and `.scale` dropped (`wo_a="fp8"`
         keeps both, for the native weight format's W8A8 grouped GEMM);
-        `mtp.*.markov_head.head`, `mtp.*.confidence_head.proj` -> FP32 copies. Everything else
-        keeps its native dtype (no re-quantization; the LM head stays BF16 and multiplies in FP32
-        all the same). A second call raises."""
+        `mtp.*.confidence_head.proj` -> an FP32 copy. Everything else keeps its native dtype (no
+        re-quantization; the LM and Markov heads stay BF16 and multiply in FP32 all the same). A
+        second call raises."""
         if self.processed:
             raise RuntimeError("post-load processing already ran on these weights (it runs exactly once)")
         if wo_a not in WO_A_FORMATS:
