@@ -15,12 +15,13 @@ torch.set_num_threads(1)  # tiny ops: one thread is fastest and keeps reductions
 
 # `make test`'s wall time is its busiest worker's. pytest-xdist (--dist loadfile, with
 # --no-loadscope-reorder) hands out files in collection order, so the longest go first and the
-# short ones fill in at the end (its default order, most tests first, puts test_native_gemm.py,
-# two tests of 157 s together, among the last). The longest files by cpu-suite-20261205.json's
+# short ones fill in at the end (its default order, most tests first, puts the interpreter's
+# files, two long tests each, among the last). The longest files by cpu-suite-20261205.json's
 # file seconds:
-LONGEST_FIRST = ("test_dspark_compiled.py", "test_compiled_invariance.py", "test_native_gemm.py",
-                 "test_token_graphs.py", "test_server.py", "test_dspark_engine.py", "test_tensor_parallel.py",
-                 "test_compile_segments.py", "test_schedule_invariance.py", "test_prefix_cache.py")
+LONGEST_FIRST = ("test_dspark_compiled.py", "test_compiled_invariance.py", "test_native_experts.py",
+                 "test_kernels_cpu.py", "test_token_graphs.py", "test_dspark_engine.py", "test_tensor_parallel.py",
+                 "test_server.py", "test_compile_segments.py", "test_schedule_invariance.py", "test_native_gemm.py",
+                 "test_prefix_cache.py")
 
 
 def pytest_collection_modifyitems(items):

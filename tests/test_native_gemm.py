@@ -1,6 +1,7 @@
-"""The native-format GEMMs (custom_ops/gemm.py) under the Triton interpreter: the Triton impls
-against the reference (dequantize, multiply in FP32) on the same quantized inputs, FP8 loads and
-FP8 dots included (the interpreter runs them), outputs poisoned with NaN first.
+"""The native-format dense GEMMs (custom_ops/gemm.py; the experts: test_native_experts.py) under
+the Triton interpreter: the Triton impls against the reference (dequantize, multiply in FP32) on
+the same quantized inputs, FP8 loads and FP8 dots included (the interpreter runs them), outputs
+poisoned with NaN first.
 
 The bound. Every product of an E4M3·2^a activation and an E4M3·2^b or E2M1·2^b weight is exact
 in FP32 (at most 4 x 4 significant bits), and the power-of-two scale promotion is exact, so the
@@ -40,8 +41,7 @@ else:
     import custom_ops  # noqa: F401
     from custom_ops import gemm as ref
     from custom_ops import registry
-    from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_fp8_linear, \
-        triton_moe_experts_w4a8
+    from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_fp8_linear
     from custom_ops.triton.fp8 import tile_counters
     from custom_ops.triton.fp8_gemm import quantizes_inside
     import triton
@@ -49,8 +49,7 @@ else:
 
     from custom_ops.triton.fp8 import e8m0_to_f32
     from custom_ops.triton.fp4 import e2m1_e4m3
-    from custom_ops.triton.moe import run_experts
-    from tests.kernel_cases import fp8_gemm_case, fp8_grouped_case, rne_bf16_casts, w4a8_case
+    from tests.kernel_cases import fp8_gemm_case, fp8_grouped_case, rne_bf16_casts
     from v41 import quant
 
     U = 2.0**-24
@@ -276,248 +275,6 @@ else:
         assert torch.equal(scale[:255], torch.where(c[:255] == 0, 2.0**-127, want[:255]))
         assert scale[255].isnan()
         assert torch.equal(e2m1 * 64, quant.e2m1_decode((c & 15).to(torch.uint8), torch.float32))
-
-    # ---- moe_experts_w4a8 ------------------------------------------------------------------
-    def pair_experts(ids, order):
-        return ids.reshape(-1)[order.long()]
-
-    def w4a8_expert_gemms(x, ids, wts, w1, s1, w3, s3, w2, s2, limit, **kw):
-        """(h: w2's input rows in expert order, y: the per-pair outputs, order) of the op."""
-        got: list = []
-        scales = tuple(s.view(torch.uint8) for s in (s1, s3, s2))
-        run_experts(x, ids, wts, w1, w3, w2, scales, limit, torch.empty(x.shape), hidden=got,
-                    **{"block_k": 64, **kw})
-        h, order, y = got
-        return h, y, order
-
-    @pytest.mark.parametrize("T,kw", [(1, {}), (6, {"block_m": 16, "block_n_up": 32, "block_n_down": 32}),
-                                      (6, {"block_k": 32}), (16, {"block_k": 128}), (24, {"block_m": 64}),
-                                      (6, {"block_k": 32, "splits": 2}), (9, {"block_k": 32, "splits": 2}),
-                                      (3, {"num_stages": 1})])
-    def test_w4a8_down_gemm_bound(g, T, kw):
-        """The down GEMM alone: each pair's y against its own h codes · w2[e] in float64 (split-K:
-        the splits' FP32 sums added in order, within the same bound)."""
-        E, D, I, k = 5, 96, 64, 3
-        args = w4a8_case(g, T, E, D, I, k)
-        x, ids, wts, w1, s1, w3, s3, w2, s2 = args
-        h, y, order = w4a8_expert_gemms(*args, 1.0, **kw)
-        valid = (ids.reshape(-1) >= 0).nonzero().squeeze(1)
-        e = ids.reshape(-1)[valid]
-        w2d = quant.dequant_fp4_expert(w2, s2, torch.float64)[e]          # [P, D, I]
-        sorted_row = torch.empty_like(order)
-        sorted_row[order.long()] = torch.arange(order.numel(), dtype=order.dtype)
-        h = h.double()[sorted_row[valid].long()]                            # [P, I]
-        exact = torch.einsum("pi,pdi->pd", h, w2d)
-        S = torch.einsum("pi,pdi->pd", h.abs(), w2d.abs())
-        assert not y[valid].isnan().any()
-        assert ((y[valid].double() - exact).abs() <= gamma(I) * S).all()
-
-    @pytest.mark.parametrize("kw", [{}, {"block_k": 32, "splits": 2}], ids=["one-split", "split-k"])
-    def test_w4a8_up_gemm_exact_inputs(g, kw):
-        """Exactly summable inputs: the kernel's h (w2's quantized input) equals the reference's
-        (fp8_qat of silu(g)·u·w with g, u exact), except where the pre-quant value sits within a
-        few FP32 ulps of an FP8 rounding point (silu's exp may differ by an ulp): at most one
-        element in a thousand, and then by one E4M3 step. Split-K sums exact partials: the same."""
-        T, E, D, I, k, limit = 24, 6, 64, 96, 2, 1.0e4
-        args = w4a8_case(g, T, E, D, I, k, exact=True)
-        x, ids, wts, w1, s1, w3, s3, w2, s2 = args
-        h, _, order = w4a8_expert_gemms(*args, limit, **kw)
-        h = h.double()
-        pe = pair_experts(ids, order)
-        live = pe >= 0
-        tok = (order.long() // k)[live]
-        e = pe[live]
-        w1d, w3d = (quant.dequant_fp4_expert(w, s, torch.float32)[e] for w, s in ((w1, s1), (w3, s3)))
-        gg = torch.einsum("pd,pid->pi", x[tok], w1d).clamp(max=limit)
-        uu = torch.einsum("pd,pid->pi", x[tok], w3d).clamp(-limit, limit)
-        pre = torch.nn.functional.silu(gg) * uu * wts.reshape(-1)[order.long()][live, None]
-        want = quant.fp8_qat(pre).double()
-        diff = (h[live] != want)
-        assert diff.float().mean() <= 1e-3
-        assert ((h[live] - want).abs()[diff] <= want.abs()[diff] * 2.0**-3 + 1e-30).all()
-
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    @pytest.mark.parametrize("T, path", [(1, None), (5, None), (5, "gemv"), (24, None), (12, "gemv"),
-                                         (256, None), (1, "mma"), (1, "tiles"), (24, "tiles"), (256, "tiles")])
-    def test_moe_experts_w4a8(g, monkeypatch, dtype, T, path):
-        """The whole op against the reference: token 0 all padding (its row exactly 0; not at
-        T = 1), expert E-1 empty, ragged groups. An FP32 reordering can move w2's pre-quant input across an FP8
-        rounding point, which moves that token's row by one E4M3 step of one element; most rows
-        match to FP32 rounding."""
-        rne_bf16_casts(monkeypatch)
-        E, D, I, k = 7, 64, 96, 3
-        pad = T > 1
-        args = w4a8_case(g, T, E, D, I, k, dtype=dtype, pad_token=pad)
-        r = torch.empty(T, D)
-        out = torch.full((T, D), float("nan"))
-        ref.moe_experts_w4a8(*args, 1.5, r)
-        triton_moe_experts_w4a8(*args, 1.5, out, path=path)
-        assert not out.isnan().any() and (out[0] == 0).all() == pad
-        row_err = (out - r).double().norm(dim=1) / r.double().norm(dim=1).clamp(min=1e-30)
-        tight = 1e-5 if dtype == torch.float32 else 1e-2
-        assert (row_err[int(pad):] <= tight).float().mean() >= 0.75
-        assert float((out - r).double().norm() / r.double().norm()) < 2e-2
-
-    @pytest.mark.parametrize("kw", [{"splits": 3, "num_stages": 1}, {"splits": 2, "block_k": 32}],
-                             ids=["split3-unpipelined", "split2-k32"])
-    def test_moe_experts_w4a8_tiles_split_k(g, monkeypatch, kw):
-        """The 'tiles' path with K split (the up GEMM's D = 192 in 3 splits of 64, the down's
-        I = 96 in 3 of 32; or each in 2 splits of 32-wide blocks), unpipelined or not: the FP32
-        partials summed in split order, every output written. Only the order of the FP32 sums
-        differs from the unsplit tiles, so most rows agree with theirs to FP32 rounding (an FP8
-        step of w2's input can move one element of a row), and all with the reference's
-        tolerance."""
-        rne_bf16_casts(monkeypatch)
-        T, E, D, I, k = 24, 7, 192, 96, 3
-        args = w4a8_case(g, T, E, D, I, k, dtype=torch.float32)
-        r, whole = torch.empty(T, D), torch.full((T, D), float("nan"))
-        ref.moe_experts_w4a8(*args, 1.5, r)
-        triton_moe_experts_w4a8(*args, 1.5, whole, path="tiles")
-        from custom_ops.triton import moe as moe_kernels
-        grids = {}
-
-        class Recorded:        # a kernel whose launches' grids are kept
-            def __init__(self, name):
-                self.name, self.kernel = name, getattr(moe_kernels, name)
-
-            def __getitem__(self, grid):
-                grids.setdefault(self.name, []).append(grid)
-                return self.kernel[grid]
-        for name in ("_moe_up_kernel", "_moe_up_sum_kernel", "_moe_down_kernel", "_moe_down_sum_kernel"):
-            monkeypatch.setattr(moe_kernels, name, Recorded(name))
-        out = torch.full((T, D), float("nan"))
-        triton_moe_experts_w4a8(*args, 1.5, out, path="tiles", **kw)
-        assert (grids["_moe_up_kernel"][0][2], grids["_moe_down_kernel"][0][2]) == (kw["splits"],) * 2
-        assert len(grids["_moe_up_sum_kernel"]) == len(grids["_moe_down_sum_kernel"]) == 1
-        assert not out.isnan().any()
-        row_err = (out - whole).double().norm(dim=1) / whole.double().norm(dim=1).clamp(min=1e-30)
-        assert (row_err <= 1e-5).float().mean() >= 0.75
-        assert float((out - r).double().norm() / r.double().norm()) < 2e-2
-
-    def test_moe_experts_w4a8_gemv_split_k(g, monkeypatch):
-        """The FP4 GEMVs with K split (the up GEMM's D = 192 in 3 splits of 64, the down's I = 96
-        in 3 of 32; a padding token among the pairs): each (row, N block)'s last split sums the
-        partials in split order and finishes the row (the up GEMMs' epilogue, the down's
-        rounding), so the GEMVs are the op's only GEMM launches; every counter is back at zero,
-        the rows meet the reference and a second call repeats the bits."""
-        from custom_ops.triton import moe as moe_kernels
-        from custom_ops.triton import moe_gemv
-        from custom_ops.triton.fp8 import tile_counters
-        rne_bf16_casts(monkeypatch)
-        T, E, D, I, k = 6, 7, 192, 96, 3
-        args = w4a8_case(g, T, E, D, I, k, dtype=torch.float32, pad_token=True)
-        r = torch.empty(T, D)
-        ref.moe_experts_w4a8(*args, 1.5, r)
-        launched = []
-
-        class Recorded:
-            def __init__(self, module, name):
-                self.name, self.kernel = name, getattr(module, name)
-
-            def __getitem__(self, grid):
-                launched.append((self.name, grid))
-                return self.kernel[grid]
-        for module, name in ((moe_gemv, "_fp4_up_gemv"), (moe_gemv, "_fp4_down_gemv"),
-                             (moe_kernels, "_moe_up_sum_kernel"), (moe_kernels, "_moe_down_sum_kernel")):
-            monkeypatch.setattr(module, name, Recorded(module, name))
-        outs = []
-        for _ in range(2):
-            outs.append(torch.full((T, D), float("nan")))
-            triton_moe_experts_w4a8(*args, 1.5, outs[-1], path="gemv", splits=3, block_k=32)
-        assert [(n, grid[2]) for n, grid in launched] == [("_fp4_up_gemv", 3), ("_fp4_down_gemv", 3)] * 2
-        assert not tile_counters(r.device, T * k * D // 32).any()
-        out = outs[0]
-        assert torch.equal(outs[1], out) and not out.isnan().any() and (out[0] == 0).all()
-        row_err = (out - r).double().norm(dim=1) / r.double().norm(dim=1).clamp(min=1e-30)
-        assert (row_err[1:] <= 1e-5).float().mean() >= 0.75
-        assert float((out - r).double().norm() / r.double().norm()) < 2e-2
-
-    @pytest.mark.parametrize("T,kw", [(1, {}), (2, {"splits": 3, "block_k": 32}), (1, {"splits": 1, "block_k": 32})])
-    def test_fp4_gemv_prefetch_changes_no_bit(g, T, kw):
-        """The FP4 GEMVs' prefetch of the next K block moves loads, not sums: the same bits (one
-        token's unsorted pairs and several tokens' sorted ones, one K block a split or many)."""
-        E, D, I, k = 7, 192, 96, 3
-        args = w4a8_case(g, T, E, D, I, k, dtype=torch.float32)
-        outs = []
-        for prefetch in (False, True):
-            outs.append(torch.full((T, D), float("nan")))
-            triton_moe_experts_w4a8(*args, 1.5, outs[-1], path="gemv", prefetch=prefetch, **kw)
-        assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
-
-    def test_tile_counters_grow_and_keep_their_buffers():
-        """A split-K call needing more counters than the largest buffer gets a larger one (the
-        FP4 GEMVs forced at 2,048 tokens: 98,304 tiles); earlier buffers stay, as a captured CUDA
-        graph keeps their addresses, and later smaller calls share the largest."""
-        from custom_ops.triton import fp8
-        dev = torch.device("cpu")
-        first = fp8.tile_counters(dev, 10)
-        big = fp8.tile_counters(dev, 98_304 + first.numel())
-        assert big.numel() >= 98_304 + first.numel() and not big.any()
-        assert fp8.tile_counters(dev, 10) is big and any(b is first for b in fp8._COUNTERS[dev])
-
-    def test_moe_experts_w4a8_splits_k_by_shape(g, monkeypatch):
-        """The op's default split-K: about 4 K blocks of 128 a split, set by the GEMM's K alone (D =
-        1024: the up GEMVs in 2 splits, the down GEMVs whole), and the op still gives the
-        reference's rows."""
-        from custom_ops.triton.moe_gemv import FP4_BLOCK_K, fp4_splits
-        assert FP4_BLOCK_K == 128
-        assert (fp4_splits(1024, 128), fp4_splits(96, 128), fp4_splits(5120, 128)) == (2, 1, 10)
-        rne_bf16_casts(monkeypatch)
-        T, E, D, I, k = 2, 5, 1024, 64, 3
-        args = w4a8_case(g, T, E, D, I, k, dtype=torch.float32)
-        r, out = torch.empty(T, D), torch.full((T, D), float("nan"))
-        ref.moe_experts_w4a8(*args, 1.5, r)
-        triton_moe_experts_w4a8(*args, 1.5, out)
-        assert not out.isnan().any()
-        assert float((out - r).double().norm() / r.double().norm()) < 2e-2
-
-    def test_moe_experts_w4a8_mma_knobs(g):
-        """The FP8-MMA path's tile knobs partition rows and columns only: each output sums its
-        K blocks in the same order, so other tiles, warps and stages give the same bits."""
-        args = w4a8_case(g, 24, 7, 64, 96, 3, dtype=torch.float32)
-        want, out = torch.full((24, 64), float("nan")), torch.full((24, 64), float("nan"))
-        triton_moe_experts_w4a8(*args, 1.5, want, path="mma")
-        triton_moe_experts_w4a8(*args, 1.5, out, path="mma", block_m=32, block_n_up=32, block_n_down=32,
-                                num_warps=8, num_stages=2)
-        assert not want.isnan().any() and torch.equal(out, want)
-        with pytest.raises(Exception, match="power of 2"):       # the knobs reach the launch
-            triton_moe_experts_w4a8(*args, 1.5, out, path="mma", block_m=24)
-
-    def test_expert_path_by_pairs_per_expert():
-        """GEMVs while pairs are few per expert (flash-slice's 16 experts: up to 5 tokens of top-6;
-        Flash's 384: up to 64 tokens), the dequantizing MMA tiles beyond."""
-        from custom_ops.triton.moe_w4a8 import expert_path
-        assert [expert_path(6 * t, 16) for t in (1, 5, 6, 64, 341)] == ["gemv"] * 2 + ["tiles"] * 3
-        assert [expert_path(6 * t, 384) for t in (1, 64, 65, 8191)] == ["gemv"] * 2 + ["tiles"] * 2
-
-    def test_moe_experts_w4a8_default_tiles(g, monkeypatch):
-        """Past the GEMVs the op's default runs the 'tiles' path at run_experts' tiles (the tile
-        kernels get no other knobs) and gives the reference's output within its tolerance (as
-        above). Tile shapes partition rows and columns only, so the output alone cannot tell the
-        paths apart."""
-        from custom_ops.triton import moe_w4a8
-        calls = []
-        real = moe_w4a8.run_experts
-        monkeypatch.setattr(moe_w4a8, "run_experts", lambda *a, **kw: (calls.append(kw), real(*a, **kw)))
-        E, D, I, k, T = 3, 64, 96, 2, 24
-        args = w4a8_case(g, T, E, D, I, k, dtype=torch.float32)
-        out, r = torch.full((T, D), float("nan")), torch.empty(T, D)
-        triton_moe_experts_w4a8(*args, 1.5, out)
-        assert calls == [{"tiles": True}]
-        ref.moe_experts_w4a8(*args, 1.5, r)
-        assert not out.isnan().any() and float((out - r).double().norm() / r.double().norm()) < 2e-2
-
-    def test_moe_experts_w4a8_unknown_path(g):
-        args = w4a8_case(g, 2, 3, 32, 32, 2)
-        with pytest.raises(ValueError, match="'tile' is not"):
-            triton_moe_experts_w4a8(*args, 1.0, torch.empty(2, 32), path="tile")
-
-    def test_moe_experts_w4a8_no_tokens(g):
-        args = w4a8_case(g, 4, 3, 32, 32, 2)
-        ids = torch.full_like(args[1], -1)
-        out = torch.full((4, 32), float("nan"))
-        triton_moe_experts_w4a8(args[0], ids, *args[2:], 1.0, out)
-        assert (out == 0).all()
 
     # ---- registry --------------------------------------------------------------------------
     def test_native_ops_registered():
