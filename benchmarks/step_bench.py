@@ -161,6 +161,8 @@ def main():
                     help="check compiled pieces against eager first (minutes on flash-slice)")
     ap.add_argument("--decode-only", action="store_true",
                     help="the decode cases alone, and of the profiles the batch-1 decode step's")
+    ap.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 16, 64],
+                    help="decode batch sizes (comma-separated; default 1,16,64)")
     ap.add_argument("--dry-run", action="store_true", help="toy, CPU, eager, small cases: the code path only")
     ap.add_argument("--worker", action="store_true",
                     help="after setup print READY, then run the cases given as JSON lines on stdin "
@@ -247,7 +249,7 @@ def main():
         save()
     if a.worker:
         return serve_cases(eng, variants, use, a.steps, res)
-    cases = [("decode", bs, 1024) for bs in (1, 16, 64)]
+    cases = [("decode", bs, 1024) for bs in a.batches]
     profiled = [("decode", 1)]
     if not a.decode_only:
         cases += [("prefill", 1, 4096), ("prefill", 8, 1024)]

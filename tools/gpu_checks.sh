@@ -23,6 +23,8 @@
 #   tools/gpu_checks.sh OUT ab        # tree_ab_bench: this tree against base_tree/ (git archive REV, carried;
 #                                     # and mid_tree/ too where it is there), native FULL decode at 1 / 16 / 64
 #                                     # alternating, batch 1 profiled each
+#   tools/gpu_checks.sh OUT ab-seq    # base_tree/ then this tree, one after the other (an H100 holds one
+#                                     # engine): native FULL decode at BATCHES (default 1), profiled
 #   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
 #   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles;
 #                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm;
@@ -158,6 +160,19 @@ ab)
   timeout $(( ${LIMIT:-575} - SECONDS )) $py benchmarks/tree_ab_bench.py "${bases[@]}" --out "$OUT/tree-ab.json" \
     --profile "$OUT/tree-ab" > "$OUT/tree-ab.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/tree-ab.log" | cut -c1-200 | tail -8 ;;
+ab-seq)
+  # one tree after the other on one machine (2026-12-05, H100, each a cold compile: about 250 s a
+  # tree with batch 1 alone); compare the two only within one call. OUT must be an absolute path
+  for t in base_tree .; do
+    name=base; share=2
+    [ "$t" = . ] && name=head && share=1                     # the base gets half the time left
+    batches=(); grep -q -- "--batches" "$t/benchmarks/step_bench.py" && batches=(--batches "${BATCHES:-1}")
+    step "step_bench native decode, $name ($t)"
+    (cd "$t" && timeout $(( (${LIMIT:-585} - SECONDS) / share )) $py benchmarks/step_bench.py --weight-format native \
+      --variants full --no-agreement --decode-only "${batches[@]}" --profile "$OUT/ab-seq-$name.txt" \
+      --out "$OUT/ab-seq-$name.json" > "$OUT/ab-seq-$name.log" 2>&1)
+    echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/ab-seq-$name.log" | cut -c1-200
+  done ;;
 formats)
   # bf16 and native engines side by side, alternating cases; both compile at once (2026-12-05, a cold bf16 compile
   # beside a warm native one: 248 s, the whole part 392 s; native-weights-flash-slice-h200.json `setup`)
