@@ -1,7 +1,7 @@
 """The FP32 products of the model's heads (spec: the LM head, DSpark's draft head over the same
 weight and its Markov head multiply in FP32): `f32_linear`, x and w widened to out's dtype, x
-times w transposed. The weight holds bf16 values (the checkpoint's), stored as bf16 on the GPU, where
-a bf16·bf16 product is exact in FP32, or in the accumulation dtype. The reference is that
+times w transposed. The weight holds the checkpoint's bf16 values, stored in the activation
+dtype (bf16 in a bf16 engine: a bf16·bf16 product is exact in FP32). The reference is that
 matmul; an impl may order the sums otherwise, but every product stays exact."""
 from __future__ import annotations
 

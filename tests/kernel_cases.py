@@ -43,6 +43,19 @@ def require_compiled_kernels() -> None:
     pytest.importorskip("triton", reason="triton is not installed")
 
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def interpreter_reruns(test_file: str, timeout: int, **env):
+    """The one test an interpreter module (tests/test_kernels_cpu.py and the like) holds outside
+    the interpreter: the module run again by `run_under_interpreter`, its programs in order and
+    reversed. Bound to a test_ name in the module, which pytest collects."""
+    @pytest.mark.parametrize("order", ["forward", "reversed"])
+    def test(order):
+        run_under_interpreter(test_file, order, timeout, **env)
+    return test
+
+
 def run_under_interpreter(test_file: str, order: str, timeout: int, **env) -> None:
     """Run a test file again in a subprocess under TRITON_INTERPRET=1, its programs in `order`
     (tests/program_order.py), with `env` added; fails with its output unless it passes."""

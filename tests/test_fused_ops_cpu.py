@@ -16,7 +16,6 @@ TRITON_INTERPRET must be set before triton is imported, so these run in a subpro
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -30,19 +29,15 @@ from custom_ops import moe as ref_moe
 from custom_ops import norm as ref_norm
 from custom_ops import rope as ref_rope
 from tests.fused_op_cases import assert_qat_close, fp8_near_boundary, rnd, rope_table
-from tests.kernel_cases import SEED, rel, run_under_interpreter
+from tests.kernel_cases import INTERPRETED, SEED, interpreter_reruns, rel
 from v41 import quant
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+pytest.importorskip("triton")
 
 if not INTERPRETED:
-    @pytest.mark.parametrize("order", ["forward", "reversed"])
-    def test_fused_kernels_under_triton_interpreter(order):
-        pytest.importorskip("triton")
-        run_under_interpreter(__file__, order, timeout=600, V41_TEST_SEED=str(SEED))
+    test_fused_kernels_under_triton_interpreter = interpreter_reruns(__file__, timeout=600, V41_TEST_SEED=str(SEED))
 
 else:
-    pytest.importorskip("triton")
     from tests import program_order
     program_order.apply()
     from custom_ops import registry

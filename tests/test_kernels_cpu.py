@@ -10,20 +10,14 @@ grid's programs in order and once reversed (tests/program_order.py).
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from tests.kernel_cases import run_under_interpreter
+from tests.kernel_cases import INTERPRETED, interpreter_reruns
 
 pytest.importorskip("triton")
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
 if not INTERPRETED:
-    @pytest.mark.parametrize("order", ["forward", "reversed"])
-    def test_kernels_under_triton_interpreter(order):
-        run_under_interpreter(__file__, order, timeout=600)
+    test_kernels_under_triton_interpreter = interpreter_reruns(__file__, timeout=600)
 
 else:
     import torch

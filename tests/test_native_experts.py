@@ -9,20 +9,14 @@ itself in a subprocess with it set, programs in order and reversed.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from tests.kernel_cases import run_under_interpreter
+from tests.kernel_cases import INTERPRETED, interpreter_reruns
 
 pytest.importorskip("triton")
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
 if not INTERPRETED:
-    @pytest.mark.parametrize("order", ["forward", "reversed"])
-    def test_native_experts_under_triton_interpreter(order):
-        run_under_interpreter(__file__, order, timeout=900)
+    test_native_experts_under_triton_interpreter = interpreter_reruns(__file__, timeout=900)
 
 else:
     import torch
