@@ -254,7 +254,7 @@ def fp4_tiles(which: str, block_m: int, block_n: int, block_k: int, warps: int, 
     from custom_ops.triton.moe import _moe_down_kernel, _moe_up_kernel
     consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split, "DOT_F32": False,
               "PREC": "tf32", "FP4": fp4, "ASM": True}
-    wt = "*i8" if fp4 else "*bf16"
+    wt = "*i32" if fp4 else "*bf16"     # packed FP4: int32 words
     if which == "up":
         fn = _moe_up_kernel
         sig = {"xq_ptr": "*bf16", "w1_ptr": wt, "w3_ptr": wt, "s1_ptr": "*u8", "s3_ptr": "*u8",

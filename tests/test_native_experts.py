@@ -47,6 +47,43 @@ else:
         h, order, y = got
         return h, y, order
 
+    import triton
+    import triton.language as tl
+
+    from custom_ops.triton.fp4 import fp4_tile
+
+    @triton.jit
+    def _fp4_tile_kernel(w_ptr, s_ptr, out_ptr, K, N_REAL, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         OUT: tl.constexpr):
+        rn = tl.arange(0, BLOCK_N)
+        nmask = rn < N_REAL
+        rk = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            t = fp4_tile(w_ptr + rn * (K // 8), s_ptr + rn * (K // 32), k0, nmask, BLOCK_K, BLOCK_N, OUT, False)
+            tl.store(out_ptr + rn[None, :] * K + (k0 + rk)[:, None], t)
+
+    @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+    def test_fp4_tile_dequantizes_exactly(g, monkeypatch, out_dtype):
+        """`fp4_tile` (the 'tiles' path's dequantization, K blocks of int32 words) gives the
+        reference dequantization's bits in element order: every packed byte, scale codes 0
+        (the subnormal 2^-127), 1-248 and 255 (NaN); rows past N are zeros."""
+        rne_bf16_casts(monkeypatch)         # (the interpreter's own cast flushes bf16 subnormals)
+        N, K = 16, 256
+        packed = torch.arange(N * K // 2, dtype=torch.int32).remainder(256).to(torch.uint8).view(N, K // 2)
+        packed = packed[:, torch.randperm(K // 2, generator=g)].contiguous()
+        codes = torch.randint(1, 249, (N, K // 32), generator=g, dtype=torch.int32)
+        codes[0, 0], codes[1, 1], codes[2, 2] = 0, 248, 255
+        scales = codes.to(torch.uint8)
+        want = quant.dequant_fp4_expert(packed.view(torch.int8), scales.view(torch.float8_e8m0fnu), torch.float32)
+        out = torch.full((32, K), float("nan"), dtype=out_dtype)      # BLOCK_N rows, N of them real
+        _fp4_tile_kernel[(1,)](packed.view(torch.int32), scales, out, K, N, BLOCK_N=32, BLOCK_K=64,
+                               OUT=tl.float32 if out_dtype == torch.float32 else tl.bfloat16)
+        got = out[:N].float()
+        assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()
+        ok = ~want.isnan()
+        assert torch.equal(got[ok], want.to(out_dtype).float()[ok])
+        assert (out[N:] == 0).all()
+
     @pytest.mark.parametrize("T,kw", [(1, {}), (6, {"block_m": 16, "block_n_up": 32, "block_n_down": 32}),
                                       (6, {"block_k": 32}), (16, {"block_k": 128}), (24, {"block_m": 64}),
                                       (6, {"block_k": 32, "splits": 2}), (9, {"block_k": 32, "splits": 2}),

@@ -80,20 +80,25 @@ def e2m1_codes(b, ASM: tl.constexpr):
 
 
 @triton.jit
-def fp4_tile(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] FP32 tile of K block [k0, k0 + BLOCK_K) of the [BLOCK_N] rows of
-    packed E2M1 weights (w_rows, s_rows: each row's bytes and E8M0 scales), dequantized: each
-    value times its group's scale, exactly (an E2M1 value has two significant bits, the scale is
-    a power of two: the product is exact in FP32 and in BF16). BLOCK_K is a multiple of 32
-    dividing K."""
-    j = tl.arange(0, BLOCK_K // 2)
-    b = tl.load(w_rows[:, None] + (k0 // 2 + j)[None, :], mask=nmask[:, None], other=0)
-    lo, hi = e2m1_codes(b, ASM)
-    c = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K]).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    s = e2m1_scale(tl.load(s_rows[:, None] + g[None, :], mask=nmask[:, None], other=127).to(tl.int32))
-    w = tl.reshape(tl.reshape(c, [BLOCK_N, BLOCK_K // 32, 32]) * s[:, :, None], [BLOCK_N, BLOCK_K])
-    return tl.trans(w)
+def fp4_tile(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, OUT: tl.constexpr,
+             ASM: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] tile in dtype OUT of K block [k0, k0 + BLOCK_K) of the [BLOCK_N] rows of
+    packed E2M1 weights (w_rows: each row's int32 words, eight values a word; s_rows: its E8M0
+    scales), dequantized: each value times its group's scale, exactly (an E2M1 value has two
+    significant bits, the scale is a power of two: the product is exact in FP32 and in bf16).
+    BLOCK_K is a multiple of 32 dividing K. A word's eight values come from `e2m1_word_values`
+    (on CUDA the GEMVs' PTX); the sm_90 builds take about two thirds of the instructions a weight
+    that decoding byte by byte took (benchmarks/sm90_build.py, `tile_rows`)."""
+    j = tl.arange(0, BLOCK_K // 8)
+    w = tl.load(w_rows[:, None] + (k0 // 8 + j)[None, :], mask=nmask[:, None], other=0)
+    s = e2m1_scale(tl.load(s_rows[:, None] + (k0 // 32 + j // 4)[None, :], mask=nmask[:, None],
+                           other=127).to(tl.int32))
+    v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word_values(w, ASM)
+    v0, v1, v2, v3 = (v0 * s).to(OUT), (v1 * s).to(OUT), (v2 * s).to(OUT), (v3 * s).to(OUT)
+    v4, v5, v6, v7 = (v4 * s).to(OUT), (v5 * s).to(OUT), (v6 * s).to(OUT), (v7 * s).to(OUT)
+    # t[n, j, a, b, c] = value 4a + 2b + c of word j: each join adds the innermost axis
+    t = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    return tl.trans(tl.reshape(t, [BLOCK_N, BLOCK_K]))
 
 
 @triton.jit

@@ -66,9 +66,9 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
                    PDL: tl.constexpr = False):
     """One (tile, N block, K split): the tile's token rows against w1[e] and w3[e] over the
     split's K range, then the epilogue, or (SPLIT) the FP32 sums into the partials [splits, 2,
-    rows, I] as the GEMVs' (_moe_up_sum_kernel finishes them). FP4: w1 and w3 packed E2M1 (s1,
-    s3 their scales, strides shared), each tile dequantized exactly (`fp4_tile`) to x's dtype
-    before its dot; BLOCK_K divides D."""
+    rows, I] as the GEMVs' (_moe_up_sum_kernel finishes them). FP4: w1 and w3 packed E2M1 in
+    int32 words (s1, s3 their scales, strides shared), each tile dequantized exactly
+    (`fp4_tile`) to x's dtype before its dot; BLOCK_K divides D."""
     pdl_wait(PDL)
     r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
@@ -79,7 +79,7 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
     nmask = rn < I
     rk = tl.arange(0, BLOCK_K)
     k_lo, k_len = split_range(k_split, D, SPLIT, BLOCK_K)
-    w_lo = k_lo // 2 if FP4 else k_lo          # packed FP4: two values a byte
+    w_lo = k_lo // 8 if FP4 else k_lo          # packed FP4: int32 words of eight values
     a_rows = xq_ptr + tok[:, None] * stride_x + k_lo
     b1 = w1_ptr + e * stride_w1e + rn.to(tl.int64) * stride_w1n + w_lo
     b3 = w3_ptr + e * stride_w3e + rn.to(tl.int64) * stride_w3n + w_lo
@@ -91,8 +91,8 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
         kmask = ks < k_len
         a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         if FP4:
-            wg = fp4_tile(b1, s1_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, ASM).to(a.dtype)
-            wu = fp4_tile(b3, s3_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, ASM).to(a.dtype)
+            wg = fp4_tile(b1, s1_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM)
+            wu = fp4_tile(b3, s3_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM)
         else:
             bm = kmask[:, None] & nmask[None, :]
             wg = tl.load(b1[None, :] + ks[:, None], mask=bm, other=0.0)
@@ -154,7 +154,7 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, part_ptr
     rk = tl.arange(0, BLOCK_K)
     k_lo, k_len = split_range(k_split, I, SPLIT, BLOCK_K)
     a_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h + k_lo
-    b = w2_ptr + e * stride_w2e + rn.to(tl.int64) * stride_w2n + (k_lo // 2 if FP4 else k_lo)
+    b = w2_ptr + e * stride_w2e + rn.to(tl.int64) * stride_w2n + (k_lo // 8 if FP4 else k_lo)
     sc = s2_ptr + e * stride_se + rn.to(tl.int64) * stride_sn + k_lo // 32
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k_len, BLOCK_K):
@@ -162,7 +162,7 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, part_ptr
         kmask = ks < k_len
         a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         if FP4:
-            w = fp4_tile(b, sc, k0, nmask, BLOCK_K, BLOCK_N, ASM).to(a.dtype)
+            w = fp4_tile(b, sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM)
         else:
             w = tl.load(b[None, :] + ks[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
         if DOT_F32:
@@ -268,6 +268,8 @@ def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, b
     bk, bnu, bnd = block_k or BLOCK_K, block_n_up or BLOCK_N_UP, block_n_down or BLOCK_N_DOWN
     fp4 = scales is not None
     s1, s3, s2 = scales if fp4 else (w1, w3, w2)         # unread without FP4
+    if fp4:             # the tile kernels read packed FP4 as int32 words, eight values a word
+        w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))
     bku, bkd = (math.gcd(bk, D), math.gcd(bk, I)) if fp4 else (bk, bk)      # FP4: dividing K
     ku, su = k_split(D, bku, splits)
     kd, sd = k_split(I, bkd, splits)
