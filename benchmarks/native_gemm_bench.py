@@ -17,8 +17,8 @@ bytes read + written per second) and of the read rate (a sum over 2 GiB: bytes r
 second), and at prefill widths TFLOP/s against the measured FP8 peak.
 Targets (issue 16): >= 70% of the copy rate at decode widths, >= 60% of the FP8 peak at prefill.
 "sweep" rows: the same cases with other knobs (the defaults' candidates): the dense kernel's at
-widths 1, 8 and 64 and at the first prefill width; the experts' knobs and FP8-MMA kernels at
-widths 1, 8 and 64, and the expert paths' tiles at the first prefill width.
+widths 1, 8 and 64 and at the first prefill width; the experts' knobs and 'tiles' path at
+widths 1, 8 and 64, and the 'tiles' path's tiles at the first prefill width.
 Expert rows with a "path": flash-slice's 16 experts at 1, 6, 16 and 96 tokens (plain decode and
 DSpark's verify widths), each path in turn (`slice_expert_rows`).
 """
@@ -65,15 +65,11 @@ PREFILL_SWEEP = ({"path": "mma"}, {"path": "mma", "block_m": 128, "block_n": 128
 # prefetch: each K block's words loaded during the one before's products (136 and 90 registers)
 EXPERT_SWEEP = ({"block_n_up": 32}, {"block_k": 64}, {"block_n_up": 32, "block_k": 64}, {"num_warps": 8},
                 {"block_n_down": 32}, {"splits": 1}, {"splits": 4}, {"splits": 20}, {"num_stages": 1},
-                {"num_stages": 5}, {"prefetch": True}, {"prefetch": True, "splits": 1}, {"path": "mma"})
-# the expert paths at the first prefill width (the expert kernels were 61% of a native 1x4096
-# prefill's kernels on the FP8-MMA path): the FP8-MMA kernels (the default there before the
-# 'tiles' path: moe_w4a8.expert_path) and their tiles, the 'tiles' path at run_experts' tiles (the
-# default) and at 64 x 128 and 128 x 128 (sm90-build-cpu.json: 8.2 instructions a tile weight at
-# 128 x 128 without spills, against 20.6 at the FP8 path's 64 x 64)
-EXPERT_PREFILL_SWEEP = ({"path": "mma"}, {"path": "mma", "block_m": 128},
-                        {"path": "mma", "block_n_up": 128, "block_n_down": 128}, {"path": "mma", "num_warps": 8},
-                        {"path": "tiles"}, {"path": "tiles", "block_m": 64, "block_n_up": 128, "block_n_down": 128},
+                {"num_stages": 5}, {"prefetch": True}, {"prefetch": True, "splits": 1}, {"path": "tiles"})
+# the 'tiles' path at the first prefill width (the expert kernels were 61% of a native 1x4096
+# prefill's kernels on the FP8-MMA path, since deleted): at run_experts' tiles (the default) and at
+# 64 x 128 and 128 x 128 (sm90-build-cpu.json: no spills)
+EXPERT_PREFILL_SWEEP = ({"path": "tiles"}, {"path": "tiles", "block_m": 64, "block_n_up": 128, "block_n_down": 128},
                         {"path": "tiles", "block_m": 128, "block_n_up": 128, "block_n_down": 128, "num_warps": 8,
                          "block_k": 32})
 SWEEP_M = (1, 8, 64)
@@ -266,7 +262,7 @@ def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak, tiles_sw
             us = variant(timed, lambda: experts_call(x, ids, wts, *weights, o, **kw), 1)
             return {**case_row("experts_w4a8", T, 3 * I, D, us, hit * per_expert, copy_rate, fp8_peak,
                                flops=2 * 3 * T * k * D * I), "experts": E, "experts_hit": hit, "path": kw["path"]}
-        out["experts"] += [row(path=p) for p in ("gemv", "mma", "tiles")]
+        out["experts"] += [row(path=p) for p in ("gemv", "tiles")]
         out["sweep"] += [{**row(path="tiles", **kw), "knobs": {"path": "tiles", **kw}} for kw in tiles_sweep]
         if checkpoint:
             checkpoint(out)
@@ -325,7 +321,7 @@ def variant(timed, fn, calls) -> float:
 
 
 def experts_call(x, ids, wts, w1, s1, w3, s3, w2, s2, out, *, path: str | None = None, **knobs) -> None:
-    """The op with knobs (its GEMVs), or with a path ("gemv", "mma", "tiles") that path whatever
+    """The op with knobs (its GEMVs), or with a path ("gemv", "tiles") that path whatever
     the width."""
     from custom_ops.triton import triton_moe_experts_w4a8
     triton_moe_experts_w4a8(x, ids, wts, w1, s1, w3, s3, w2, s2, 10.0, out, path=path, **knobs)

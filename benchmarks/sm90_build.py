@@ -222,30 +222,6 @@ def head_rows() -> list[dict]:
     return [skinny_row("*bf16", True, 16, 64, False, 3, 128), skinny_row("*fp32", True, 16, 64, False, 2, 128)]
 
 
-def w4a8_up(block_m: int, block_n: int, warps: int, asm: bool = True):
-    """The prefill W4A8 expert up kernel (moe_w4a8.py) at a tile."""
-    import triton.language as tl
-    from custom_ops.triton.moe_w4a8 import _w4a8_up_kernel
-    sig = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w1_ptr": "*i8", "s1_ptr": "*u8", "w3_ptr": "*i8",
-           "s3_ptr": "*u8", "order_ptr": "*i32", "wts_ptr": "*fp32", "meta_ptr": "*i32", "hq_ptr": "*fp8e4nv",
-           "hs_ptr": "*fp32", **dict.fromkeys(("n_tiles", "I", "KB", "k"), "i32"), "limit": "fp32",
-           **dict.fromkeys(("stride_x", "stride_xs", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_h",
-                            "stride_hs"), "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N", "ACT", "ASM"), "constexpr")}
-    return build(_w4a8_up_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": block_n, "ACT": tl.bfloat16, "ASM": asm},
-                 aligned=("I", "stride_x", "stride_we", "stride_wn", "stride_se", "stride_h"), num_warps=warps)
-
-
-def w4a8_down(block_m: int, block_n: int, warps: int, asm: bool = True):
-    """The prefill W4A8 expert down kernel (moe_w4a8.py) at a tile."""
-    from custom_ops.triton.moe_w4a8 import _w4a8_down_kernel
-    sig = {"hq_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w2_ptr": "*i8", "s2_ptr": "*u8", "order_ptr": "*i32",
-           "meta_ptr": "*i32", "y_ptr": "*bf16", **dict.fromkeys(("n_tiles", "D", "KB"), "i32"),
-           **dict.fromkeys(("stride_h", "stride_hs", "stride_we", "stride_wn", "stride_se", "stride_sn",
-                            "stride_y"), "i32"), **dict.fromkeys(("BLOCK_M", "BLOCK_N", "ASM"), "constexpr")}
-    return build(_w4a8_down_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": block_n, "ASM": asm},
-                 aligned=("D", "stride_h", "stride_we", "stride_wn", "stride_se", "stride_y"), num_warps=warps)
-
-
 def fp4_tiles(which: str, block_m: int, block_n: int, block_k: int, warps: int, fp4: bool = True,
               split: bool = False):
     """moe.py's MMA tile kernel `which` ('up' or 'down') on FP4 weights dequantized per tile to
@@ -324,13 +300,6 @@ def main(argv=None) -> dict:
                 rows.append(tile_row(which, per, bm, bn, bk, nw, "FP4 split", split=True))
             if (bm, bn, bk, nw) in ((64, 64, 64, 4), (128, 128, 64, 8)):      # the same tiles on bf16 weights
                 rows.append(tile_row(which, per, bm, bn, bk, nw, "bf16", fp4=False))
-    for bm, bn, nw in ((16, 64, 4), (64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (64, 64, 8)):
-        for name, make, per in (("_w4a8_up_kernel", w4a8_up, 2), ("_w4a8_down_kernel", w4a8_down, 1)):
-            for asm in (True, False):     # per weight decoded: a tile decodes BLOCK_N x 32 of each weight
-                k = make(bm, bn, nw, asm)      # a K block, for its BLOCK_M rows
-                rows.append({"kernel": name, "tile": f"{bm}x{bn}", "num_warps": nw, "asm": asm, **resources(k),
-                             "thread_instructions_per_weight": per_weight(loop_body(k), nw, per * bn * 32),
-                             "tile_rows": bm})
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     res = {"benchmark": "sm90_build", "device": "cpu (no GPU): Triton's compiler and bundled ptxas, target sm_90",
            "triton": triton.__version__, "torch": torch.__version__, "date": datetime.date.today().isoformat(),

@@ -43,7 +43,6 @@ else:
     import triton.language as tl
 
     from custom_ops.triton.fp8 import e8m0_to_f32
-    from custom_ops.triton.fp4 import e2m1_e4m3
     from tests.kernel_cases import fp8_gemm_case, fp8_grouped_case, rne_bf16_casts
     from v41 import quant
 
@@ -255,21 +254,19 @@ else:
         assert torch.allclose(out[:, :32], r[:, :32], rtol=1e-6, atol=0)
 
     @triton.jit
-    def _decode_kernel(c_ptr, scale_ptr, e2m1_ptr):
+    def _decode_kernel(c_ptr, scale_ptr):
         c = tl.load(c_ptr + tl.arange(0, 256))
         tl.store(scale_ptr + tl.arange(0, 256), e8m0_to_f32(c))
-        tl.store(e2m1_ptr + tl.arange(0, 256), e2m1_e4m3(c & 15).to(tl.float8e4nv, bitcast=True).to(tl.float32))
 
-    def test_decoders():
-        """The kernels' decoders: every E8M0 code (0 the subnormal 2^-127, 255 NaN) to its FP32
-        value, every E2M1 code to the E4M3 code of 2^-6 times its value (v41.quant's)."""
+    def test_scale_decoder():
+        """Every E8M0 code (0 the subnormal 2^-127, 255 NaN) to its FP32 value (the FP4 values'
+        decoder: test_native_experts.py's test_fp4_tile_dequantizes_exactly)."""
         c = torch.arange(256, dtype=torch.int32)
-        scale, e2m1 = torch.empty(256), torch.empty(256)
-        _decode_kernel[(1,)](c, scale, e2m1)
+        scale = torch.empty(256)
+        _decode_kernel[(1,)](c, scale)
         want = c.to(torch.uint8).view(torch.float8_e8m0fnu).float()
         assert torch.equal(scale[:255], torch.where(c[:255] == 0, 2.0**-127, want[:255]))
         assert scale[255].isnan()
-        assert torch.equal(e2m1 * 64, quant.e2m1_decode((c & 15).to(torch.uint8), torch.float32))
 
     # ---- registry --------------------------------------------------------------------------
     def test_native_ops_registered():

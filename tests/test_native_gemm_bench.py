@@ -27,7 +27,7 @@ def dry_run(tmp_path, script: str, *args) -> dict:
 
 def test_bench_dry_run(tmp_path):
     """benchmarks/native_gemm_bench.py --dry-run runs every timed path (both GEMMs, wo_a grouped
-    and per group, cuBLAS bf16, _scaled_mm, the copy and read rates, the experts' FP8-MMA path, a prefill tile) on
+    and per group, cuBLAS bf16, _scaled_mm, the copy and read rates, the experts' 'tiles' path, a prefill tile) on
     tiny CPU shapes, prints its JSON and writes no file."""
     res = dry_run(tmp_path, "native_gemm_bench.py")
     plain = [row for row in res["dense"] if row["gemm"] == "tiny"]
@@ -37,12 +37,12 @@ def test_bench_dry_run(tmp_path):
         ("wo_a_grouped", 1), ("wo_a_per_group", 1), ("wo_a_grouped", 3), ("wo_a_per_group", 3)]
     assert [row["M"] for row in res["experts"] if "path" not in row] == [1, 3, 40]
     assert [(row["M"], row["path"]) for row in res["experts"] if "path" in row] == \
-        [(T, p) for T in (1, 6, 16, 96) for p in ("gemv", "mma", "tiles")]
+        [(T, p) for T in (1, 6, 16, 96) for p in ("gemv", "tiles")]
     assert "scaled_mm_us" in plain[-1] and res["fp8_peak_TFLOPs"] > 0
     assert all(row["us"] > 0 and row["weight_bytes"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
     assert [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1), ("tiny", 40), ("experts_w4a8", 1),
                                                                  ("experts_w4a8", 40)]
-    assert [row["knobs"] for row in res["sweep"][2:]] == [{"path": "mma"}, {"path": "mma"}]
+    assert [row["knobs"] for row in res["sweep"][2:]] == [{"path": "tiles"}, {"path": "tiles"}]
     # one row: the MMA tiles where the GEMV is the default, on codes and from bf16 x
     assert res["sweep"][0]["knobs"] == {"path": "mma"} and res["sweep"][0]["linear_us"] > 0
     assert res["read_rate_TBps"] > 0
@@ -62,7 +62,7 @@ def test_bench_slice_experts(tmp_path):
     with its sweep's knobs (two of them on the CPU), nothing else (a short device call)."""
     res = dry_run(tmp_path, "native_gemm_bench.py", "--slice-experts")
     assert [(row["M"], row["path"]) for row in res["experts"]] == \
-        [(T, p) for T in (1, 6, 16, 96) for p in ("gemv", "mma", "tiles")]
+        [(T, p) for T in (1, 6, 16, 96) for p in ("gemv", "tiles")]
     assert [(row["M"], row["knobs"]) for row in res["sweep"]] == \
         [(T, {"path": "tiles", **kw}) for T in (1, 6, 16, 96) for kw in ({"num_stages": 1}, {"num_stages": 2})]
     assert all(row["us"] > 0 and row["pct_read"] > 0 for row in res["experts"] + res["sweep"])

@@ -158,11 +158,11 @@ def test_moe_experts_w4a8_split_k(T, splits):
     assert_experts_close(out, r, T)
 
 
-@pytest.mark.parametrize("path", ["gemv", "mma", "tiles"])
+@pytest.mark.parametrize("path", ["gemv", "tiles"])
 @pytest.mark.parametrize("T", [1, 16, 2048])
 def test_moe_experts_w4a8_paths(T, path):
-    """Each expert path at every width, whatever the default picks there: the FP4 GEMVs, the
-    FP8-MMA tiles and the tiles dequantized to bf16 (their PTX code paths included)."""
+    """Each expert path at every width, whatever the default picks there: the FP4 GEMVs and the
+    tiles dequantized to bf16 (their PTX code paths included)."""
     from custom_ops.triton.moe_w4a8 import triton_moe_experts_w4a8
     args, r, out = experts_case(T)
     triton_moe_experts_w4a8(*args, 10.0, out, path=path)

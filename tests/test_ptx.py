@@ -89,16 +89,6 @@ def test_e4m3_word_ptx_decodes_every_byte_in_every_position():
         assert np.array_equal([out[i] for i in range(4)], [e4m3(b) for b in bytes_], equal_nan=True), bytes_
 
 
-@pytest.mark.parametrize("name,shift", [("E2M1_LO_CODES_PTX", 0), ("E2M1_HI_CODES_PTX", 4)])
-def test_code_ptx_gives_each_byte_its_nibble_code(name, shift):
-    """The W4A8 MMA tiles' PTX: four packed bytes in, each byte's low (high) nibble's E4M3 code
-    out in the same byte; all 256 byte values in each of the four places."""
-    for bytes_, word in words(8):
-        codes = run_ptx(getattr(fp4, name).value, {1: word})[0]
-        assert [e4m3((codes >> (8 * i)) & 0xFF) for i in range(4)] == \
-            [nibble_value((b >> shift) & 15) for b in bytes_], bytes_
-
-
 def test_emulator_rejects_what_it_does_not_know():
     """A PTX edit that uses an instruction the emulator lacks fails here rather than passing."""
     with pytest.raises(NotImplementedError):

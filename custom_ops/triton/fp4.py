@@ -1,14 +1,16 @@
 """FP4 (E2M1) weights decoded inside Triton kernels: the shared pieces of the FP4 expert kernels
-(moe_gemv.py's GEMVs, moe.py's tile kernels, moe_w4a8.py's FP8-MMA tiles).
+(moe_gemv.py's GEMVs, moe.py's tile kernels).
 
 Packed E2M1: two values a byte, element 2j in byte j's low nibble and 2j + 1 in its high one,
-with an E8M0 scale per 32 along K (v41.quant). A nibble becomes an E4M3 code of 2^-6 times its
-value (`e2m1_e4m3`: E2M1's bits moved into E4M3's, exact), which the FP8 hardware converts;
-`e2m1_scale` gives the scale with that 2^6 put back. On CUDA the conversions work on four bytes
-(or an int32 word of eight values) at once in inline PTX, since the instructions spent per weight,
-not the bytes read, bound these kernels (benchmarks/sm90_build.py); under the interpreter, which
-runs no PTX, the same masks and shifts run as Triton ops. tests/test_ptx.py runs the PTX
-through an emulator of its instructions.
+with an E8M0 scale per 32 along K (v41.quant), read as int32 words of eight values. A nibble
+(bit 3 the sign, then a 2-bit exponent and a 1-bit mantissa) becomes the E4M3 code of 2^-6 times
+its value: its bits move into E4M3's sign, low exponent bits and top mantissa bit, and 2^-6 is the
+bias difference (E2M1's 0.5, its one subnormal, lands on E4M3's subnormal 2^-7), exactly; the FP8
+hardware converts the codes, and `e2m1_scale` gives the scale with that 2^6 put back. On CUDA a
+word's conversions run in inline PTX, since the instructions spent per weight, not the bytes read,
+bound these kernels (benchmarks/sm90_build.py); under the interpreter, which runs no PTX, the same
+masks and shifts run as Triton ops. tests/test_ptx.py runs the PTX through an emulator of its
+instructions.
 """
 from __future__ import annotations
 
@@ -19,30 +21,18 @@ from custom_ops.triton.fp8 import e4m3_byte, e4m3_word_ptx, e8m0_to_f32
 
 
 @triton.jit
-def e2m1_e4m3(c):
-    """E4M3 codes (int8) of 2^-6 times the E2M1 values of int32 codes c (bit 3 the sign, then a
-    2-bit exponent and 1-bit mantissa): the bits move into E4M3's sign, the low exponent bits and
-    the top mantissa bit, and 2^-6 is the bias difference (E2M1's 0.5, its one subnormal,
-    lands on E4M3's subnormal 2^-7). Exact, and 5 integer ops a value."""
-    return (((c & 8) << 4) | ((c & 7) << 2)).to(tl.int8)
-
-
-@triton.jit
 def e2m1_scale(c):
-    """The FP32 multiplier of `e2m1_e4m3` codes under the int32 E8M0 scale codes c: 2^6 (the
-    codes' 2^-6 undone) times 2^(c-127); exact for scale codes up to 248 (2^121)."""
+    """The FP32 multiplier of the E4M3 codes of nibbles (2^-6 times their values) under the int32
+    E8M0 scale codes c: 2^6 (the codes' 2^-6 undone) times 2^(c-127); exact for scale codes up to
+    248 (2^121)."""
     return e8m0_to_f32(c) * 64.0
 
 
-# e2m1_e4m3 on four bytes at once, as PTX lines: the word {w}'s low nibbles' codes into {out}
-# (each sign bit up to the byte's bit 7, the magnitude to bits 2-4), and its high nibbles'
+# nibbles to E4M3 codes four bytes at once, as PTX lines: the word {w}'s low nibbles' codes into
+# {out} (each sign bit up to the byte's bit 7, the magnitude to bits 2-4), and its high nibbles'
 _LO_CODES = ("shl.b32 a, {w}, 4; and.b32 a, a, 0x80808080; shl.b32 b, {w}, 2; and.b32 b, b, 0x1C1C1C1C; "
              "or.b32 {out}, a, b;")
 _HI_CODES = "and.b32 a, {w}, 0x80808080; shr.b32 b, {w}, 2; and.b32 b, b, 0x1C1C1C1C; or.b32 {out}, a, b;"
-# $1 four packed bytes, $0 their four codes
-E2M1_LO_CODES_PTX = tl.constexpr("{ .reg .b32 a, b; " + _LO_CODES.format(w="$1", out="$0") + " }")
-E2M1_HI_CODES_PTX = tl.constexpr("{ .reg .b32 a, b; " + _HI_CODES.format(w="$1", out="$0") + " }")
-
 # the same on the eight nibbles of an int32 word (byte i: element 2i in its low nibble,
 # 2i + 1 in its high one), then each word of codes as E4M3 values: outputs $0..$7 are elements
 # 0..7 as E4M3 values (2^-6 times the E2M1 values), $8 the word.
@@ -55,7 +45,7 @@ E2M1_WORD_PTX = tl.constexpr("{\n.reg .b32 a, b, lo, hi;\n" + _LO_CODES.format(w
 @triton.jit
 def e2m1_word_values(w, ASM: tl.constexpr):
     """The eight values of int32 words w of packed E2M1 bytes, in element order, as FP32 E4M3
-    values (`e2m1_e4m3`'s codes: 2^-6 times the E2M1 values). ASM (CUDA): E2M1_WORD_PTX. Else
+    values (2^-6 times the E2M1 values). ASM (CUDA): E2M1_WORD_PTX. Else
     (the interpreter runs no PTX) its same shift-and-masks into words of codes (low nibbles, high
     nibbles), then byte by byte."""
     if ASM:
@@ -66,17 +56,6 @@ def e2m1_word_values(w, ASM: tl.constexpr):
         hi = (w & -0x7F7F7F80) | ((w >> 2) & 0x1C1C1C1C)
         return (e4m3_byte(lo, 0), e4m3_byte(hi, 0), e4m3_byte(lo, 1), e4m3_byte(hi, 1),
                 e4m3_byte(lo, 2), e4m3_byte(hi, 2), e4m3_byte(lo, 3), e4m3_byte(hi, 3))
-
-
-@triton.jit
-def e2m1_codes(b, ASM: tl.constexpr):
-    """(low, high): the E4M3 codes (int8, `e2m1_e4m3`'s) of the low and high nibbles of int8
-    bytes b. ASM (CUDA): four bytes at a time (E2M1_LO_CODES_PTX, _HI_); else byte by byte."""
-    if ASM:
-        return (tl.inline_asm_elementwise(E2M1_LO_CODES_PTX, "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4),
-                tl.inline_asm_elementwise(E2M1_HI_CODES_PTX, "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4))
-    else:
-        return e2m1_e4m3(b.to(tl.int32) & 15), e2m1_e4m3((b.to(tl.int32) >> 4) & 15)
 
 
 @triton.jit
