@@ -61,7 +61,7 @@ DECODE_SWEEP = ({"path": "mma"}, {"path": "gemv"}, {"path": "gemv", "block_n": 1
 PREFILL_SWEEP = ({"path": "mma"}, {"path": "mma", "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
                  {"path": "mma", "num_stages": 4}, {"path": "mma", "num_warps": 8})
 # the FP4 GEMVs' default tile (64 x 128, 4 warps, 3 stages) takes 130 registers in the up GEMV
-# and 72 in the down one (sm_90 builds, Triton 3.9, sm90-build-cpu.json); num_stages 1: unpipelined;
+# and 75 in the down one (sm_90 builds, Triton 3.9, sm90-build-cpu.json); num_stages 1: unpipelined;
 # prefetch: each K block's words loaded during the one before's products (136 and 90 registers)
 EXPERT_SWEEP = ({"block_n_up": 32}, {"block_k": 64}, {"block_n_up": 32, "block_k": 64}, {"num_warps": 8},
                 {"block_n_down": 32}, {"splits": 1}, {"splits": 4}, {"splits": 20}, {"num_stages": 1},
