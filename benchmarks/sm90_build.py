@@ -223,24 +223,28 @@ def head_rows() -> list[dict]:
 
 
 def fp4_tiles(which: str, block_m: int, block_n: int, block_k: int, warps: int, fp4: bool = True,
-              split: bool = False):
+              split: bool = False, scale_bytes: bool = False):
     """moe.py's MMA tile kernel `which` ('up' or 'down') on FP4 weights dequantized per tile to
-    bf16 (run_experts(tiles=True), the W4A8 op's 'tiles' path), PTX codes; fp4 False: on bf16
-    weights (the dequantized engine's experts)."""
+    bf16 (run_experts(tiles=True), the W4A8 op's 'tiles' path), PTX codes, the scale codes read
+    as run_experts reads them at Flash's K (`fp4.scale_words`: words of four at 16-row tiles;
+    `scale_bytes`: byte by byte); fp4 False: on bf16 weights (the dequantized engine's experts)."""
+    from custom_ops.triton.fp4 import scale_words
     from custom_ops.triton.moe import _moe_down_kernel, _moe_up_kernel
+    words = 0 if scale_bytes or not fp4 else scale_words(5120 if which == "up" else 2304, block_k, 128, block_m)
     consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split, "DOT_F32": False,
-              "PREC": "tf32", "FP4": fp4, "ASM": True}
+              "PREC": "tf32", "FP4": fp4, "ASM": True, "SCALE_WORDS": words}
     wt = "*i32" if fp4 else "*bf16"     # packed FP4: int32 words
+    st = "*i32" if words else "*u8"
     if which == "up":
         fn = _moe_up_kernel
-        sig = {"xq_ptr": "*bf16", "w1_ptr": wt, "w3_ptr": wt, "s1_ptr": "*u8", "s3_ptr": "*u8",
+        sig = {"xq_ptr": "*bf16", "w1_ptr": wt, "w3_ptr": wt, "s1_ptr": st, "s3_ptr": st,
                "order_ptr": "*i32", "wts_ptr": "*fp32", "meta_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32",
                **dict.fromkeys(("n_tiles", "I", "D", "k", "k_split"), "i32"), "limit": "fp32",
                **dict.fromkeys(("stride_x", "stride_w1e", "stride_w1n", "stride_w3e", "stride_w3n", "stride_se",
                                 "stride_sn", "stride_h", "stride_ps", "stride_pu"), "i32")}
     else:
         fn = _moe_down_kernel
-        sig = {"h_ptr": "*bf16", "w2_ptr": wt, "s2_ptr": "*u8", "order_ptr": "*i32", "meta_ptr": "*i32",
+        sig = {"h_ptr": "*bf16", "w2_ptr": wt, "s2_ptr": st, "order_ptr": "*i32", "meta_ptr": "*i32",
                "y_ptr": "*bf16", "part_ptr": "*fp32", **dict.fromkeys(("n_tiles", "D", "I", "k_split"), "i32"),
                **dict.fromkeys(("stride_h", "stride_w2e", "stride_w2n", "stride_se", "stride_sn", "stride_y",
                                 "stride_ps"), "i32")}
@@ -254,9 +258,11 @@ def tile_row(which: str, per: int, block_m: int, block_n: int, block_k: int, war
     """A `fp4_tiles` build's row; `per`: weights a tile reads per BLOCK_N x BLOCK_K (2 for up's w1
     and w3)."""
     k = fp4_tiles(which, block_m, block_n, block_k, warps, **kw)
+    body = loop_body(k)
     return {"kernel": f"_moe_{which}_kernel {label}", "tile": f"{block_m}x{block_n}x{block_k}", "num_warps": warps,
-            **resources(k), "thread_instructions_per_weight": per_weight(loop_body(k), warps, per * block_n * block_k),
-            "tile_rows": block_m}
+            **resources(k), "thread_instructions_per_weight": per_weight(body, warps, per * block_n * block_k),
+            "tile_rows": block_m, "loop_async_copies": sum(op.startswith("LDGSTS") for op in body),
+            "loop_plain_loads": sum(op.startswith("LDG.") for op in body)}
 
 
 def fp4_gemv(which: str, block_n: int, block_k: int, warps: int, asm: bool = True, stages: int | None = None,
@@ -296,6 +302,8 @@ def main(argv=None) -> dict:
                            (128, 128, 32, 8)):
         for which, per in (("up", 2), ("down", 1)):      # the 'tiles' path: weights dequantized to bf16 per tile
             rows.append(tile_row(which, per, bm, bn, bk, nw, "FP4"))
+            if bm == 16:        # the decode tile with its scale codes read byte by byte
+                rows.append(tile_row(which, per, bm, bn, bk, nw, "FP4 scale bytes", scale_bytes=True))
             if (bm, bn, bk, nw) in ((16, 64, 64, 4), (64, 64, 64, 4)):        # split over K (the splits knob)
                 rows.append(tile_row(which, per, bm, bn, bk, nw, "FP4 split", split=True))
             if (bm, bn, bk, nw) in ((64, 64, 64, 4), (128, 128, 64, 8)):      # the same tiles on bf16 weights

@@ -54,19 +54,25 @@ else:
 
     @triton.jit
     def _fp4_tile_kernel(w_ptr, s_ptr, out_ptr, K, N_REAL, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         OUT: tl.constexpr):
+                         OUT: tl.constexpr, SCALE_WORDS: tl.constexpr):
         rn = tl.arange(0, BLOCK_N)
         nmask = rn < N_REAL
         rk = tl.arange(0, BLOCK_K)
+        s_row = K // 128 if SCALE_WORDS else K // 32
         for k0 in range(0, K, BLOCK_K):
-            t = fp4_tile(w_ptr + rn * (K // 8), s_ptr + rn * (K // 32), k0, nmask, BLOCK_K, BLOCK_N, OUT, False)
+            t = fp4_tile(w_ptr + rn * (K // 8), s_ptr + rn * s_row, k0, nmask, BLOCK_K, BLOCK_N, OUT, False,
+                         SCALE_WORDS)
             tl.store(out_ptr + rn[None, :] * K + (k0 + rk)[:, None], t)
 
+    @pytest.mark.parametrize("block_k,words", [(64, 0), (64, 1), (128, 1), (256, 2)])
     @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-    def test_fp4_tile_dequantizes_exactly(g, monkeypatch, out_dtype):
+    def test_fp4_tile_dequantizes_exactly(g, monkeypatch, out_dtype, block_k, words):
         """`fp4_tile` (the 'tiles' path's dequantization, K blocks of int32 words) gives the
         reference dequantization's bits in element order: every packed byte, scale codes 0
-        (the subnormal 2^-127), 1-248 and 255 (NaN); rows past N are zeros."""
+        (the subnormal 2^-127), 1-248 and 255 (NaN); rows past N are zeros. The scale codes
+        loaded byte by byte or (`words`) as int32 words of four, one or two a K block."""
+        from custom_ops.triton.fp4 import scale_words
+        assert scale_words(256, block_k, 256, 16) == words or not words
         rne_bf16_casts(monkeypatch)         # (the interpreter's own cast flushes bf16 subnormals)
         N, K = 16, 256
         packed = torch.arange(N * K // 2, dtype=torch.int32).remainder(256).to(torch.uint8).view(N, K // 2)
@@ -76,8 +82,9 @@ else:
         scales = codes.to(torch.uint8)
         want = quant.dequant_fp4_expert(packed.view(torch.int8), scales.view(torch.float8_e8m0fnu), torch.float32)
         out = torch.full((32, K), float("nan"), dtype=out_dtype)      # BLOCK_N rows, N of them real
-        _fp4_tile_kernel[(1,)](packed.view(torch.int32), scales, out, K, N, BLOCK_N=32, BLOCK_K=64,
-                               OUT=tl.float32 if out_dtype == torch.float32 else tl.bfloat16)
+        _fp4_tile_kernel[(1,)](packed.view(torch.int32), scales.view(torch.int32) if words else scales, out, K, N,
+                               BLOCK_N=32, BLOCK_K=block_k, OUT=tl.float32 if out_dtype == torch.float32 else tl.bfloat16,
+                               SCALE_WORDS=words)
         got = out[:N].float()
         assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()
         ok = ~want.isnan()
@@ -151,6 +158,50 @@ else:
         tight = 1e-5 if dtype == torch.float32 else 1e-2
         assert (row_err[int(pad):] <= tight).float().mean() >= 0.75
         assert float((out - r).double().norm() / r.double().norm()) < 2e-2
+
+    def test_scale_words_rule():
+        """Words of scale codes at 16-row tiles where K and the split start are multiples of 128,
+        one word per 128 of a K block (at least one); bytes otherwise."""
+        from custom_ops.triton.fp4 import scale_words
+        assert [scale_words(5120, bk, 5120, 16) for bk in (32, 64, 128, 256)] == [1, 1, 1, 2]
+        assert scale_words(5120, 64, 2560, 16) == 1 and scale_words(2304, 64, 1152, 16) == 1
+        assert scale_words(2304, 64, 1216, 16) == 0 and scale_words(192, 64, 192, 16) == 0
+        assert scale_words(5120, 64, 5120, 64) == 0
+
+    @pytest.mark.parametrize("kw", [{}, {"splits": 2}, {"block_k": 128}])
+    def test_tiles_read_scale_words_where_k_allows(g, monkeypatch, kw):
+        """With D and I multiples of 128 the 16-row tile kernels read the scale codes as int32
+        words of four (`fp4.scale_words`; split at multiples of 128 too): w2's input rows and the
+        per-pair outputs equal, bit for bit, those of the same kernels reading them byte by
+        byte, and the op stays within the reference's tolerance."""
+        from custom_ops.triton import moe as moe_kernels
+        T, E, D, I, k = 24, 7, 256, 256, 3
+        x, ids, wts, w1, s1, w3, s3, w2, s2 = w4a8_case(g, T, E, D, I, k, dtype=torch.float32)
+        scales = tuple(s.view(torch.uint8) for s in (s1, s3, s2))
+        words = []
+        kernel_words = moe_kernels.scale_words
+
+        def recorded(*a):
+            words.append(kernel_words(*a))
+            return words[-1]
+
+        def gemms(**patch):
+            got = []
+            with monkeypatch.context() as m:
+                m.setattr(moe_kernels, "scale_words", patch.get("scale_words", recorded))
+                out = torch.full((T, D), float("nan"))
+                run_experts(x, ids, wts, w1, w3, w2, scales, 1.5, out, tiles=True, hidden=got,
+                            **{"block_k": 64, "block_m": 16, **kw})
+            return out, got[0], got[2]
+        out, h, y = gemms()
+        assert words and all(words), words
+        out_b, h_b, y_b = gemms(scale_words=lambda *a: 0)
+        valid = ids.reshape(-1) >= 0        # rows of padding slots are never written
+        n = int(valid.sum())
+        assert torch.equal(h[:n], h_b[:n]) and torch.equal(y[valid], y_b[valid]) and torch.equal(out, out_b)
+        r = torch.empty(T, D)
+        ref.moe_experts_w4a8(x, ids, wts, w1, s1, w3, s3, w2, s2, 1.5, r)
+        assert not out.isnan().any() and float((out - r).double().norm() / r.double().norm()) < 2e-2
 
     @pytest.mark.parametrize("kw", [{"splits": 3, "num_stages": 1}, {"splits": 2, "block_k": 32}],
                              ids=["split3-unpipelined", "split2-k32"])

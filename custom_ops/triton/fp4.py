@@ -59,19 +59,49 @@ def e2m1_word_values(w, ASM: tl.constexpr):
 
 
 @triton.jit
+def word_scale_codes(s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_WORDS: tl.constexpr):
+    """[BLOCK_N, BLOCK_K / 8] int32 E8M0 codes of K block [k0, k0 + BLOCK_K), one per word of
+    weights (a word's eight values share their group of 32). SCALE_WORDS (> 0): s_rows point at
+    int32 words of four codes, SCALE_WORDS of them a row per K block (K a multiple of 128 and k0
+    counted from a multiple of 128): loads of four bytes, which Triton pipelines as asynchronous
+    copies beside the weights' and a byte load it does not. 0: the codes loaded byte by byte."""
+    j = tl.arange(0, BLOCK_K // 8)
+    g = k0 // 32 + j // 4
+    if SCALE_WORDS:
+        sw = tl.load(s_rows[:, None] + (k0 // 128 + tl.arange(0, SCALE_WORDS))[None, :], mask=nmask[:, None],
+                     other=0x7F7F7F7F)
+        sw = tl.reshape(tl.broadcast_to(sw[:, :, None], [BLOCK_N, SCALE_WORDS, BLOCK_K // 8 // SCALE_WORDS]),
+                        [BLOCK_N, BLOCK_K // 8])
+        return (sw >> (8 * (g % 4))[None, :]) & 0xFF
+    else:
+        return tl.load(s_rows[:, None] + g[None, :], mask=nmask[:, None], other=127).to(tl.int32)
+
+
+def scale_words(K: int, block_k: int, k_split: int, block_m: int) -> int:
+    """`fp4_tile`'s SCALE_WORDS for a GEMM over K in blocks of block_k, its K split k_split wide,
+    in tiles of block_m rows: the int32 words of scale codes a row per block, or 0 (bytes). Words
+    need K and each split's start to be multiples of 128, and serve the 16-row tiles of decode
+    widths, whose decoding is most of their instructions: in the sm_90 builds words took their
+    K loop from 6.81 / 7.44 to 5.80 / 6.66 instructions a weight (up / down, 16 x 64 x 64) with
+    every load in it asynchronous, but the 64- and 128-row tiles from 6.23-7.41 to 6.52-8.41
+    (sm90-build-cpu.json)."""
+    return max(block_k // 128, 1) if block_m <= 16 and K % 128 == 0 and k_split % 128 == 0 else 0
+
+
+@triton.jit
 def fp4_tile(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, OUT: tl.constexpr,
-             ASM: tl.constexpr):
+             ASM: tl.constexpr, SCALE_WORDS: tl.constexpr = 0):
     """[BLOCK_K, BLOCK_N] tile in dtype OUT of K block [k0, k0 + BLOCK_K) of the [BLOCK_N] rows of
     packed E2M1 weights (w_rows: each row's int32 words, eight values a word; s_rows: its E8M0
-    scales), dequantized: each value times its group's scale, exactly (an E2M1 value has two
-    significant bits, the scale is a power of two: the product is exact in FP32 and in bf16).
-    BLOCK_K is a multiple of 32 dividing K. A word's eight values come from `e2m1_word_values`
-    (on CUDA the GEMVs' PTX); the sm_90 builds take about two thirds of the instructions a weight
-    that decoding byte by byte took (benchmarks/sm90_build.py, `tile_rows`)."""
+    scales, as `word_scale_codes` reads them), dequantized: each value times its group's scale,
+    exactly (an E2M1 value has two significant bits, the scale is a power of two: the product is
+    exact in FP32 and in bf16). BLOCK_K is a multiple of 32 dividing K. A word's eight values come
+    from `e2m1_word_values` (on CUDA the GEMVs' PTX); the sm_90 builds take about two thirds of
+    the instructions a weight that decoding byte by byte took (benchmarks/sm90_build.py,
+    `tile_rows`)."""
     j = tl.arange(0, BLOCK_K // 8)
     w = tl.load(w_rows[:, None] + (k0 // 8 + j)[None, :], mask=nmask[:, None], other=0)
-    s = e2m1_scale(tl.load(s_rows[:, None] + (k0 // 32 + j // 4)[None, :], mask=nmask[:, None],
-                           other=127).to(tl.int32))
+    s = e2m1_scale(word_scale_codes(s_rows, k0, nmask, BLOCK_K, BLOCK_N, SCALE_WORDS))
     v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word_values(w, ASM)
     v0, v1, v2, v3 = (v0 * s).to(OUT), (v1 * s).to(OUT), (v2 * s).to(OUT), (v3 * s).to(OUT)
     v4, v5, v6, v7 = (v4 * s).to(OUT), (v5 * s).to(OUT), (v6 * s).to(OUT), (v7 * s).to(OUT)

@@ -34,7 +34,7 @@ import triton.language as tl
 from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, pdl, pdl_wait
-from custom_ops.triton.fp4 import fp4_tile
+from custom_ops.triton.fp4 import fp4_tile, scale_words
 from custom_ops.triton.moe_gemv import FP4_STAGES, fp4_gemvs, k_split
 from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, swiglu_store, tile_rows
 
@@ -63,12 +63,12 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
                    stride_sn, stride_h, stride_ps, stride_pu,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                    DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   SCALE_WORDS: tl.constexpr = 0, PDL: tl.constexpr = False):
     """One (tile, N block, K split): the tile's token rows against w1[e] and w3[e] over the
     split's K range, then the epilogue, or (SPLIT) the FP32 sums into the partials [splits, 2,
     rows, I] as the GEMVs' (_moe_up_sum_kernel finishes them). FP4: w1 and w3 packed E2M1 in
     int32 words (s1, s3 their scales, strides shared), each tile dequantized exactly
-    (`fp4_tile`) to x's dtype before its dot; BLOCK_K divides D."""
+    (`fp4_tile`; its scales as SCALE_WORDS says) to x's dtype before its dot; BLOCK_K divides D."""
     pdl_wait(PDL)
     r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
@@ -83,7 +83,7 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
     a_rows = xq_ptr + tok[:, None] * stride_x + k_lo
     b1 = w1_ptr + e * stride_w1e + rn.to(tl.int64) * stride_w1n + w_lo
     b3 = w3_ptr + e * stride_w3e + rn.to(tl.int64) * stride_w3n + w_lo
-    sc = e * stride_se + rn.to(tl.int64) * stride_sn + k_lo // 32
+    sc = e * stride_se + rn.to(tl.int64) * stride_sn + (k_lo // 128 if SCALE_WORDS else k_lo // 32)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k_len, BLOCK_K):
@@ -91,8 +91,8 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
         kmask = ks < k_len
         a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         if FP4:
-            wg = fp4_tile(b1, s1_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM)
-            wu = fp4_tile(b3, s3_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM)
+            wg = fp4_tile(b1, s1_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM, SCALE_WORDS)
+            wu = fp4_tile(b3, s3_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM, SCALE_WORDS)
         else:
             bm = kmask[:, None] & nmask[None, :]
             wg = tl.load(b1[None, :] + ks[:, None], mask=bm, other=0.0)
@@ -140,7 +140,7 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, part_ptr
                      stride_h, stride_w2e, stride_w2n, stride_se, stride_sn, stride_y, stride_ps,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                      DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     SCALE_WORDS: tl.constexpr = 0, PDL: tl.constexpr = False):
     """One (tile, N block, K split): h rows · w2[e]ᵀ over the split's K range, rounded, at the
     pairs' own rows of y, or (SPLIT) the FP32 sums at the pairs' rows of the partials [splits,
     pairs, D] (_moe_down_sum_kernel finishes them). FP4: as the up kernel's."""
@@ -155,14 +155,14 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, part_ptr
     k_lo, k_len = split_range(k_split, I, SPLIT, BLOCK_K)
     a_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h + k_lo
     b = w2_ptr + e * stride_w2e + rn.to(tl.int64) * stride_w2n + (k_lo // 8 if FP4 else k_lo)
-    sc = s2_ptr + e * stride_se + rn.to(tl.int64) * stride_sn + k_lo // 32
+    sc = s2_ptr + e * stride_se + rn.to(tl.int64) * stride_sn + (k_lo // 128 if SCALE_WORDS else k_lo // 32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k_len, BLOCK_K):
         ks = k0 + rk
         kmask = ks < k_len
         a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         if FP4:
-            w = fp4_tile(b, sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM)
+            w = fp4_tile(b, sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM, SCALE_WORDS)
         else:
             w = tl.load(b[None, :] + ks[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
         if DOT_F32:
@@ -273,6 +273,11 @@ def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, b
     bku, bkd = (math.gcd(bk, D), math.gcd(bk, I)) if fp4 else (bk, bk)      # FP4: dividing K
     ku, su = k_split(D, bku, splits)
     kd, sd = k_split(I, bkd, splits)
+    swu, swd = (scale_words(D, bku, ku, bm), scale_words(I, bkd, kd, bm)) if fp4 else (0, 0)
+    if swu:             # the scale codes as int32 words of four (fp4.word_scale_codes)
+        s1, s3 = s1.view(torch.int32), s3.view(torch.int32)
+    if swd:
+        s2 = s2.view(torch.int32)
     pu = torch.empty(su, 2, P, I, dtype=torch.float32, device=h.device) if su > 1 else h
     pd = torch.empty(sd, P, D, dtype=torch.float32, device=h.device) if sd > 1 else y
     common = dict(BLOCK_M=bm, DOT_F32=f32, PREC=prec, FP4=fp4, ASM=not interp, num_warps=num_warps)
@@ -281,14 +286,16 @@ def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, b
     _moe_up_kernel[(n_tiles, triton.cdiv(I, bnu), su)](
         xq, w1, w3, s1, s3, order, wts, meta, h, pu, n_tiles, I, D, k, ku, limit, xq.stride(0), w1.stride(0),
         w1.stride(1), w3.stride(0), w3.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-        pu.stride(0), pu.stride(1) if su > 1 else 0, BLOCK_N=bnu, BLOCK_K=bku, SPLIT=su > 1, **common, **pdl(h.device))
+        pu.stride(0), pu.stride(1) if su > 1 else 0, BLOCK_N=bnu, BLOCK_K=bku, SPLIT=su > 1, SCALE_WORDS=swu, **common,
+        **pdl(h.device))
     if su > 1:
         _moe_up_sum_kernel[(n_tiles, triton.cdiv(I, 32))](
             pu, order, wts, meta, h, n_tiles, I, su, limit, pu.stride(0), pu.stride(1), h.stride(0),
             BLOCK_M=bm, BLOCK_N=32, num_warps=4, **pdl(h.device))
     _moe_down_kernel[(n_tiles, triton.cdiv(D, bnd), sd)](
         h, w2, s2, order, meta, y, pd, n_tiles, D, I, kd, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
-        s2.stride(1), y.stride(0), pd.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, SPLIT=sd > 1, **common, **pdl(h.device))
+        s2.stride(1), y.stride(0), pd.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, SPLIT=sd > 1, SCALE_WORDS=swd, **common,
+        **pdl(h.device))
     if sd > 1:
         _moe_down_sum_kernel[(n_tiles, triton.cdiv(D, 128))](
             pd, order, meta, y, n_tiles, D, sd, pd.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=128, num_warps=4, **pdl(h.device))
