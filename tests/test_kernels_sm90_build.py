@@ -108,7 +108,7 @@ def test_fp4_tile_kernels_build_for_hopper(block_m, block_n, block_k, warps, spl
     path) at its default tile and the prefill sweep's 128 x 128, and split over K at the
     decode widths' 16-row tiles and at 64: no spills, and the dots run on tensor cores
     (Hopper's warpgroup MMA from 64 rows). Split at 16 rows, the registers stay near the
-    unsplit build's (96 and 80 in sm90-build-cpu.json). Unsplit, the K loop spends under 8
+    unsplit build's (96 and 72 in sm90-build-cpu.json). Unsplit, the K loop spends under 8
     instructions a weight (the tile decoded from int32 words; byte by byte it took 8.2-11.0)."""
     for which, per in (("up", 2), ("down", 1)):
         k = B.fp4_tiles(which, block_m, block_n, block_k, warps, split=split)
