@@ -19,8 +19,8 @@ Targets (issue 16): >= 70% of the copy rate at decode widths, >= 60% of the FP8 
 "sweep" rows: the same cases with other knobs (the defaults' candidates): the dense kernel's at
 widths 1, 8 and 64 and at the first prefill width; the experts' knobs and 'tiles' path at
 widths 1, 8 and 64, and the 'tiles' path's tiles at the first prefill width.
-Expert rows with a "path": flash-slice's 16 experts at 1, 6, 16 and 96 tokens (plain decode and
-DSpark's verify widths), each path in turn (`slice_expert_rows`).
+Expert rows with a "path": flash-slice's 16 experts at 1, 5, 6, 16 and 96 tokens (plain decode,
+DSpark's draft and verify widths), each path in turn (`slice_expert_rows`).
 """
 from __future__ import annotations
 
@@ -79,7 +79,11 @@ SWEEP_M = (1, 8, 64)
 SLICE_TILES_SWEEP = ({"num_stages": 1}, {"num_stages": 2}, {"splits": 2}, {"splits": 4}, {"splits": 8},
                      {"splits": 4, "num_stages": 1}, {"splits": 4, "num_stages": 2}, {"block_k": 128},
                      {"block_k": 128, "num_stages": 1}, {"block_n_up": 32, "block_n_down": 32},
-                     {"block_n_up": 128, "block_n_down": 128}, {"num_warps": 8}, {"block_m": 16})
+                     {"block_n_up": 128, "block_n_down": 128}, {"num_warps": 8}, {"block_m": 16},
+                     {"block_n_up": 128, "block_n_down": 128, "block_k": 128})
+# flash-slice's widths: plain decode at batch 1, the draft's five rows, a verify step's six (1 and
+# 16 requests), 16 requests' plain decode
+SLICE_WIDTHS = (1, 5, 6, 16, 96)
 
 
 def parse(argv=None):
@@ -91,7 +95,7 @@ def parse(argv=None):
     p.add_argument("--one-row", action="store_true",
                    help="the dense GEMMs at one row and their sweep only (no wo_a, experts or prefill: a short call)")
     p.add_argument("--slice-experts", action="store_true",
-                   help="flash-slice's expert paths at 1, 6, 16 and 96 tokens and the 'tiles' path's sweep only")
+                   help="flash-slice's expert paths at 1, 5, 6, 16 and 96 tokens and the 'tiles' path's sweep only")
     return p.parse_args(argv)
 
 
@@ -248,14 +252,13 @@ def other_rows(out, dev, g, timed, decode, prefill, experts, sweep_m, expert_swe
 
 
 def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak, tiles_sweep=(), checkpoint=None) -> None:
-    """flash-slice's experts (16, top-6) at DSpark's verify widths (6 tokens a request, 1 and 16
-    requests) and plain decode's, each path in turn at each width: with 16 experts a verify
-    step's rows reach most of them, the case `expert_path` sends to the MMA tiles ('tiles')
-    from 6 tokens on. Rows in out["experts"] with "path" and "experts" set; the 'tiles' path
+    """flash-slice's experts (16, top-6) at SLICE_WIDTHS, each path in turn at each width: with
+    16 experts a verify step's rows reach most of them, the case `expert_path` sends to the MMA
+    tiles ('tiles') from 6 tokens on; the draft's five rows stay on the GEMVs. Rows in out["experts"] with "path" and "experts" set; the 'tiles' path
     with each of `tiles_sweep`'s knobs in out["sweep"]."""
     E, k, D, I = experts
     weights, per_expert = expert_weights(E, D, I, dev)
-    for T in (1, 6, 16, 96):
+    for T in SLICE_WIDTHS:
         x, ids, wts, o, hit = expert_inputs(g, T, E, k, D, dev)
 
         def row(**kw):
