@@ -155,14 +155,17 @@ def fp8_gemv(rows: int, block_n: int, block_k: int, quant_x: bool, warps: int = 
 def dense_decode_rows() -> list[dict]:
     """The W8A8 GEMM's decode tile (fp8_gemm._tiles at M <= 16: 16 x 64, four K blocks an
     iteration) beside the GEMV at 1 and 2 rows, with split-K, x quantized inside or not:
-    instructions a weight in the K loop (the GEMM's are the same at any M up to 16)."""
+    instructions a weight in the K loop (the GEMM's are the same at any M up to 16). The GEMV's
+    default (fp8_gemm's GEMV_BLOCK_N x GEMV_BLOCK_K, GEMV_STAGES) last."""
+    from custom_ops.triton.fp8_gemm import GEMV_BLOCK_K, GEMV_BLOCK_N, GEMV_STAGES
     rows = []
     for quant_x in (False, True):
         k = fp8_gemm(16, 64, 4, 3, True, quant_x)
         rows.append({"kernel": "_fp8_gemm_kernel", "tile": "16x64, 4 K blocks an iteration, split-K",
                      "quant_x": quant_x, "num_warps": 4, **resources(k),
                      "thread_instructions_per_weight": per_weight(loop_body(k), 4, 64 * 4 * 32)})
-        for r, bn, bk, stages in ((1, 64, 128, 3), (1, 64, 128, 1), (2, 64, 128, 3), (1, 128, 128, 3)):
+        for r, bn, bk, stages in ((1, 64, 128, 3), (1, 64, 128, 1), (2, 64, 128, 3), (1, 128, 128, 3),
+                                  (1, GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_STAGES)):
             k = fp8_gemv(r, bn, bk, quant_x, stages=stages)
             body = loop_body(k)
             rows.append({"kernel": "_fp8_gemv_kernel", "tile": f"{r} rows x {bn}x{bk}, split-K", "quant_x": quant_x,

@@ -4,8 +4,8 @@ hardware's FP8 conversion in inline PTX (fp8.E4M3_WORD_PTX; the interpreter's fo
 byte), multiplied on CUDA cores with x's FP8-QAT values (exact FP32 products), each word's sum
 scaled by its block's scale, the words summed after the K loop. Where an MMA tile would hold one
 real row in 16, its in-GEMM quantization of x and its padding dominate (benchmarks/sm90_build.py:
-10.97 thread instructions a weight in the 16-row tile's K loop with x quantized inside, 5.42 in
-the GEMV's); on the H200 it took 0.72-0.81x the MMA kernel's time at one row from bf16 x
+10.69 thread instructions a weight in the 16-row tile's K loop with x quantized inside, 4.53 in
+the GEMV's default tile); on the H200 it took 0.72-0.81x the MMA kernel's time at one row from bf16 x
 (native-gemm-paths-h200.json). Its loads are not pipelined by default: three stages (cp.async
 through shared memory) made it 1.7-3.1x slower than the MMA kernel in the same run.
 """
