@@ -168,14 +168,15 @@ else:
         assert scale_words(2304, 64, 1216, 16) == 0 and scale_words(192, 64, 192, 16) == 0
         assert scale_words(5120, 64, 5120, 64) == 0
 
-    @pytest.mark.parametrize("kw", [{}, {"splits": 2}, {"block_k": 128}])
+    @pytest.mark.parametrize("kw", [{}, {"splits": 2, "block_k": 128}, {"block_k": 256}])
     def test_tiles_read_scale_words_where_k_allows(g, monkeypatch, kw):
         """With D and I multiples of 128 the 16-row tile kernels read the scale codes as int32
-        words of four (`fp4.scale_words`; split at multiples of 128 too): w2's input rows and the
+        words of four (`fp4.scale_words`: one or, at 256-wide K blocks, two a block; the up GEMM
+        split at 128 in the second case): w2's input rows and the
         per-pair outputs equal, bit for bit, those of the same kernels reading them byte by
         byte, and the op stays within the reference's tolerance."""
         from custom_ops.triton import moe as moe_kernels
-        T, E, D, I, k = 24, 7, 256, 256, 3
+        T, E, D, I, k = 8, 4, 256, 128, 3
         x, ids, wts, w1, s1, w3, s3, w2, s2 = w4a8_case(g, T, E, D, I, k, dtype=torch.float32)
         scales = tuple(s.view(torch.uint8) for s in (s1, s3, s2))
         words = []
