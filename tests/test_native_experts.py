@@ -204,6 +204,23 @@ else:
         ref.moe_experts_w4a8(x, ids, wts, w1, s1, w3, s3, w2, s2, 1.5, r)
         assert not out.isnan().any() and float((out - r).double().norm() / r.double().norm()) < 2e-2
 
+    def test_tiles_read_scale_codes_off_word_boundaries_as_bytes(g):
+        """Scale codes whose rows do not start on a word (a view one byte into its storage) have
+        no int32 view: the tile kernels read them byte by byte, with the same outputs."""
+        T, E, D, I, k = 8, 4, 256, 128, 3
+        x, ids, wts, w1, s1, w3, s3, w2, s2 = w4a8_case(g, T, E, D, I, k, dtype=torch.float32)
+        scales = tuple(s.view(torch.uint8) for s in (s1, s3, s2))
+
+        def shifted(t):
+            buf = torch.empty(t.numel() + 1, dtype=torch.uint8)[1:].view(t.shape)
+            return buf.copy_(t)
+        outs = []
+        for sc in (scales, tuple(shifted(t) for t in scales)):
+            out = torch.full((T, D), float("nan"))
+            run_experts(x, ids, wts, w1, w3, w2, sc, 1.5, out, tiles=True, block_k=64, block_m=16)
+            outs.append(out)
+        assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+
     @pytest.mark.parametrize("kw", [{"splits": 3, "num_stages": 1}, {"splits": 2, "block_k": 32}],
                              ids=["split3-unpipelined", "split2-k32"])
     def test_moe_experts_w4a8_tiles_split_k(g, monkeypatch, kw):

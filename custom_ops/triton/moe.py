@@ -255,6 +255,12 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
     reduce_pairs(y, ids, E, out)
 
 
+def _word_aligned(*codes) -> bool:
+    """Whether each uint8 tensor of scale codes has an int32 view (rows of whole words)."""
+    return all(t.stride(-1) == 1 and t.storage_offset() % 4 == 0 and all(s % 4 == 0 for s in t.stride()[:-1])
+               for t in codes)
+
+
 def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, bm, k, block_n_up, block_n_down,
                block_k, splits, num_warps, stages) -> None:
     """Steps 1-2 as MMA tiles (FP4 `scales` given: each weight tile dequantized in registers):
@@ -274,6 +280,7 @@ def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, b
     ku, su = k_split(D, bku, splits)
     kd, sd = k_split(I, bkd, splits)
     swu, swd = (scale_words(D, bku, ku, bm), scale_words(I, bkd, kd, bm)) if fp4 else (0, 0)
+    swu, swd = swu if _word_aligned(s1, s3) else 0, swd if _word_aligned(s2) else 0
     if swu:             # the scale codes as int32 words of four (fp4.word_scale_codes)
         s1, s3 = s1.view(torch.int32), s3.view(torch.int32)
     if swd:
