@@ -5,10 +5,6 @@ import os
 # oracle (tests/test_bf16_parity.py) becomes a property of the host. Read at oneDNN's first
 # primitive, so set before any test runs a GEMM.
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_FP16")     # the last level below AMX
-# One thread a process, the processes the tests start included (the interpreter modules' reruns,
-# the benchmarks' dry runs, their workers): `make test` already runs a worker per core, and a
-# second thread each only makes them take turns.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
