@@ -28,6 +28,13 @@ def seeded_generator(request, device="cpu") -> torch.Generator:
     return torch.Generator(device).manual_seed(seed)
 
 
+def gamma(k: int) -> float:
+    """γ_k = k·u/(1-k·u), u = 2^-24: an FP32 summation of k terms in any order is within
+    γ_k·Σ|terms| of the exact sum (Higham, Accuracy and Stability, §4.2)."""
+    u = 2.0**-24
+    return k * u / (1 - k * u)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖ in float64."""
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))

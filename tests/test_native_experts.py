@@ -28,12 +28,8 @@ else:
     from custom_ops import gemm as ref
     from custom_ops.triton import triton_moe_experts_w4a8
     from custom_ops.triton.moe import run_experts
-    from tests.kernel_cases import rne_bf16_casts, w4a8_case
+    from tests.kernel_cases import gamma, rne_bf16_casts, w4a8_case
     from v41 import quant
-
-    def gamma(k: int) -> float:
-        u = 2.0**-24
-        return k * u / (1 - k * u)
 
     def pair_experts(ids, order):
         return ids.reshape(-1)[order.long()]

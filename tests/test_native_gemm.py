@@ -43,13 +43,8 @@ else:
     import triton.language as tl
 
     from custom_ops.triton.fp8 import e8m0_to_f32
-    from tests.kernel_cases import fp8_gemm_case, fp8_grouped_case, rne_bf16_casts
+    from tests.kernel_cases import fp8_gemm_case, fp8_grouped_case, gamma, rne_bf16_casts
     from v41 import quant
-
-    U = 2.0**-24
-
-    def gamma(k: int) -> float:
-        return k * U / (1 - k * U)
 
     def dequant_act(q, s):
         return q.double() * s.double().repeat_interleave(32, -1)

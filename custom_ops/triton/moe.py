@@ -279,8 +279,8 @@ def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, b
     bku, bkd = (math.gcd(bk, D), math.gcd(bk, I)) if fp4 else (bk, bk)      # FP4: dividing K
     ku, su = k_split(D, bku, splits)
     kd, sd = k_split(I, bkd, splits)
-    swu, swd = (scale_words(D, bku, ku, bm), scale_words(I, bkd, kd, bm)) if fp4 else (0, 0)
-    swu, swd = swu if _word_aligned(s1, s3) else 0, swd if _word_aligned(s2) else 0
+    swu = scale_words(D, bku, ku, bm) if fp4 and _word_aligned(s1, s3) else 0
+    swd = scale_words(I, bkd, kd, bm) if fp4 and _word_aligned(s2) else 0
     if swu:             # the scale codes as int32 words of four (fp4.word_scale_codes)
         s1, s3 = s1.view(torch.int32), s3.view(torch.int32)
     if swd:
