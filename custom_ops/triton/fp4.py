@@ -83,8 +83,8 @@ def scale_words(K: int, block_k: int, k_split: int, block_m: int) -> int:
     need K and each split's start to be multiples of 128, and serve the 16-row tiles of decode
     widths, whose decoding is most of their instructions: in the sm_90 builds words took their
     K loop from 6.81 / 7.44 to 5.80 / 6.66 instructions a weight (up / down, 16 x 64 x 64) with
-    every load in it asynchronous, but the 64- and 128-row tiles from 6.23-7.41 to 6.52-8.41
-    (sm90-build-cpu.json)."""
+    every load in it asynchronous, but took the 64- and 128-row tiles' from 6.23-7.41 to
+    6.52-8.41 (sm90-build-cpu.json: "FP4 scale words" rows)."""
     return max(block_k // 128, 1) if block_m <= 16 and K % 128 == 0 and k_split % 128 == 0 else 0
 
 

@@ -117,8 +117,9 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
     nmask = rn < N
     kb_lo = split * KB_SPLIT
     g_blocks = (n0 // ROWS_G).to(tl.int64) * KB + kb_lo        # the group's first K block of x, then the split's
-    # the pointers start at the split's first K block and step by UNROLL blocks (sm_90 builds: the
-    # 16-row tile's K loop 6.44 -> 5.97 instructions a weight against offsets from kb each block)
+    # the pointers start at the split's first K block and step by UNROLL blocks, rather than
+    # offsets from kb each block (with `column_scales`, the sm_90 builds' 16-row tile: its K loop
+    # 6.44 -> 5.59 instructions a weight; sm90-build-cpu.json, 6.44 in the file as of 95c9bd2)
     a_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + g_blocks * GROUP_K + rk[None, :]
     b_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + kb_lo * GROUP_K + rk[:, None]
     sa_ptrs = xs_ptr + rm.to(tl.int64) * stride_sm + g_blocks
@@ -151,10 +152,9 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
 def column_scales(s_ptrs, mask, BLOCK_N: tl.constexpr, REPEAT: tl.constexpr):
     """[BLOCK_N] FP32 weight scales of a K block for BLOCK_N columns from n0 (a multiple of
     GROUP_K): REPEAT, s_ptrs point at the E8M0 codes of their [BLOCK_N / GROUP_K] 32-wide column
-    blocks, each code decoded once and repeated over its block's columns (sm_90 builds, the
-    16-row tile's K loop: 5.97 -> 5.59 instructions a weight against a code per column; at the
-    64- and 128-row warpgroup-MMA tiles the repeat cost more, 6.97 -> 8.16 at 64 x 128); else
-    one code a column."""
+    blocks, each code decoded once and repeated over its block's columns (the 16-row tile's
+    layout; in trial builds of the 64- and 128-row warpgroup-MMA tiles the repeat lengthened the
+    K loop, so they keep it off); else one code a column."""
     s = e8m0_to_f32(tl.load(s_ptrs, mask=mask, other=127).to(tl.int32))
     if REPEAT:
         s = tl.reshape(tl.broadcast_to(s[:, None], [BLOCK_N // GROUP_K, GROUP_K]), [BLOCK_N])
