@@ -90,7 +90,7 @@ def scale_words(K: int, block_k: int, k_split: int, block_m: int) -> int:
 
 @triton.jit
 def fp4_tile(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, OUT: tl.constexpr,
-             ASM: tl.constexpr, SCALE_WORDS: tl.constexpr = 0):
+             ASM: tl.constexpr, SCALE_WORDS: tl.constexpr = 0, WGMMA: tl.constexpr = False):
     """[BLOCK_K, BLOCK_N] tile in dtype OUT of K block [k0, k0 + BLOCK_K) of the [BLOCK_N] rows of
     packed E2M1 weights (w_rows: each row's int32 words, eight values a word; s_rows: its E8M0
     scales, as `word_scale_codes` reads them), dequantized: each value times its group's scale,
@@ -98,15 +98,25 @@ def fp4_tile(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.const
     exact in FP32 and in bf16). BLOCK_K is a multiple of 32 dividing K. A word's eight values come
     from `e2m1_word_values` (on CUDA the GEMVs' PTX); the sm_90 builds take about two thirds of
     the instructions a weight that decoding byte by byte took (benchmarks/sm90_build.py,
-    `tile_rows`)."""
+    `tile_rows`).
+
+    WGMMA: the tile is a 64- or 128-row tile's operand, which Triton lays out in shared memory for
+    Hopper's wgmma; the scales then multiply the interleaved tile, since Triton 3.6 fails to lay
+    out the interleave itself there ("Illegal shared layout") when the join is the operand's
+    last step. A 16-row tile's operand stays in registers and each word's values are scaled
+    before the interleave, which Triton 3.9 builds into fewer instructions a weight (3.6 into
+    the same either way; benchmarks/sm90_build.py)."""
     j = tl.arange(0, BLOCK_K // 8)
     w = tl.load(w_rows[:, None] + (k0 // 8 + j)[None, :], mask=nmask[:, None], other=0)
     s = e2m1_scale(word_scale_codes(s_rows, k0, nmask, BLOCK_K, BLOCK_N, SCALE_WORDS))
     v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word_values(w, ASM)
-    v0, v1, v2, v3 = (v0 * s).to(OUT), (v1 * s).to(OUT), (v2 * s).to(OUT), (v3 * s).to(OUT)
-    v4, v5, v6, v7 = (v4 * s).to(OUT), (v5 * s).to(OUT), (v6 * s).to(OUT), (v7 * s).to(OUT)
+    if not WGMMA:
+        v0, v1, v2, v3 = (v0 * s).to(OUT), (v1 * s).to(OUT), (v2 * s).to(OUT), (v3 * s).to(OUT)
+        v4, v5, v6, v7 = (v4 * s).to(OUT), (v5 * s).to(OUT), (v6 * s).to(OUT), (v7 * s).to(OUT)
     # t[n, j, a, b, c] = value 4a + 2b + c of word j: each join adds the innermost axis
     t = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    if WGMMA:
+        t = (tl.reshape(t, [BLOCK_N, BLOCK_K // 8, 8]) * s[:, :, None]).to(OUT)
     return tl.trans(tl.reshape(t, [BLOCK_N, BLOCK_K]))
 
 
