@@ -9,6 +9,12 @@ its backward branch) per weight element: what a decode GEMV pays in issue slots 
 it reads (H200: 132 SMs x 4 warp instructions a clock).
 
     python benchmarks/sm90_build.py --out benchmarks/results/sm90-build-cpu.json
+
+Triton versions build the same kernel differently, so the figures that predict the GPU come from
+the GPU machine's Triton (3.6), installed beside this machine's:
+
+    pip download --no-deps triton==3.6.0 -d /tmp/w && pip install --no-deps --target /tmp/t36 /tmp/w/*.whl
+    PYTHONPATH=/tmp/t36:. python benchmarks/sm90_build.py --out benchmarks/results/sm90-build-triton36-cpu.json
 """
 from __future__ import annotations
 
