@@ -200,6 +200,41 @@ else:
         ref.moe_experts_w4a8(x, ids, wts, w1, s1, w3, s3, w2, s2, 1.5, r)
         assert not out.isnan().any() and float((out - r).double().norm() / r.double().norm()) < 2e-2
 
+    @pytest.mark.parametrize("kw", [{}, {"splits": 2}], ids=["one-split", "split-k"])
+    def test_tiles_run_word_position_dots_where_k_allows(g, monkeypatch, kw):
+        """With D and I multiples of 128 the 16-row tiles run over 128-deep K blocks as eight
+        word-position dots each (`fp4.fp4_dots`; split-K too): on exactly summable inputs w2's
+        input rows equal, bit for bit, those of the one-dot tiles over 64-deep blocks, and each
+        pair's y is within γ_I·Σ|terms| of its h · w2[e] in float64; no output is left unwritten."""
+        from custom_ops.triton import moe as moe_kernels
+        T, E, D, I, k = 8, 4, 256, 128, 3
+        x, ids, wts, w1, s1, w3, s3, w2, s2 = w4a8_case(g, T, E, D, I, k, exact=True)
+        scales = tuple(s.view(torch.uint8) for s in (s1, s3, s2))
+        blocks = []
+        kernel_rule = moe_kernels.dots_block_k
+        monkeypatch.setattr(moe_kernels, "dots_block_k", lambda *a: blocks.append(kernel_rule(*a)) or blocks[-1])
+
+        def gemms(block_k):
+            got = []
+            out = torch.full((T, D), float("nan"))
+            run_experts(x, ids, wts, w1, w3, w2, scales, 1.0e4, out, tiles=True, hidden=got, block_m=16,
+                        block_k=block_k, **kw)
+            return out, got[0], got[1], got[2]
+        out, h, order, y = gemms(None)
+        assert blocks and set(blocks) == {128}, blocks
+        _, h_one, _, _ = gemms(64)
+        valid = ids.reshape(-1) >= 0
+        n = int(valid.sum())
+        assert not out.isnan().any() and torch.equal(h[:n], h_one[:n])
+        sorted_row = torch.empty_like(order)
+        sorted_row[order.long()] = torch.arange(order.numel(), dtype=order.dtype)
+        rows = valid.nonzero().squeeze(1)
+        w2d = quant.dequant_fp4_expert(w2, s2, torch.float64)[ids.reshape(-1)[rows]]
+        hp = h.double()[sorted_row[rows].long()]
+        exact = torch.einsum("pi,pdi->pd", hp, w2d)
+        bound = gamma(I) * torch.einsum("pi,pdi->pd", hp.abs(), w2d.abs())
+        assert ((y[rows].double() - exact).abs() <= bound).all()
+
     def test_tiles_read_scale_codes_off_word_boundaries_as_bytes(g):
         """Scale codes whose rows do not start on a word (a view one byte into its storage) have
         no int32 view: the tile kernels read them byte by byte, with the same outputs."""
