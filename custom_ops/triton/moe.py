@@ -68,7 +68,8 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
     split's K range, then the epilogue, or (SPLIT) the FP32 sums into the partials [splits, 2,
     rows, I] as the GEMVs' (_moe_up_sum_kernel finishes them). FP4: w1 and w3 packed E2M1 in
     int32 words (s1, s3 their scales, strides shared), each tile dequantized exactly
-    (`fp4_tile`; its scales as SCALE_WORDS says) to x's dtype before its dot; BLOCK_K divides D."""
+    (`fp4_tile`; its scales as SCALE_WORDS says) to x's dtype before its dot, or (DOTS) each K
+    block as eight word-position dots (`fp4_dots`); BLOCK_K divides D."""
     pdl_wait(PDL)
     r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
