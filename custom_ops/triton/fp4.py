@@ -100,12 +100,11 @@ def fp4_tile(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.const
     the instructions a weight that decoding byte by byte took (benchmarks/sm90_build.py,
     `tile_rows`).
 
-    WGMMA: the tile is a 64- or 128-row tile's operand, which Triton lays out in shared memory for
-    Hopper's wgmma; the scales then multiply the interleaved tile, since Triton 3.6 fails to lay
-    out the interleave itself there ("Illegal shared layout") when the join is the operand's
-    last step. A 16-row tile's operand stays in registers and each word's values are scaled
-    before the interleave, which Triton 3.9 builds into fewer instructions a weight (3.6 into
-    the same either way; benchmarks/sm90_build.py)."""
+    WGMMA: the tile feeds a 64- or 128-row tile's wgmma, whose shared-memory operand layout
+    Triton 3.6 fails to derive from the interleave ("Illegal shared layout") when the join is
+    the tile's last step; the scales then multiply the interleaved tile. Otherwise each word's
+    values are scaled before the interleave, which Triton 3.9 builds into fewer instructions a
+    weight (3.6 into the same either way; benchmarks/sm90_build.py)."""
     j = tl.arange(0, BLOCK_K // 8)
     w = tl.load(w_rows[:, None] + (k0 // 8 + j)[None, :], mask=nmask[:, None], other=0)
     s = e2m1_scale(word_scale_codes(s_rows, k0, nmask, BLOCK_K, BLOCK_N, SCALE_WORDS))
@@ -126,11 +125,11 @@ DOTS_BLOCK_K = 128
 
 def dots_block_k(K: int, block_m: int) -> int:
     """The K block of `fp4_dots` for a GEMM over K in tiles of block_m rows, or 0 (`fp4_tile`
-    and one dot; a kernel given this K block at these rows runs the dots). The dots serve the 16-row tiles of decode widths, whose
-    decoding is most of their instructions: Triton 3.6 (the GPU's) gives a dot fed by
-    `fp4_tile`'s joins operands of kWidth 4, and the activations then reach the MMA by 64-bit
-    shared loads and register moves; the dots need no join (sm90-build-triton36-cpu.json,
-    "FP4 dots" rows)."""
+    and one dot); a kernel given this K block at these rows runs the dots. They serve the
+    16-row tiles of decode widths, whose decoding is most of their instructions: Triton 3.6
+    (the GPU's) gives a dot fed by `fp4_tile`'s joins operands of kWidth 4, and the activations
+    then reach the MMA by 64-bit shared loads and register moves; the dots need no join
+    (sm90-build-triton36-cpu.json, "FP4 dots" rows)."""
     return DOTS_BLOCK_K if block_m <= 16 and K % DOTS_BLOCK_K == 0 else 0
 
 
