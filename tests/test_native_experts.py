@@ -200,15 +200,18 @@ else:
         ref.moe_experts_w4a8(x, ids, wts, w1, s1, w3, s3, w2, s2, 1.5, r)
         assert not out.isnan().any() and float((out - r).double().norm() / r.double().norm()) < 2e-2
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("kw", [{}, {"splits": 2}], ids=["one-split", "split-k"])
-    def test_tiles_run_word_position_dots_where_k_allows(g, monkeypatch, kw):
+    def test_tiles_run_word_position_dots_where_k_allows(g, monkeypatch, kw, dtype):
         """With D and I multiples of 128 the 16-row tiles run over 128-deep K blocks as eight
         word-position dots each (`fp4.fp4_dots`; split-K too): on exactly summable inputs w2's
         input rows equal, bit for bit, those of the one-dot tiles over 64-deep blocks, and each
-        pair's y is within γ_I·Σ|terms| of its h · w2[e] in float64; no output is left unwritten."""
+        pair's y is within γ_I·Σ|terms| of its h · w2[e] in float64 (and its rounding to bf16);
+        no output is left unwritten."""
         from custom_ops.triton import moe as moe_kernels
+        rne_bf16_casts(monkeypatch)
         T, E, D, I, k = 8, 4, 256, 128, 3
-        x, ids, wts, w1, s1, w3, s3, w2, s2 = w4a8_case(g, T, E, D, I, k, exact=True)
+        x, ids, wts, w1, s1, w3, s3, w2, s2 = w4a8_case(g, T, E, D, I, k, exact=True, dtype=dtype)
         scales = tuple(s.view(torch.uint8) for s in (s1, s3, s2))
         blocks = []
         kernel_rule = moe_kernels.dots_block_k
@@ -216,7 +219,7 @@ else:
 
         def gemms(block_k):
             got = []
-            out = torch.full((T, D), float("nan"))
+            out = torch.full((T, D), float("nan"), dtype=dtype)
             run_experts(x, ids, wts, w1, w3, w2, scales, 1.0e4, out, tiles=True, hidden=got, block_m=16,
                         block_k=block_k, **kw)
             return out, got[0], got[1], got[2]
@@ -233,7 +236,8 @@ else:
         hp = h.double()[sorted_row[rows].long()]
         exact = torch.einsum("pi,pdi->pd", hp, w2d)
         bound = gamma(I) * torch.einsum("pi,pdi->pd", hp.abs(), w2d.abs())
-        assert ((y[rows].double() - exact).abs() <= bound).all()
+        u = 0.0 if dtype == torch.float32 else 2.0**-8        # y rounded to bf16: half an ulp more
+        assert ((y[rows].double() - exact).abs() <= bound * (1 + u) + exact.abs() * u).all()
 
     def test_tiles_read_scale_codes_off_word_boundaries_as_bytes(g):
         """Scale codes whose rows do not start on a word (a view one byte into its storage) have
