@@ -75,9 +75,10 @@ EXPERT_PREFILL_SWEEP = ({"path": "tiles"}, {"path": "tiles", "block_m": 64, "blo
 SWEEP_M = (1, 8, 64)
 # --slice-experts: the 'tiles' path's candidates at flash-slice's widths (its K loops pipelined
 # by Triton's default; the GEMVs ran 2-3.5x faster unpipelined, native-gemm-paths-h200.json),
-# split over K (the tiles of a verify step are about one per expert: 16 x 36 programs for 132 SMs)
+# split over K (the tiles of a verify step are about one per expert: 16 x 36 programs for 132 SMs);
+# block_k 64: at 16 rows the one-dot tile (fp4_tile), the default's word-position dots' predecessor
 SLICE_TILES_SWEEP = ({"num_stages": 1}, {"num_stages": 2}, {"splits": 2}, {"splits": 4}, {"splits": 8},
-                     {"splits": 4, "num_stages": 1}, {"splits": 4, "num_stages": 2}, {"block_k": 128},
+                     {"splits": 4, "num_stages": 1}, {"splits": 4, "num_stages": 2}, {"block_k": 64},
                      {"block_k": 128, "num_stages": 1}, {"block_n_up": 32, "block_n_down": 32},
                      {"block_n_up": 128, "block_n_down": 128}, {"num_warps": 8}, {"block_m": 16},
                      {"block_n_up": 128, "block_n_down": 128, "block_k": 128})
