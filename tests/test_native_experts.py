@@ -43,6 +43,19 @@ else:
         h, order, y = got
         return h, y, order
 
+    def assert_down_within_bound(h, y, order, ids, w2, s2, u: float = 0.0):
+        """Each pair's y against its own h codes · w2[e] in float64 (h: w2's input rows in expert
+        order): within γ_I·Σ|terms|, and (u, y rounded to a narrower dtype) half an ulp more."""
+        valid = (ids.reshape(-1) >= 0).nonzero().squeeze(1)
+        w2d = quant.dequant_fp4_expert(w2, s2, torch.float64)[ids.reshape(-1)[valid]]     # [P, D, I]
+        sorted_row = torch.empty_like(order)
+        sorted_row[order.long()] = torch.arange(order.numel(), dtype=order.dtype)
+        hp = h.double()[sorted_row[valid].long()]                                          # [P, I]
+        exact = torch.einsum("pi,pdi->pd", hp, w2d)
+        bound = gamma(h.shape[1]) * torch.einsum("pi,pdi->pd", hp.abs(), w2d.abs())
+        assert not y[valid].isnan().any()
+        assert ((y[valid].double() - exact).abs() <= bound * (1 + u) + exact.abs() * u).all()
+
     import triton
     import triton.language as tl
 
@@ -98,16 +111,7 @@ else:
         args = w4a8_case(g, T, E, D, I, k)
         x, ids, wts, w1, s1, w3, s3, w2, s2 = args
         h, y, order = w4a8_expert_gemms(*args, 1.0, **kw)
-        valid = (ids.reshape(-1) >= 0).nonzero().squeeze(1)
-        e = ids.reshape(-1)[valid]
-        w2d = quant.dequant_fp4_expert(w2, s2, torch.float64)[e]          # [P, D, I]
-        sorted_row = torch.empty_like(order)
-        sorted_row[order.long()] = torch.arange(order.numel(), dtype=order.dtype)
-        h = h.double()[sorted_row[valid].long()]                            # [P, I]
-        exact = torch.einsum("pi,pdi->pd", h, w2d)
-        S = torch.einsum("pi,pdi->pd", h.abs(), w2d.abs())
-        assert not y[valid].isnan().any()
-        assert ((y[valid].double() - exact).abs() <= gamma(I) * S).all()
+        assert_down_within_bound(h, y, order, ids, w2, s2)
 
     @pytest.mark.parametrize("kw", [{}, {"block_k": 32, "splits": 2}], ids=["one-split", "split-k"])
     def test_w4a8_up_gemm_exact_inputs(g, kw):
@@ -226,18 +230,9 @@ else:
         out, h, order, y = gemms(None)
         assert blocks and set(blocks) == {128}, blocks
         _, h_one, _, _ = gemms(64)
-        valid = ids.reshape(-1) >= 0
-        n = int(valid.sum())
+        n = int((ids >= 0).sum())
         assert not out.isnan().any() and torch.equal(h[:n], h_one[:n])
-        sorted_row = torch.empty_like(order)
-        sorted_row[order.long()] = torch.arange(order.numel(), dtype=order.dtype)
-        rows = valid.nonzero().squeeze(1)
-        w2d = quant.dequant_fp4_expert(w2, s2, torch.float64)[ids.reshape(-1)[rows]]
-        hp = h.double()[sorted_row[rows].long()]
-        exact = torch.einsum("pi,pdi->pd", hp, w2d)
-        bound = gamma(I) * torch.einsum("pi,pdi->pd", hp.abs(), w2d.abs())
-        u = 0.0 if dtype == torch.float32 else 2.0**-8        # y rounded to bf16: half an ulp more
-        assert ((y[rows].double() - exact).abs() <= bound * (1 + u) + exact.abs() * u).all()
+        assert_down_within_bound(h, y, order, ids, w2, s2, u=0.0 if dtype == torch.float32 else 2.0**-8)
 
     def test_tiles_read_scale_codes_off_word_boundaries_as_bytes(g):
         """Scale codes whose rows do not start on a word (a view one byte into its storage) have
