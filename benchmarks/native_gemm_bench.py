@@ -75,16 +75,15 @@ EXPERT_PREFILL_SWEEP = ({"path": "tiles"}, {"path": "tiles", "block_m": 64, "blo
 SWEEP_M = (1, 8, 64)
 # --slice-experts: the 'tiles' path's candidates at flash-slice's widths (its K loops pipelined
 # by Triton's default; the GEMVs ran 2-3.5x faster unpipelined, native-gemm-paths-h200.json),
-# split over K (the tiles of a verify step are about one per expert: 16 x 36 programs for 132 SMs);
-# block_k 64: at 16 rows the one-dot tile (fp4_tile), the default's word-position dots' predecessor
+# split over K (the tiles of a verify step are about one per expert: 16 x 36 programs for 132 SMs)
 SLICE_TILES_SWEEP = ({"num_stages": 1}, {"num_stages": 2}, {"splits": 2}, {"splits": 4}, {"splits": 8},
-                     {"splits": 4, "num_stages": 1}, {"splits": 4, "num_stages": 2}, {"block_k": 64},
+                     {"splits": 4, "num_stages": 1}, {"splits": 4, "num_stages": 2}, {"block_k": 128},
                      {"block_k": 128, "num_stages": 1}, {"block_n_up": 32, "block_n_down": 32},
                      {"block_n_up": 128, "block_n_down": 128}, {"num_warps": 8}, {"block_m": 16},
                      {"block_n_up": 128, "block_n_down": 128, "block_k": 128})
-# flash-slice's widths: plain decode at batch 1, the draft's five rows, a verify step's six (1 and
-# 16 requests), 16 requests' plain decode
-SLICE_WIDTHS = (1, 5, 6, 16, 96)
+# flash-slice's widths: plain decode at batch 1 to 64 (2 and 3 find where the GEMVs stop
+# winning), the draft's five rows, a verify step's six (1 and 16 requests)
+SLICE_WIDTHS = (1, 2, 3, 5, 6, 16, 64, 96)
 
 
 def parse(argv=None):
@@ -252,14 +251,15 @@ def other_rows(out, dev, g, timed, decode, prefill, experts, sweep_m, expert_swe
     slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if dev == "cpu" else SLICE_EXPERTS, copy_rate, fp8_peak)
 
 
-def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak, tiles_sweep=(), checkpoint=None) -> None:
-    """flash-slice's experts (16, top-6) at SLICE_WIDTHS, each path in turn at each width: with
+def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak, tiles_sweep=(), checkpoint=None,
+                      widths=SLICE_WIDTHS) -> None:
+    """flash-slice's experts (16, top-6) at `widths`, each path in turn at each width: with
     16 experts a verify step's rows reach most of them, the case `expert_path` sends to the MMA
     tiles ('tiles') from 6 tokens on; the draft's five rows stay on the GEMVs. Rows in out["experts"] with "path" and "experts" set; the 'tiles' path
     with each of `tiles_sweep`'s knobs in out["sweep"]."""
     E, k, D, I = experts
     weights, per_expert = expert_weights(E, D, I, dev)
-    for T in SLICE_WIDTHS:
+    for T in widths:
         x, ids, wts, o, hit = expert_inputs(g, T, E, k, D, dev)
 
         def row(**kw):
@@ -274,7 +274,7 @@ def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak, tiles_sw
 
 def slice_experts_run(dev, checkpoint=None) -> dict:
     """--slice-experts: the copy and read rates, then `slice_expert_rows` with SLICE_TILES_SWEEP
-    (--dry-run: tiny experts, its first two knobs)."""
+    (--dry-run: tiny experts at 1 and 6 tokens, its first two knobs)."""
     import torch
     timed = timer(dev)
     g = torch.Generator().manual_seed(0)
@@ -282,7 +282,7 @@ def slice_experts_run(dev, checkpoint=None) -> dict:
     out = {**header(dev, copy_rate, read_rate), "experts": [], "sweep": []}
     cpu = dev == "cpu"
     slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if cpu else SLICE_EXPERTS, copy_rate, None,
-                      SLICE_TILES_SWEEP[:2] if cpu else SLICE_TILES_SWEEP, checkpoint)
+                      SLICE_TILES_SWEEP[:2] if cpu else SLICE_TILES_SWEEP, checkpoint, (1, 6) if cpu else SLICE_WIDTHS)
     read_shares(out, read_rate)
     return out
 

@@ -122,19 +122,6 @@ def test_fp4_tile_kernels_build_for_hopper(block_m, block_n, block_k, warps, spl
             assert B.per_weight(body, warps, per * block_n * block_k) < 8
 
 
-def test_fp4_decode_tiles_build_as_word_position_dots():
-    """The 16-row decode tiles over 128-deep K blocks (their default where K allows: fp4.fp4_dots)
-    at the up and down kernels' tiles: no join left in the kernel (Triton 3.6 builds a dot fed
-    by one with kWidth 4 operands), warp-level MMAs in the K loop, no spills, and under 7
-    instructions a weight."""
-    for which, per, block_n in (("up", 2, 64), ("down", 1, 128)):
-        k = B.fp4_tiles(which, 16, block_n, 128, 4, dots=True)
-        assert "tt.join" not in k.asm["ttgir"] and 0 < registers(k) <= 255
-        body = B.loop_body(k)
-        assert any(op.startswith("HMMA") for op in body)
-        assert B.per_weight(body, 4, per * block_n * 128) < 7
-
-
 def test_fp4_decode_tiles_read_scale_words_asynchronously():
     """At the 16-row decode tile the scale codes come as int32 words of four (fp4.scale_words at
     Flash's K): the K loop has no plain global load left (the weights, x and the scales all

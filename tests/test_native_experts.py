@@ -43,19 +43,6 @@ else:
         h, order, y = got
         return h, y, order
 
-    def assert_down_within_bound(h, y, order, ids, w2, s2, u: float = 0.0):
-        """Each pair's y against its own h codes · w2[e] in float64 (h: w2's input rows in expert
-        order): within γ_I·Σ|terms|, and (u, y rounded to a narrower dtype) half an ulp more."""
-        valid = (ids.reshape(-1) >= 0).nonzero().squeeze(1)
-        w2d = quant.dequant_fp4_expert(w2, s2, torch.float64)[ids.reshape(-1)[valid]]     # [P, D, I]
-        sorted_row = torch.empty_like(order)
-        sorted_row[order.long()] = torch.arange(order.numel(), dtype=order.dtype)
-        hp = h.double()[sorted_row[valid].long()]                                          # [P, I]
-        exact = torch.einsum("pi,pdi->pd", hp, w2d)
-        bound = gamma(h.shape[1]) * torch.einsum("pi,pdi->pd", hp.abs(), w2d.abs())
-        assert not y[valid].isnan().any()
-        assert ((y[valid].double() - exact).abs() <= bound * (1 + u) + exact.abs() * u).all()
-
     import triton
     import triton.language as tl
 
@@ -111,7 +98,16 @@ else:
         args = w4a8_case(g, T, E, D, I, k)
         x, ids, wts, w1, s1, w3, s3, w2, s2 = args
         h, y, order = w4a8_expert_gemms(*args, 1.0, **kw)
-        assert_down_within_bound(h, y, order, ids, w2, s2)
+        valid = (ids.reshape(-1) >= 0).nonzero().squeeze(1)
+        e = ids.reshape(-1)[valid]
+        w2d = quant.dequant_fp4_expert(w2, s2, torch.float64)[e]          # [P, D, I]
+        sorted_row = torch.empty_like(order)
+        sorted_row[order.long()] = torch.arange(order.numel(), dtype=order.dtype)
+        h = h.double()[sorted_row[valid].long()]                            # [P, I]
+        exact = torch.einsum("pi,pdi->pd", h, w2d)
+        S = torch.einsum("pi,pdi->pd", h.abs(), w2d.abs())
+        assert not y[valid].isnan().any()
+        assert ((y[valid].double() - exact).abs() <= gamma(I) * S).all()
 
     @pytest.mark.parametrize("kw", [{}, {"block_k": 32, "splits": 2}], ids=["one-split", "split-k"])
     def test_w4a8_up_gemm_exact_inputs(g, kw):
@@ -203,36 +199,6 @@ else:
         r = torch.empty(T, D)
         ref.moe_experts_w4a8(x, ids, wts, w1, s1, w3, s3, w2, s2, 1.5, r)
         assert not out.isnan().any() and float((out - r).double().norm() / r.double().norm()) < 2e-2
-
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    @pytest.mark.parametrize("kw", [{}, {"splits": 2}], ids=["one-split", "split-k"])
-    def test_tiles_run_word_position_dots_where_k_allows(g, monkeypatch, kw, dtype):
-        """With D and I multiples of 128 the 16-row tiles run over 128-deep K blocks as eight
-        word-position dots each (`fp4.fp4_dots`; split-K too): on exactly summable inputs w2's
-        input rows equal, bit for bit, those of the one-dot tiles over 64-deep blocks, and each
-        pair's y is within γ_I·Σ|terms| of its h · w2[e] in float64 (and its rounding to bf16);
-        no output is left unwritten."""
-        from custom_ops.triton import moe as moe_kernels
-        rne_bf16_casts(monkeypatch)
-        T, E, D, I, k = 8, 4, 256, 128, 3
-        x, ids, wts, w1, s1, w3, s3, w2, s2 = w4a8_case(g, T, E, D, I, k, exact=True, dtype=dtype)
-        scales = tuple(s.view(torch.uint8) for s in (s1, s3, s2))
-        blocks = []
-        kernel_rule = moe_kernels.dots_block_k
-        monkeypatch.setattr(moe_kernels, "dots_block_k", lambda *a: blocks.append(kernel_rule(*a)) or blocks[-1])
-
-        def gemms(block_k):
-            got = []
-            out = torch.full((T, D), float("nan"), dtype=dtype)
-            run_experts(x, ids, wts, w1, w3, w2, scales, 1.0e4, out, tiles=True, hidden=got, block_m=16,
-                        block_k=block_k, **kw)
-            return out, got[0], got[1], got[2]
-        out, h, order, y = gemms(None)
-        assert blocks and set(blocks) == {128}, blocks
-        _, h_one, _, _ = gemms(64)
-        n = int((ids >= 0).sum())
-        assert not out.isnan().any() and torch.equal(h[:n], h_one[:n])
-        assert_down_within_bound(h, y, order, ids, w2, s2, u=0.0 if dtype == torch.float32 else 2.0**-8)
 
     def test_tiles_read_scale_codes_off_word_boundaries_as_bytes(g):
         """Scale codes whose rows do not start on a word (a view one byte into its storage) have

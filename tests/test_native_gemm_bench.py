@@ -37,7 +37,7 @@ def test_bench_dry_run(tmp_path):
         ("wo_a_grouped", 1), ("wo_a_per_group", 1), ("wo_a_grouped", 3), ("wo_a_per_group", 3)]
     assert [row["M"] for row in res["experts"] if "path" not in row] == [1, 3, 40]
     assert [(row["M"], row["path"]) for row in res["experts"] if "path" in row] == \
-        [(T, p) for T in (1, 5, 6, 16, 96) for p in ("gemv", "tiles")]
+        [(T, p) for T in (1, 6) for p in ("gemv", "tiles")]
     assert "scaled_mm_us" in plain[-1] and res["fp8_peak_TFLOPs"] > 0
     assert all(row["us"] > 0 and row["weight_bytes"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
     assert [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1), ("tiny", 40), ("experts_w4a8", 1),
@@ -58,13 +58,13 @@ def test_bench_one_row(tmp_path):
 
 
 def test_bench_slice_experts(tmp_path):
-    """--slice-experts: flash-slice's expert paths at its five widths and the 'tiles' path
-    with its sweep's knobs (two of them on the CPU), nothing else (a short device call)."""
+    """--slice-experts: flash-slice's expert paths at its widths (two on the CPU) and the 'tiles'
+    path with its sweep's knobs (two on the CPU), nothing else (a short device call)."""
     res = dry_run(tmp_path, "native_gemm_bench.py", "--slice-experts")
     assert [(row["M"], row["path"]) for row in res["experts"]] == \
-        [(T, p) for T in (1, 5, 6, 16, 96) for p in ("gemv", "tiles")]
+        [(T, p) for T in (1, 6) for p in ("gemv", "tiles")]
     assert [(row["M"], row["knobs"]) for row in res["sweep"]] == \
-        [(T, {"path": "tiles", **kw}) for T in (1, 5, 6, 16, 96) for kw in ({"num_stages": 1}, {"num_stages": 2})]
+        [(T, {"path": "tiles", **kw}) for T in (1, 6) for kw in ({"num_stages": 1}, {"num_stages": 2})]
     assert all(row["us"] > 0 and row["pct_read"] > 0 for row in res["experts"] + res["sweep"])
 
 

@@ -183,7 +183,7 @@ formats)
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/formats.log" | cut -c1-200 | tail -12 ;;
 slice-experts)
   step "native_gemm_bench --slice-experts"
-  timeout 450 $py benchmarks/native_gemm_bench.py --slice-experts --out "$OUT/experts-slice-tiles-h200.json" \
+  timeout 450 $py benchmarks/native_gemm_bench.py --slice-experts --out "$OUT/experts-slice-tiles.json" \
     > "$OUT/slice-experts.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/slice-experts.log" ;;
 wo-a)

@@ -89,20 +89,6 @@ def scale_words(K: int, block_k: int, k_split: int, block_m: int) -> int:
 
 
 @triton.jit
-def block_values(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr,
-                 SCALE_WORDS: tl.constexpr):
-    """(v0, ..., v7, s) of K block [k0, k0 + BLOCK_K) of the [BLOCK_N] rows of packed E2M1
-    weights (w_rows: each row's int32 words; s_rows: its scales as `word_scale_codes` reads
-    them): value i of each of the block's words (`e2m1_word_values`), [BLOCK_N, BLOCK_K / 8]
-    each, and each word's FP32 multiplier (`e2m1_scale`)."""
-    j = tl.arange(0, BLOCK_K // 8)
-    w = tl.load(w_rows[:, None] + (k0 // 8 + j)[None, :], mask=nmask[:, None], other=0)
-    s = e2m1_scale(word_scale_codes(s_rows, k0, nmask, BLOCK_K, BLOCK_N, SCALE_WORDS))
-    v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word_values(w, ASM)
-    return v0, v1, v2, v3, v4, v5, v6, v7, s
-
-
-@triton.jit
 def fp4_tile(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, OUT: tl.constexpr,
              ASM: tl.constexpr, SCALE_WORDS: tl.constexpr = 0, WGMMA: tl.constexpr = False):
     """[BLOCK_K, BLOCK_N] tile in dtype OUT of K block [k0, k0 + BLOCK_K) of the [BLOCK_N] rows of
@@ -119,7 +105,10 @@ def fp4_tile(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.const
     the tile's last step; the scales then multiply the interleaved tile. Otherwise each word's
     values are scaled before the interleave, which Triton 3.9 builds into fewer instructions a
     weight (3.6 into the same either way; benchmarks/sm90_build.py)."""
-    v0, v1, v2, v3, v4, v5, v6, v7, s = block_values(w_rows, s_rows, k0, nmask, BLOCK_K, BLOCK_N, ASM, SCALE_WORDS)
+    j = tl.arange(0, BLOCK_K // 8)
+    w = tl.load(w_rows[:, None] + (k0 // 8 + j)[None, :], mask=nmask[:, None], other=0)
+    s = e2m1_scale(word_scale_codes(s_rows, k0, nmask, BLOCK_K, BLOCK_N, SCALE_WORDS))
+    v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word_values(w, ASM)
     if not WGMMA:
         v0, v1, v2, v3 = (v0 * s).to(OUT), (v1 * s).to(OUT), (v2 * s).to(OUT), (v3 * s).to(OUT)
         v4, v5, v6, v7 = (v4 * s).to(OUT), (v5 * s).to(OUT), (v6 * s).to(OUT), (v7 * s).to(OUT)
@@ -128,53 +117,6 @@ def fp4_tile(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.const
     if WGMMA:
         t = (tl.reshape(t, [BLOCK_N, BLOCK_K // 8, 8]) * s[:, :, None]).to(OUT)
     return tl.trans(tl.reshape(t, [BLOCK_N, BLOCK_K]))
-
-
-# `fp4_dots`' K block: each word position's dot is BLOCK_K / 8 = 16 deep, the bf16 MMA's depth
-DOTS_BLOCK_K = 128
-
-
-def dots_block_k(K: int, block_m: int) -> int:
-    """The K block of `fp4_dots` for a GEMM over K in tiles of block_m rows, or 0 (`fp4_tile`
-    and one dot); a kernel given this K block at these rows runs the dots. They serve the
-    16-row tiles of decode widths, whose decoding is most of their instructions: Triton 3.6
-    (the GPU's) gives a dot fed by `fp4_tile`'s joins operands of kWidth 4, and the activations
-    then reach the MMA by 64-bit shared loads and register moves; the dots need no join
-    (sm90-build-triton36-cpu.json, "FP4 dots" rows)."""
-    return DOTS_BLOCK_K if block_m <= 16 and K % DOTS_BLOCK_K == 0 else 0
-
-
-@triton.jit
-def fp4_dots(acc, a_rows, amask, w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-             ASM: tl.constexpr, SCALE_WORDS: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] plus a · wᵀ over K block [k0, k0 + BLOCK_K): the same products as
-    `fp4_tile`'s tile and one dot, in eight dots: word position i's values of the block's words
-    (`e2m1_word_values`, each times its group's scale, exactly, in a's dtype), [BLOCK_N,
-    BLOCK_K / 8], against a's columns k0 + 8j + i (a_rows: [BLOCK_M, 1] pointers at each row's
-    K start, amask its rows). K is summed in another order than one dot's, an FP32
-    accumulation-order difference, as a K split is."""
-    v0, v1, v2, v3, v4, v5, v6, v7, s = block_values(w_rows, s_rows, k0, nmask, BLOCK_K, BLOCK_N, ASM, SCALE_WORDS)
-    a_words = a_rows + k0 + 8 * tl.arange(0, BLOCK_K // 8)[None, :]       # each word's first column
-    acc = _word_position_dot(acc, a_words, amask, v0 * s, 0, DOT_F32, PREC)
-    acc = _word_position_dot(acc, a_words, amask, v1 * s, 1, DOT_F32, PREC)
-    acc = _word_position_dot(acc, a_words, amask, v2 * s, 2, DOT_F32, PREC)
-    acc = _word_position_dot(acc, a_words, amask, v3 * s, 3, DOT_F32, PREC)
-    acc = _word_position_dot(acc, a_words, amask, v4 * s, 4, DOT_F32, PREC)
-    acc = _word_position_dot(acc, a_words, amask, v5 * s, 5, DOT_F32, PREC)
-    acc = _word_position_dot(acc, a_words, amask, v6 * s, 6, DOT_F32, PREC)
-    return _word_position_dot(acc, a_words, amask, v7 * s, 7, DOT_F32, PREC)
-
-
-@triton.jit
-def _word_position_dot(acc, a_words, amask, v, i: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    """acc plus a[:, words' columns + i] · vᵀ (a_words: [BLOCK_M, words] pointers at each word's
-    first column), v [BLOCK_N, words] in FP32 rounded to a's dtype (exact: scaled E2M1 values)."""
-    a = tl.load(a_words + i, mask=amask, other=0.0)
-    b = tl.trans(v.to(a.dtype))
-    if DOT_F32:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=PREC)
 
 
 @triton.jit

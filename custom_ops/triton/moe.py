@@ -34,7 +34,7 @@ import triton.language as tl
 from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, pdl, pdl_wait
-from custom_ops.triton.fp4 import dots_block_k, fp4_dots, fp4_tile, scale_words
+from custom_ops.triton.fp4 import fp4_tile, scale_words
 from custom_ops.triton.moe_gemv import FP4_STAGES, fp4_gemvs, k_split
 from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, swiglu_store, tile_rows
 
@@ -63,13 +63,12 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
                    stride_sn, stride_h, stride_ps, stride_pu,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                    DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr,
-                   SCALE_WORDS: tl.constexpr = 0, DOTS: tl.constexpr = False, PDL: tl.constexpr = False):
+                   SCALE_WORDS: tl.constexpr = 0, PDL: tl.constexpr = False):
     """One (tile, N block, K split): the tile's token rows against w1[e] and w3[e] over the
     split's K range, then the epilogue, or (SPLIT) the FP32 sums into the partials [splits, 2,
     rows, I] as the GEMVs' (_moe_up_sum_kernel finishes them). FP4: w1 and w3 packed E2M1 in
     int32 words (s1, s3 their scales, strides shared), each tile dequantized exactly
-    (`fp4_tile`; its scales as SCALE_WORDS says) to x's dtype before its dot, or (DOTS) each K
-    block as eight word-position dots (`fp4_dots`); BLOCK_K divides D."""
+    (`fp4_tile`; its scales as SCALE_WORDS says) to x's dtype before its dot; BLOCK_K divides D."""
     pdl_wait(PDL)
     r0, r1, e, rows, rmask, pair = tile_rows(meta_ptr, order_ptr, n_tiles, BLOCK_M)
     if r0 >= r1:
@@ -88,28 +87,22 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k_len, BLOCK_K):
-        if DOTS:
-            acc_g = fp4_dots(acc_g, a_rows, rmask[:, None], b1, s1_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, ASM,
-                             SCALE_WORDS, DOT_F32, PREC)
-            acc_u = fp4_dots(acc_u, a_rows, rmask[:, None], b3, s3_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, ASM,
-                             SCALE_WORDS, DOT_F32, PREC)
+        ks = k0 + rk
+        kmask = ks < k_len
+        a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if FP4:
+            wg = fp4_tile(b1, s1_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM, SCALE_WORDS, BLOCK_M >= 64)
+            wu = fp4_tile(b3, s3_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM, SCALE_WORDS, BLOCK_M >= 64)
         else:
-            ks = k0 + rk
-            kmask = ks < k_len
-            a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            if FP4:
-                wg = fp4_tile(b1, s1_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM, SCALE_WORDS, BLOCK_M >= 64)
-                wu = fp4_tile(b3, s3_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM, SCALE_WORDS, BLOCK_M >= 64)
-            else:
-                bm = kmask[:, None] & nmask[None, :]
-                wg = tl.load(b1[None, :] + ks[:, None], mask=bm, other=0.0)
-                wu = tl.load(b3[None, :] + ks[:, None], mask=bm, other=0.0)
-            if DOT_F32:
-                a = a.to(tl.float32)
-                wg = wg.to(tl.float32)
-                wu = wu.to(tl.float32)
-            acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
-            acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
+            bm = kmask[:, None] & nmask[None, :]
+            wg = tl.load(b1[None, :] + ks[:, None], mask=bm, other=0.0)
+            wu = tl.load(b3[None, :] + ks[:, None], mask=bm, other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+        acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
+        acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
     if SPLIT:
         at = part_ptr + tl.program_id(2) * stride_ps + rows.to(tl.int64)[:, None] * I + rn[None, :]
         m = rmask[:, None] & nmask[None, :]
@@ -147,7 +140,7 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, part_ptr
                      stride_h, stride_w2e, stride_w2n, stride_se, stride_sn, stride_y, stride_ps,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                      DOT_F32: tl.constexpr, PREC: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr,
-                     SCALE_WORDS: tl.constexpr = 0, DOTS: tl.constexpr = False, PDL: tl.constexpr = False):
+                     SCALE_WORDS: tl.constexpr = 0, PDL: tl.constexpr = False):
     """One (tile, N block, K split): h rows · w2[e]ᵀ over the split's K range, rounded, at the
     pairs' own rows of y, or (SPLIT) the FP32 sums at the pairs' rows of the partials [splits,
     pairs, D] (_moe_down_sum_kernel finishes them). FP4: as the up kernel's."""
@@ -165,21 +158,17 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, part_ptr
     sc = s2_ptr + e * stride_se + rn.to(tl.int64) * stride_sn + (k_lo // 128 if SCALE_WORDS else k_lo // 32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k_len, BLOCK_K):
-        if DOTS:
-            acc = fp4_dots(acc, a_rows, rmask[:, None], b, sc, k0, nmask, BLOCK_K, BLOCK_N, ASM, SCALE_WORDS,
-                           DOT_F32, PREC)
+        ks = k0 + rk
+        kmask = ks < k_len
+        a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if FP4:
+            w = fp4_tile(b, sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM, SCALE_WORDS, BLOCK_M >= 64)
         else:
-            ks = k0 + rk
-            kmask = ks < k_len
-            a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            if FP4:
-                w = fp4_tile(b, sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM, SCALE_WORDS, BLOCK_M >= 64)
-            else:
-                w = tl.load(b[None, :] + ks[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-            if DOT_F32:
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(a, w, acc, input_precision=PREC)
+            w = tl.load(b[None, :] + ks[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PREC)
     m = rmask[:, None] & nmask[None, :]
     if SPLIT:
         tl.store(part_ptr + tl.program_id(2) * stride_ps + pair[:, None] * D + rn[None, :], acc, mask=m)
@@ -288,9 +277,6 @@ def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, b
     if fp4:             # the tile kernels read packed FP4 as int32 words, eight values a word
         w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))
     bku, bkd = (math.gcd(bk, D), math.gcd(bk, I)) if fp4 else (bk, bk)      # FP4: dividing K
-    if fp4 and block_k is None:         # 16-row tiles: word-position dots where K allows (fp4.fp4_dots)
-        bku, bkd = dots_block_k(D, bm) or bku, dots_block_k(I, bm) or bkd
-    dots_u, dots_d = fp4 and bku == dots_block_k(D, bm), fp4 and bkd == dots_block_k(I, bm)
     ku, su = k_split(D, bku, splits)
     kd, sd = k_split(I, bkd, splits)
     swu = scale_words(D, bku, ku, bm) if fp4 and _word_aligned(s1, s3) else 0
@@ -307,16 +293,16 @@ def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, b
     _moe_up_kernel[(n_tiles, triton.cdiv(I, bnu), su)](
         xq, w1, w3, s1, s3, order, wts, meta, h, pu, n_tiles, I, D, k, ku, limit, xq.stride(0), w1.stride(0),
         w1.stride(1), w3.stride(0), w3.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-        pu.stride(0), pu.stride(1) if su > 1 else 0, BLOCK_N=bnu, BLOCK_K=bku, SPLIT=su > 1, SCALE_WORDS=swu,
-        DOTS=dots_u, **common, **pdl(h.device))
+        pu.stride(0), pu.stride(1) if su > 1 else 0, BLOCK_N=bnu, BLOCK_K=bku, SPLIT=su > 1, SCALE_WORDS=swu, **common,
+        **pdl(h.device))
     if su > 1:
         _moe_up_sum_kernel[(n_tiles, triton.cdiv(I, 32))](
             pu, order, wts, meta, h, n_tiles, I, su, limit, pu.stride(0), pu.stride(1), h.stride(0),
             BLOCK_M=bm, BLOCK_N=32, num_warps=4, **pdl(h.device))
     _moe_down_kernel[(n_tiles, triton.cdiv(D, bnd), sd)](
         h, w2, s2, order, meta, y, pd, n_tiles, D, I, kd, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
-        s2.stride(1), y.stride(0), pd.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, SPLIT=sd > 1, SCALE_WORDS=swd,
-        DOTS=dots_d, **common, **pdl(h.device))
+        s2.stride(1), y.stride(0), pd.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, SPLIT=sd > 1, SCALE_WORDS=swd, **common,
+        **pdl(h.device))
     if sd > 1:
         _moe_down_sum_kernel[(n_tiles, triton.cdiv(D, 128))](
             pd, order, meta, y, n_tiles, D, sd, pd.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=128, num_warps=4, **pdl(h.device))
