@@ -251,15 +251,14 @@ def other_rows(out, dev, g, timed, decode, prefill, experts, sweep_m, expert_swe
     slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if dev == "cpu" else SLICE_EXPERTS, copy_rate, fp8_peak)
 
 
-def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak, tiles_sweep=(), checkpoint=None,
-                      widths=SLICE_WIDTHS) -> None:
-    """flash-slice's experts (16, top-6) at `widths`, each path in turn at each width: with
-    16 experts a verify step's rows reach most of them, the case `expert_path` sends to the MMA
-    tiles ('tiles') from 6 tokens on; the draft's five rows stay on the GEMVs. Rows in out["experts"] with "path" and "experts" set; the 'tiles' path
-    with each of `tiles_sweep`'s knobs in out["sweep"]."""
+def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak, tiles_sweep=(), checkpoint=None) -> None:
+    """flash-slice's experts (16, top-6) at SLICE_WIDTHS (the CPU's dry run: 1 and 6 tokens),
+    each path in turn at each width: with 16 experts a verify step's rows reach most of them;
+    `expert_path` sends 3 tokens on to the MMA tiles ('tiles', with `tile_knobs`). Rows in out["experts"] with "path" and "experts" set;
+    the 'tiles' path with each of `tiles_sweep`'s knobs in out["sweep"]."""
     E, k, D, I = experts
     weights, per_expert = expert_weights(E, D, I, dev)
-    for T in widths:
+    for T in ((1, 6) if dev == "cpu" else SLICE_WIDTHS):
         x, ids, wts, o, hit = expert_inputs(g, T, E, k, D, dev)
 
         def row(**kw):
@@ -274,7 +273,7 @@ def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak, tiles_sw
 
 def slice_experts_run(dev, checkpoint=None) -> dict:
     """--slice-experts: the copy and read rates, then `slice_expert_rows` with SLICE_TILES_SWEEP
-    (--dry-run: tiny experts at 1 and 6 tokens, its first two knobs)."""
+    (--dry-run: tiny experts, its first two knobs)."""
     import torch
     timed = timer(dev)
     g = torch.Generator().manual_seed(0)
@@ -282,7 +281,7 @@ def slice_experts_run(dev, checkpoint=None) -> dict:
     out = {**header(dev, copy_rate, read_rate), "experts": [], "sweep": []}
     cpu = dev == "cpu"
     slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if cpu else SLICE_EXPERTS, copy_rate, None,
-                      SLICE_TILES_SWEEP[:2] if cpu else SLICE_TILES_SWEEP, checkpoint, (1, 6) if cpu else SLICE_WIDTHS)
+                      SLICE_TILES_SWEEP[:2] if cpu else SLICE_TILES_SWEEP, checkpoint)
     read_shares(out, read_rate)
     return out
 

@@ -331,26 +331,30 @@ else:
         assert float((out - r).double().norm() / r.double().norm()) < 2e-2
 
     def test_expert_path_by_pairs_per_expert():
-        """GEMVs while pairs are few per expert (flash-slice's 16 experts: up to 5 tokens of top-6;
-        Flash's 384: up to 64 tokens), the dequantizing MMA tiles beyond."""
-        from custom_ops.triton.moe_w4a8 import expert_path
-        assert [expert_path(6 * t, 16) for t in (1, 5, 6, 64, 341)] == ["gemv"] * 2 + ["tiles"] * 3
+        """GEMVs while pairs are few per expert (flash-slice's 16 experts: up to 2 tokens of top-6;
+        Flash's 384: up to 64 tokens), the dequantizing MMA tiles beyond: 16 rows with K split in
+        two up to 32 pairs an expert (flash-slice: 85 tokens), run_experts' defaults past."""
+        from custom_ops.triton.moe_w4a8 import expert_path, tile_knobs
+        assert [expert_path(6 * t, 16) for t in (1, 2, 3, 64, 341)] == ["gemv"] * 2 + ["tiles"] * 3
         assert [expert_path(6 * t, 384) for t in (1, 64, 65, 8191)] == ["gemv"] * 2 + ["tiles"] * 2
+        split16 = {"block_m": 16, "splits": 2}
+        assert [tile_knobs(6 * t, 16) for t in (3, 64, 85, 86, 2048)] == [split16] * 3 + [{}] * 2
 
-    def test_moe_experts_w4a8_default_tiles(g, monkeypatch):
-        """Past the GEMVs the op's default runs the 'tiles' path at run_experts' tiles (the tile
-        kernels get no other knobs) and gives the reference's output within its tolerance (as
+    @pytest.mark.parametrize("T,knobs", [(24, {"block_m": 16, "splits": 2}), (60, {})], ids=["split16", "plain"])
+    def test_moe_experts_w4a8_default_tiles(g, monkeypatch, T, knobs):
+        """Past the GEMVs the op's default runs the 'tiles' path with `tile_knobs`' knobs (16
+        pairs an expert: 16-row tiles, K split in two; 40: none, run_experts' tiles) and gives the reference's output within its tolerance (as
         above). Tile shapes partition rows and columns only, so the output alone cannot tell the
         paths apart."""
         from custom_ops.triton import moe_w4a8
         calls = []
         real = moe_w4a8.run_experts
         monkeypatch.setattr(moe_w4a8, "run_experts", lambda *a, **kw: (calls.append(kw), real(*a, **kw)))
-        E, D, I, k, T = 3, 64, 96, 2, 24
+        E, D, I, k, T = 3, 64, 96, 2, T
         args = w4a8_case(g, T, E, D, I, k, dtype=torch.float32)
         out, r = torch.full((T, D), float("nan")), torch.empty(T, D)
         triton_moe_experts_w4a8(*args, 1.5, out)
-        assert calls == [{"tiles": True}]
+        assert calls == [{"tiles": True, **knobs}]
         ref.moe_experts_w4a8(*args, 1.5, r)
         assert not out.isnan().any() and float((out - r).double().norm() / r.double().norm()) < 2e-2
 

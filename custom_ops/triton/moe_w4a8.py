@@ -15,25 +15,37 @@ from custom_ops.triton.common import TL_DTYPES
 from custom_ops.triton.moe import fits, run_experts
 
 DECODE_PAIRS = 384         # 64 tokens x top-6: up to here moe_gemv.py's FP4 GEMVs (H200: faster than the tiles at 1-64 tokens)
-GEMV_PAIRS_PER_EXPERT = 2  # a GEMV reads its expert's weights once per pair, an MMA tile once per tile
+GEMV_PAIRS_PER_EXPERT = 1  # a GEMV reads its expert's weights once per pair, an MMA tile once per tile
+SPLIT_TILE_PAIRS_PER_EXPERT = 32    # up to here 16-row tiles with K split in two (`tile_knobs`)
 
 
 def expert_path(pairs: int, experts: int) -> str:
     """'gemv' (moe_gemv.py's FP4 GEMVs, a pass over an expert's weights per pair) while the (token,
     slot) pairs are few, at most DECODE_PAIRS and GEMV_PAIRS_PER_EXPERT per expert on average;
     'tiles' (moe.py's MMA tiles on FP4 weight tiles dequantized to bf16, one pass per tile)
-    beyond. H200, one run (native-gemm-paths-h200.json): flash-slice's 16 experts at 6 / 16 /
-    96 tokens 244.6 / 265.3 / 417.5 µs as 'tiles' against 346.5 / 357.2 / 826.6 µs on FP8-MMA
-    tiles with a per-32 scale promotion (deleted since; git history: `_w4a8_up_kernel`); Flash's
-    384 at 2,048 tokens 7,270 µs against 11,334."""
+    beyond. H100, one run (experts-slice-h100.json): flash-slice's 16 experts at 1 / 2 / 3 / 5
+    tokens 82 / 112 / 176 / 209 µs as GEMVs against 118 / 133 / 169 / 189 µs as `tile_knobs`'
+    tiles. H200, one run (native-gemm-paths-h200.json): flash-slice's experts at 6 / 16 / 96
+    tokens 244.6 / 265.3 / 417.5 µs as 'tiles' against 346.5 / 357.2 / 826.6 µs on FP8-MMA tiles
+    with a per-32 scale promotion (deleted since; git history: `_w4a8_up_kernel`); Flash's 384 at
+    2,048 tokens 7,270 µs against 11,334."""
     return "gemv" if pairs <= min(DECODE_PAIRS, GEMV_PAIRS_PER_EXPERT * experts) else "tiles"
+
+
+def tile_knobs(pairs: int, experts: int) -> dict:
+    """The 'tiles' path's defaults: while the pairs average at most SPLIT_TILE_PAIRS_PER_EXPERT an
+    expert, 16-row tiles with each GEMM's K split in two (more programs for the SMs than one
+    32-row tile an expert gives); run_experts' own beyond. H100, one run (experts-slice-h100.json),
+    flash-slice's experts: 6 / 16 tokens 189 / 236 µs split in two against 239 / 247 unsplit, 64
+    tokens (24 pairs an expert) 410 µs in 16-row tiles against 502 in 32-row ones."""
+    return {"block_m": 16, "splits": 2} if pairs <= SPLIT_TILE_PAIRS_PER_EXPERT * experts else {}
 
 
 def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out, *, path: str | None = None,
                             **knobs) -> None:
     """`v41::moe_experts_w4a8` (same signature). `path` (default `expert_path`; knobs without a
-    path imply 'gemv'): 'gemv', moe.py's tile grouping with moe_gemv.py's FP4 GEMVs
-    (`run_experts` with scales); 'tiles', moe.py's MMA tile kernels with each FP4 weight tile
+    path imply 'gemv', the tiles without knobs take `tile_knobs`): 'gemv', moe.py's tile
+    grouping with moe_gemv.py's FP4 GEMVs (`run_experts` with scales); 'tiles', moe.py's MMA tile kernels with each FP4 weight tile
     dequantized exactly to x's dtype in registers (no per-32 scale promotion after the dots: the
     scales are in the tile). Every product is exact in FP32, so only the order of the FP32 sums
     differs from the reference. Knobs: run_experts' (block_m, block_n_up, block_n_down, block_k,
@@ -41,7 +53,11 @@ def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out,
     if x.dtype not in TL_DTYPES or w1.dtype != torch.int8 or w1.stride() != w3.stride() or \
             s1.stride() != s3.stride() or not fits(x, (w1, w3, w2, s1, s3, s2), w1.shape[1], out, knobs):
         return _ref.moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
-    path = path or ("gemv" if knobs else expert_path(ids.numel(), w1.shape[0]))
+    pairs, experts = ids.numel(), w1.shape[0]
+    if not knobs:
+        path = path or expert_path(pairs, experts)
+        knobs = tile_knobs(pairs, experts) if path == "tiles" else {}
+    path = path or "gemv"
     if path not in ("gemv", "tiles"):
         raise ValueError(f"moe_experts_w4a8: path {path!r} is not 'gemv' or 'tiles'")
     run_experts(x, ids, weights, w1, w3, w2, tuple(t.view(torch.uint8) for t in (s1, s3, s2)), limit, out,
