@@ -16,7 +16,8 @@ from custom_ops.triton.moe import fits, run_experts
 
 DECODE_PAIRS = 384         # 64 tokens x top-6: up to here moe_gemv.py's FP4 GEMVs (H200: faster than the tiles at 1-64 tokens)
 GEMV_PAIRS_PER_EXPERT = 1  # a GEMV reads its expert's weights once per pair, an MMA tile once per tile
-SPLIT_TILE_PAIRS_PER_EXPERT = 32    # up to here 16-row tiles with K split in two (`tile_knobs`)
+SPLIT_TILE_PAIRS_PER_EXPERT = 8     # up to here the 16-row tiles split K in two (`tile_knobs`)
+SMALL_TILE_PAIRS_PER_EXPERT = 32    # up to here 16-row tiles
 
 
 def expert_path(pairs: int, experts: int) -> str:
@@ -33,12 +34,16 @@ def expert_path(pairs: int, experts: int) -> str:
 
 
 def tile_knobs(pairs: int, experts: int) -> dict:
-    """The 'tiles' path's defaults: while the pairs average at most SPLIT_TILE_PAIRS_PER_EXPERT an
-    expert, 16-row tiles with each GEMM's K split in two (more programs for the SMs than one
-    32-row tile an expert gives); run_experts' own beyond. H100, one run (experts-slice-h100.json),
-    flash-slice's experts: 6 / 16 tokens 189 / 236 µs split in two against 239 / 247 unsplit, 64
-    tokens (24 pairs an expert) 410 µs in 16-row tiles against 502 in 32-row ones."""
-    return {"block_m": 16, "splits": 2} if pairs <= SPLIT_TILE_PAIRS_PER_EXPERT * experts else {}
+    """The 'tiles' path's defaults by pairs an expert on average: 16-row tiles up to
+    SMALL_TILE_PAIRS_PER_EXPERT (run_experts' own beyond), each GEMM's K split in two up to
+    SPLIT_TILE_PAIRS_PER_EXPERT. H100, one run (experts-slice-h100.json), flash-slice's experts:
+    3 / 6 / 16 tokens (1.1 / 2.25 / 6 pairs an expert) 169 / 189 / 236 µs split in two against
+    237 / 239 / 247 unsplit; 64 tokens (24 an expert) 410 µs in 16-row tiles against 502 in the
+    default 32-row ones (16 rows split in two not timed there)."""
+    per = pairs / max(experts, 1)
+    if per > SMALL_TILE_PAIRS_PER_EXPERT:
+        return {}
+    return {"block_m": 16, "splits": 2 if per <= SPLIT_TILE_PAIRS_PER_EXPERT else 1}
 
 
 def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out, *, path: str | None = None,
