@@ -345,9 +345,9 @@ else:
     @pytest.mark.parametrize("T,knobs", [(12, {"block_m": 16, "splits": 2}), (60, {})], ids=["split16", "plain"])
     def test_moe_experts_w4a8_default_tiles(g, monkeypatch, T, knobs):
         """Past the GEMVs the op's default runs the 'tiles' path with `tile_knobs`' knobs (8
-        pairs an expert: 16-row tiles, K split in two; 40: none, run_experts' tiles) and gives the reference's output within its tolerance (as
-        above). Tile shapes partition rows and columns only, so the output alone cannot tell the
-        paths apart."""
+        pairs an expert: 16-row tiles, K split in two; 40: none, run_experts' tiles) and gives
+        the reference's output within its tolerance (as above). Tile shapes partition rows and
+        columns only, so the output alone cannot tell the paths apart."""
         from custom_ops.triton import moe_w4a8
         calls = []
         real = moe_w4a8.run_experts
