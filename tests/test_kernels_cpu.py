@@ -182,24 +182,28 @@ else:
             triton_index_topk(*args, out, out_c, block_j=8, select_block=2, row_max=row_max)
             assert torch.equal(out, ref) and torch.equal(out_c, ref_c), row_max
 
+    @pytest.mark.parametrize("w", [45, 9, 6])
     @pytest.mark.parametrize("row_max", [None, 1])
-    def test_select_into(g, row_max):
+    def test_select_into(g, row_max, w):
         """The selection alone against a stable descending sort: ties (smaller column first),
         -inf never taken, +inf first, fewer finite scores than k, rows of nothing finite,
-        negative and positive scores across the key's sign bit, several chunks a row."""
+        negative and positive scores across the key's sign bit, several chunks a row; rows of at
+        most k columns too (the one-program kernel skips its radix passes there)."""
         from custom_ops.triton.index import select_into
-        n, w, k = 7, 45, 9
+        n, k = 7, 9
         score = torch.randint(-4, 5, (n, w), generator=g).float() * 0.5     # many exact ties
         score[1] = torch.randn(w, generator=g) * 1e-30                      # tiny, both signs
         score[2, 5:] = float("-inf")                                        # 5 finite < k
         score[3] = float("-inf")                                            # nothing finite
-        score[4, [3, 40]] = float("inf")
+        score[4, [3, w - 2]] = float("inf")
         score[5, :] = -0.0
         score[5, ::3] = 0.0                                                 # -0.0 and +0.0 tie in the reference's order
+        score[6, :k] = score[6, :k].abs() + 0.5                             # exactly k finite, all positive
+        score[6, k:] = float("-inf")
         order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :k]
         ref = torch.where(score.gather(1, order) > float("-inf"), order, -1)
         ref = torch.where(ref >= 0, ref, w + 1).sort(1).values
-        ref = torch.where(ref == w + 1, -1, ref)
+        ref = torch.nn.functional.pad(torch.where(ref == w + 1, -1, ref), (0, k - ref.shape[1]), value=-1)
         out = torch.full((n, k), -1, dtype=torch.long)
         select_into(score, out, block=8, row_max=row_max)
         assert torch.equal(out, ref), (out, ref)

@@ -199,16 +199,41 @@ def _order_key(s):
 
 
 @triton.jit
+def _radix_byte(row, lim, offs, need, prefix, BYTE: tl.constexpr, BLOCK: tl.constexpr):
+    """Radix pass BYTE (0: the top byte) of the selection of the `need` largest finite keys of
+    row[:lim]: a 256-bin histogram of the byte among the finite keys that share `prefix`'s
+    higher bytes, the byte d where the count from the top reaches `need`. Returns the keys still
+    needed after those above d, prefix with d, and the keys counted (at BYTE 0: the finite ones)."""
+    shift: tl.constexpr = 24 - 8 * BYTE
+    bins = tl.arange(0, 256)
+    hist = tl.zeros([256], tl.int32)
+    for c0 in range(0, lim, BLOCK):
+        s = tl.load(row + c0 + offs, mask=c0 + offs < lim, other=float("-inf"))
+        key = _order_key(s)
+        m = s > float("-inf")
+        if BYTE > 0:
+            m = m & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+        # excluded keys counted in bin 0, then taken out
+        hist += tl.histogram(tl.where(m, (key >> shift) & 255, 0).to(tl.int32), 256) - \
+            tl.where(bins == 0, tl.sum((~m).to(tl.int32), 0), 0)
+    total = tl.sum(hist, 0)
+    from_top = total - tl.cumsum(hist, 0) + hist                    # keys at this byte or above
+    d = tl.maximum(tl.max(tl.where(from_top >= need, bins, -1), 0), 0)
+    return need - tl.sum(tl.where(bins > d, hist, 0), 0), prefix | (d.to(tl.uint32) << shift), total
+
+
+@triton.jit
 def _select_row_kernel(score_ptr, out_ptr, cand_ptr, pos_ptr, bid_ptr, t0, ratio, per, width, k, cand_block,
                        n_cand, stride_s, stride_o, stride_cand, BOUNDED: tl.constexpr, MAP_CAND: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One row per program, the whole selection in one launch: the kk-th largest finite score's
-    key (kk = min(k, width)) by a radix select over its four bytes (a 256-bin histogram of the
-    next byte among the keys that share the bytes found so far, the byte where the count from the
-    top reaches what is still needed), then one pass in column order that takes every key above
-    it and the first `need` equal to it, each at its rank. Fewer finite scores than kk: all of
-    them. BOUNDED: only columns below the token's bound are read, ceil(((p + 1) // ratio) / per)
-    (0 for a padding row), the same columns the scorer left finite."""
+    key (kk = min(k, width)) by a radix select over its four bytes (`_radix_byte`), then one
+    pass in column order that takes every key above it and the first `need` equal to it, each at
+    its rank. Fewer finite scores than kk: all of them, with key 0 as the threshold (every
+    finite key is above it); a row of at most kk columns skips the radix passes, and one whose
+    first byte's pass counts at most kk finite scores the other three. BOUNDED: only columns
+    below the token's bound are read, ceil(((p + 1) // ratio) / per) (0 for a padding row), the
+    same columns the scorer left finite."""
     pdl_wait(PDL)
     i = tl.program_id(0).to(tl.int64)
     lim = width
@@ -218,32 +243,18 @@ def _select_row_kernel(score_ptr, out_ptr, cand_ptr, pos_ptr, bid_ptr, t0, ratio
         lim = tl.minimum((v + per - 1) // per, width)
     row = score_ptr + i * stride_s
     offs = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 256)
     kk = tl.minimum(k, width)
     need = kk                                   # still to find, from the top
     prefix = tl.zeros([], tl.uint32)            # the threshold key's bytes found so far
-    finite = 0
-    for byte in tl.static_range(4):
-        shift = 24 - 8 * byte
-        hist = tl.zeros([256], tl.int32)
-        for c0 in range(0, lim, BLOCK):
-            s = tl.load(row + c0 + offs, mask=c0 + offs < lim, other=float("-inf"))
-            key = _order_key(s)
-            m = s > float("-inf")
-            if byte > 0:
-                m = m & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-            # excluded keys counted in bin 0, then taken out
-            hist += tl.histogram(tl.where(m, (key >> shift) & 255, 0).to(tl.int32), 256) - \
-                tl.where(bins == 0, tl.sum((~m).to(tl.int32), 0), 0)
-        total = tl.sum(hist, 0)
-        if byte == 0:
-            finite = total
-        from_top = total - tl.cumsum(hist, 0) + hist                # keys at this byte or above
-        d = tl.maximum(tl.max(tl.where(from_top >= need, bins, -1), 0), 0)
-        need -= tl.sum(tl.where(bins > d, hist, 0), 0)
-        prefix = prefix | (d.to(tl.uint32) << shift)
-    # fewer finite scores than kk: all of them (every finite key is above key 0)
-    prefix = tl.where(finite <= kk, tl.zeros([], tl.uint32), prefix)
+    # a skipped pass reads no column (its bound 0) and changes neither need nor prefix; a
+    # branch here instead made Triton 3.6 give the kernel a stack frame (sm90_build)
+    read = tl.where(lim > kk, lim, 0)           # at most kk columns: every finite one is taken
+    need, prefix, finite = _radix_byte(row, read, offs, need, prefix, 0, BLOCK)
+    # at most kk finite keys: each at or above the first byte's threshold, no more than `need`
+    # at it, so the column pass takes them all
+    read = tl.where(finite > kk, read, 0)
+    for byte in tl.static_range(1, 4):
+        need, prefix, finite = _radix_byte(row, read, offs, need, prefix, byte, BLOCK)
     eq_seen = 0
     taken = 0
     for c0 in range(0, lim, BLOCK):
