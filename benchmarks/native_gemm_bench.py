@@ -80,7 +80,7 @@ SLICE_TILES_SWEEP = ({"num_stages": 1}, {"num_stages": 2}, {"splits": 2}, {"spli
                      {"splits": 4, "num_stages": 1}, {"splits": 4, "num_stages": 2}, {"block_k": 128},
                      {"block_k": 128, "num_stages": 1}, {"block_n_up": 32, "block_n_down": 32},
                      {"block_n_up": 128, "block_n_down": 128}, {"num_warps": 8}, {"block_m": 16},
-                     {"block_n_up": 128, "block_n_down": 128, "block_k": 128})
+                     {"block_m": 16, "splits": 2}, {"block_n_up": 128, "block_n_down": 128, "block_k": 128})
 # flash-slice's widths: plain decode at batch 1 to 64 (2 and 3 find where the GEMVs stop
 # winning), the draft's five rows, a verify step's six (1 and 16 requests)
 SLICE_WIDTHS = (1, 2, 3, 5, 6, 16, 64, 96)
