@@ -102,10 +102,10 @@ class ToyPrefix:
     eager_cache: dict        # and the cache after it
 
 
-def toy_prefix(toy_weights, n_layers) -> ToyPrefix:
+def toy_prefix(toy_weights, n_layers, **engine) -> ToyPrefix:
     """The toy with its first `n_layers` layers and the final norm, and one prefill batch (5, 17,
-    40 tokens)."""
-    eng = H.make_engine(toy_weights, "float32", decoder_swa_bounded_replay=False)   # no decoder to replay
+    40 tokens); `engine`: more EngineArgs."""
+    eng = H.make_engine(toy_weights, "float32", decoder_swa_bounded_replay=False, **engine)   # no decoder to replay
     runner = eng.runner
     runner.use_forward(runner.model, static_shapes=True)
     runner.model.layers = runner.model.layers[:n_layers]

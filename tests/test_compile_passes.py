@@ -19,6 +19,8 @@ from tests.compile_helpers import restore, snapshot, toy_prefix
 # q, kv, ffn) and 2 more in a FULL layer (compressor, index key) + the final norm
 EXPECTED = {"inv_rope_wo_a": 3, "rope_qat": 9, "mhc": 19, "moe_route": 3, "engram_gate": 1,
             "rms_norm_quant": 15}
+# passes with nothing to match in a dequantized graph (test_native_act_quant_on_native_weights)
+NATIVE_ONLY = {"native_act_quant": 0}
 
 
 # ---- passes ---------------------------------------------------------------------------------
@@ -69,29 +71,36 @@ class PieceRecorder:
         return self.pm.uuid()
 
 
-@pytest.fixture(scope="module")
-def toy3_compiled(toy3):
-    """The toy graph compiled once (post_grad_eager, all passes, auto lowering) through a
-    PieceRecorder: pieces, output, cache after the step, pass manager."""
+def record_compile(prefix, pass_names=None):
+    """The prefix's graph compiled once (post_grad_eager, auto lowering) through a PieceRecorder
+    running `pass_names` (default all): pieces, output, cache after the step, pass manager."""
     from passes import PASS_NAMES
     from passes.manager import PassManager
-    runner = toy3.runner
-    pm = PassManager(runner.cfg, runner.dtype, lowering="auto", only=PASS_NAMES)
+    runner = prefix.runner
+    pm = PassManager(runner.cfg, runner.dtype, lowering="auto", only=pass_names or PASS_NAMES)
     rec = PieceRecorder(pm)
     fwd = C.CompiledForward(runner.model, runner.cache, C.CompileConfig(split=False, backend="post_grad_eager",
                                                                        passes=False), pass_manager=rec)
     with torch.inference_mode():
-        out = fwd(toy3.batch, runner.cache)
+        out = fwd(prefix.batch, runner.cache)
         cache = snapshot(runner.cache)
-        restore(runner.cache, toy3.snap)
-    # prologue (embedding), layers 0, 1, 2 (distinct roles: none reused), epilogue (collapse, norm)
-    assert len(rec.pieces) == 5 and all(p.inputs is not None for p in rec.pieces)
+        restore(runner.cache, prefix.snap)
+    assert all(p.inputs is not None for p in rec.pieces)
     return types.SimpleNamespace(pieces=rec.pieces, out=out, cache=cache, pm=pm)
 
 
-def run_piece(piece: Piece, pm=None):
-    """A copy of the piece's graph, passed through `pm` (None: no pass) as post_grad_eager would,
-    run on clones of its inputs: (outputs, inputs after the run)."""
+@pytest.fixture(scope="module")
+def toy3_compiled(toy3):
+    """The toy graph compiled once, every pass."""
+    compiled = record_compile(toy3)
+    # prologue (embedding), layers 0, 1, 2 (distinct roles: none reused), epilogue (collapse, norm)
+    assert len(compiled.pieces) == 5
+    return compiled
+
+
+def passed(piece: Piece, pm=None) -> torch.fx.GraphModule:
+    """A copy of the piece's graph module, passed through `pm` (None: no pass) as the compile's
+    fake mode would."""
     from torch._inductor.virtualized import V
     gm = torch.fx.GraphModule(piece.root, copy.deepcopy(piece.graph))
     if pm is not None:
@@ -100,6 +109,13 @@ def run_piece(piece: Piece, pm=None):
             pm(gm.graph)
         gm.graph.lint()
         gm.recompile()
+    return gm
+
+
+def run_piece(piece: Piece, pm=None):
+    """A copy of the piece's graph, passed through `pm` (None: no pass) as post_grad_eager would,
+    run on clones of its inputs: (outputs, inputs after the run)."""
+    gm = passed(piece, pm)
     args = [_clone(a) for a in piece.inputs]
     with torch.inference_mode():
         out = gm(*args)           # auto_functionalized nodes left by our passes run eagerly
@@ -159,7 +175,7 @@ def test_all_passes_then_backend_selection(toy3, toy3_compiled, unpassed):
     pm = toy3_compiled.pm
     assert torch.equal(toy3_compiled.out, toy3.eager)
     assert all(torch.equal(v, toy3.eager_cache[k]) for k, v in toy3_compiled.cache.items())
-    assert {k: v for k, v in pm.totals().items() if k != "backend_select"} == EXPECTED
+    assert {k: v for k, v in pm.totals().items() if k != "backend_select"} == {**EXPECTED, **NATIVE_ONLY}
     sel = pm.passes[-1]
     assert pm.totals()["backend_select"] > 0 and set(sel.decisions.values()) == {"kept (reference)"}
     assert {k.split("@")[0] for k in sel.decisions} == set(FUSED_OPS)      # all ten on this graph
@@ -167,9 +183,42 @@ def test_all_passes_then_backend_selection(toy3, toy3_compiled, unpassed):
     # is the unpassed graph's arithmetic again, bit for bit
     pm = PassManager(toy3.runner.cfg, toy3.runner.dtype, lowering="inline", only=PASS_NAMES)
     got = [run_piece(p, pm) for p in toy3_compiled.pieces]
-    assert {k: v for k, v in pm.totals().items() if k != "backend_select"} == EXPECTED
+    assert {k: v for k, v in pm.totals().items() if k != "backend_select"} == {**EXPECTED, **NATIVE_ONLY}
     assert set(pm.passes[-1].decisions.values()) == {"inlined"}
     assert_pieces_equal(got, unpassed, exact=True)
+
+
+def _ops_in(graph, name: str) -> int:
+    from passes.base import _AF
+    op = getattr(torch.ops.v41, name).default
+    return sum(1 for n in graph.nodes if n.target in _AF and n.args[0] is op)
+
+
+def test_native_act_quant_on_native_weights(toy_cfg):
+    """Native weights, wo_a FP8 too: each FP8 GEMM reading an RMSNorm takes the codes the norm's
+    op writes beside the norm; each reading pointwise ATen ops takes codes quantized by ATen ops
+    after them (Inductor's kernel for the producer); bit for bit the graph before the pass,
+    outputs and cache."""
+    from passes.manager import PassManager
+    from v41.loader import dummy_weights
+    prefix = toy_prefix(dummy_weights(toy_cfg, progress=False, wo_a="fp8"), 3, weight_format="native")
+    assert prefix.runner.model.native
+    producers = ("rope_qat", "rms_norm_quant")
+    compiled = record_compile(prefix, producers)
+    before = [run_piece(p, PassManager(prefix.runner.cfg, torch.float32, only=producers)) for p in compiled.pieces]
+    pm = PassManager(prefix.runner.cfg, torch.float32, only=(*producers, "native_act_quant"))
+    got = [run_piece(p, pm) for p in compiled.pieces]
+    assert_pieces_equal(got, before, exact=True)
+    # per layer three norms, each read by one (stacked) GEMM: attention norm -> wq_a + wkv, q norm
+    # -> wq_b (and the index query in the FULL layer), FFN norm -> shared w1 + w3; and two GEMMs
+    # on pointwise ops: wo_a on the inverse RoPE, shared w2 on SwiGLU
+    assert pm.totals()["native_act_quant"] == 5 * 3
+    graphs = [passed(p, pm).graph for p in compiled.pieces]
+    assert sum(_ops_in(g, "rms_norm_act_quant") for g in graphs) == 3 * 3
+    assert sum(_ops_in(g, "fp8_block_gemm") for g in graphs) == 5 * 3
+    # still quantized by the GEMM op: wo_b (wo_a's output) per layer, Engram's projection (the
+    # piece's input) in layer 1
+    assert sum(_ops_in(g, "fp8_linear") for g in graphs) == 3 + 1
 
 
 def _registered_patterns(p):

@@ -44,7 +44,8 @@ else:
     from custom_ops.triton import (triton_engram_gate, triton_engram_gather, triton_hc_collapse,
                                    triton_hc_expand, triton_inv_rope_wo_a, triton_mhc_mix,
                                    triton_moe_experts, triton_moe_route, triton_rms_norm,
-                                   triton_rms_norm_fp8, triton_rope, triton_rope_fp8_qat)
+                                   triton_rms_norm_act_quant, triton_rms_norm_fp8, triton_rope,
+                                   triton_rope_fp8_qat)
     from custom_ops.triton.common import fp8_qat as triton_fp8_qat
     from v41.layers import rms_norm as eager_rms_norm
 
@@ -76,6 +77,25 @@ else:
         triton_rms_norm_fp8(x, w, 1e-6, out)
         assert not out.isnan().any()
         assert_qat_close(out, ref, eager_rms_norm(x, w, 1e-6))
+
+    @pytest.mark.parametrize("shape", [(7, 96), (3, 2, 2080)])
+    def test_rms_norm_act_quant(g, shape):
+        """The norm within the FP32 rounding of its sum, and beside it exactly the act-quant of
+        that norm (codes and scales bit for bit): every element and group scale written."""
+        from custom_ops import gemm as ref_gemm
+        x, w = rnd(g, *shape, scale=2.0), rnd(g, shape[-1])
+        x[0] = 0.0                                  # a zero row: scale floor, zero codes
+        ref = torch.empty_like(x)
+        ref_norm.rms_norm(x, w, 1e-6, ref)
+        out, q = nan_like(x), torch.full(shape, float("nan")).to(torch.float8_e4m3fn)
+        s = torch.full((*shape[:-1], shape[-1] // 32), float("nan"))
+        triton_rms_norm_act_quant(x, w, 1e-6, out, q, s)
+        assert rel(out, ref) < 1e-5
+        want_q = torch.empty(q.shape, dtype=q.dtype).view(-1, shape[-1])
+        want_s = torch.empty(s.shape).view(-1, shape[-1] // 32)
+        ref_gemm.fp8_act_quant(out.view(-1, shape[-1]), want_q, want_s)
+        assert torch.equal(q.view(-1, shape[-1]).view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(s.view(-1, shape[-1] // 32), want_s)
 
     def test_rope(g):
         rope = rope_table()
@@ -347,7 +367,8 @@ else:
 
     def test_registry_selection():
         sel = registry.selected()
-        for name in ("rms_norm", "rms_norm_fp8", "rope", "rope_fp8_qat", "inv_rope_wo_a", "mhc_mix",
+        for name in ("rms_norm", "rms_norm_fp8", "rms_norm_act_quant", "rope", "rope_fp8_qat",
+                     "inv_rope_wo_a", "mhc_mix",
                      "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate",
                      "engram_gather", "f32_linear"):
             assert sel[f"v41::{name}"] == {"cpu": "reference", "cuda": "triton"}, name

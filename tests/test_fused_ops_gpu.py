@@ -28,6 +28,7 @@ import custom_ops  # noqa: E402,F401
 import custom_ops.triton  # noqa: E402,F401  (registers the CUDA impls)
 from custom_ops import attn_out as ref_attn_out  # noqa: E402
 from custom_ops import engram as ref_engram  # noqa: E402
+from custom_ops import gemm as ref_gemm  # noqa: E402
 from custom_ops import mhc as ref_mhc  # noqa: E402
 from custom_ops import moe as ref_moe  # noqa: E402
 from custom_ops import norm as ref_norm  # noqa: E402
@@ -91,6 +92,16 @@ def test_rms_norm(g, T, width):
     assert not out.isnan().any()
     assert rel(out, ref) < 1e-2 and mismatch(out, ref, 1e-3) < 0.02
     assert torch.equal(quant.fp8_qat(out, 32), out)          # on the FP8 grid already
+    # the norm and, beside it, exactly the act quant of that norm
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=DEV)
+    sc = torch.full((T, width // 32), float("nan"), device=DEV)
+    out = torch.full_like(x, float("nan"))
+    ops.rms_norm_act_quant(x, w, EPS, out, q, sc)
+    ref_norm.rms_norm(x, w, EPS, ref)
+    assert rel(out, ref) < 2e-3 and mismatch(out, ref, 1e-2) == 0
+    want_q, want_s = torch.empty_like(q), torch.empty_like(sc)
+    ref_gemm.fp8_act_quant(out, want_q, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(sc, want_s)
 
 
 # ---- rope --------------------------------------------------------------------------------------
@@ -301,8 +312,8 @@ def test_engram_gather(g, T):
 # ---- dispatch, CUDA graphs -------------------------------------------------------------------
 def test_registry_selects_triton():
     sel = registry.selected()
-    for name in ("rms_norm", "rms_norm_fp8", "rope", "rope_fp8_qat", "inv_rope_wo_a", "mhc_mix",
-                 "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate", "engram_gather",
+    for name in ("rms_norm", "rms_norm_fp8", "rms_norm_act_quant", "rope", "rope_fp8_qat", "inv_rope_wo_a",
+                 "mhc_mix", "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate", "engram_gather",
                  "f32_linear"):
         assert sel[f"v41::{name}"]["cuda"] == "triton", name
 

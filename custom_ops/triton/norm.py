@@ -1,10 +1,13 @@
-"""Triton impls of `v41::rms_norm` and `v41::rms_norm_fp8` (custom_ops/norm.py is the definition).
+"""Triton impls of `v41::rms_norm`, `v41::rms_norm_fp8` and `v41::rms_norm_act_quant`
+(custom_ops/norm.py is the definition).
 
 Rows of x ([..., D] viewed [N, D]). One program takes BLOCK_R rows and walks D in chunks twice:
 the first pass sums x² in FP32, the second (re-reading the chunks, now in L1/L2) writes
 `w·(x·rsqrt(Σx²/D + eps))` rounded once to x's dtype. The FP8 variant reads each chunk as a
 [BLOCK_R, BLOCK_G, 32] tile, rounds the norm to x's dtype first (as the eager model does), then
-applies the FP8 QAT per group of 32 (bit-exact with v41.quant.fp8_qat; see common.py).
+applies the FP8 QAT per group of 32 (bit-exact with v41.quant.fp8_qat; see common.py), or with
+CODES writes the rounded norm and, beside it, its E4M3 codes and group scales (what the act-quant
+kernel of fp8_gemm.py would make of it).
 Flash: D = 5120 -> chunks of 1024 (5 per pass), one row per program; q_norm (1280), kv_norm
 (512) and the index k_norm (128) pack 1..8 rows per program. FP64 (the oracle) and other dtypes
 fall back to the reference.
@@ -18,6 +21,7 @@ import triton.language as tl
 from custom_ops import norm as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, fp8_qat_groups, pdl, pdl_wait, rows2d
+from custom_ops.triton.fp8 import fp8_quant_groups
 
 CHUNK = 1024                  # elements of a row per chunk
 TILE = 2048                   # elements per program per chunk (rows x chunk)
@@ -48,13 +52,15 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
 
 
 @triton.jit
-def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
-                         BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False):
+def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, N, D, eps, stride_x, stride_o, stride_q, stride_s,
+                         BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, CODES: tl.constexpr,
+                         PDL: tl.constexpr = False):
     pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     r = rows.to(tl.int64)[:, None, None]
-    col = tl.arange(0, BLOCK_G)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    g = tl.arange(0, BLOCK_G)[None, :, None]
+    col = g * 32 + tl.arange(0, 32)[None, None, :]
     ss = tl.zeros([BLOCK_R], tl.float32)
     for d0 in range(0, D, BLOCK_G * 32):
         c = d0 + col
@@ -68,14 +74,26 @@ def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
         x = tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0)
         w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
         y = (w * (x.to(tl.float32) * inv)).to(x.dtype).to(tl.float32)   # the norm's one rounding
-        q = fp8_qat_groups(y, 2)
-        tl.store(out_ptr + r * stride_o + c, q.to(out_ptr.dtype.element_ty), mask=m)
+        if CODES:
+            tl.store(out_ptr + r * stride_o + c, y.to(out_ptr.dtype.element_ty), mask=m)
+            q, scale = fp8_quant_groups(y, 2)
+            tl.store(q_ptr + r * stride_q + c, q.to(q_ptr.dtype.element_ty), mask=m)
+            gm = rmask[:, None, None] & (d0 + g * 32 < D)
+            tl.store(s_ptr + r * stride_s + d0 // 32 + g, scale, mask=gm)
+        else:
+            q = fp8_qat_groups(y, 2)
+            tl.store(out_ptr + r * stride_o + c, q.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _launch(kernel, x, w, eps, out, fp8: bool) -> bool:
+def _launch(kernel, x, w, eps, out, fp8: bool, codes=None) -> bool:
+    """Launch `kernel` on x's rows; False where it does not apply (the reference runs). `codes`:
+    (q, s) of `rms_norm_act_quant`, written beside out."""
     D = x.shape[-1]
     if x.dtype not in TL_DTYPES or out.dtype != x.dtype or w.dtype == torch.float64 or \
             (fp8 and D % 32) or D == 0:
+        return False
+    q2, s2 = (rows2d(codes[0], D), rows2d(codes[1], D // 32)) if codes else (None, None)
+    if codes and (q2 is None or s2 is None or s2.dtype != torch.float32):
         return False
     x2 = rows2d(x, D)
     if x2 is None:
@@ -88,8 +106,10 @@ def _launch(kernel, x, w, eps, out, fp8: bool) -> bool:
         if fp8:
             bg = min(triton.next_power_of_2(D // 32), CHUNK // 32)
             br = max(1, min(16, TILE // (bg * 32)))
-            kernel[(triton.cdiv(N, br),)](x2, w, dst, N, D, eps, x2.stride(0), dst.stride(0),
-                                          BLOCK_R=br, BLOCK_G=bg, num_warps=4, **pdl(x2.device))
+            q2, s2 = (q2, s2) if codes else (dst, dst)
+            kernel[(triton.cdiv(N, br),)](x2, w, dst, q2, s2, N, D, eps, x2.stride(0), dst.stride(0),
+                                          q2.stride(0), s2.stride(0), BLOCK_R=br, BLOCK_G=bg,
+                                          CODES=codes is not None, num_warps=4, **pdl(x2.device))
         else:
             bd = min(triton.next_power_of_2(D), CHUNK)
             br = max(1, min(16, TILE // bd))
@@ -112,5 +132,12 @@ def triton_rms_norm_fp8(x, w, eps, out) -> None:
         _ref.rms_norm_fp8(x, w, eps, out)
 
 
+def triton_rms_norm_act_quant(x, w, eps, out, q, s) -> None:
+    """`v41::rms_norm_act_quant` (same signature)."""
+    if not _launch(_rms_norm_fp8_kernel, x, w, eps, out, True, (q, s)):
+        _ref.rms_norm_act_quant(x, w, eps, out, q, s)
+
+
 register_impl("rms_norm", "triton", triton_rms_norm, device_type="cuda")
 register_impl("rms_norm_fp8", "triton", triton_rms_norm_fp8, device_type="cuda")
+register_impl("rms_norm_act_quant", "triton", triton_rms_norm_act_quant, device_type="cuda")

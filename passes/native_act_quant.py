@@ -1,0 +1,194 @@
+"""The A8 quant of a native FP8 GEMM moved into the kernel that makes its input.
+
+With native weights (custom_ops.gemm.native_weights) every FP8 projection is a `v41::fp8_linear`
+of its input in the activation dtype, and that op quantizes the input (E4M3 codes and UE8M0
+scales per 32) in a kernel of its own before the GEMM wherever the GEMV cannot quantize inside
+(custom_ops/triton/fp8_gemm.py `quantizes_inside`: at one token Flash's wq_b, wo_a and shared
+w1/w3; every projection at more). This pass gives the quant to the input's producer and makes
+the GEMM a `v41::fp8_block_gemm` on the codes:
+
+- an RMSNorm (`v41::rms_norm`, after rms_norm_quant) becomes `v41::rms_norm_act_quant`, which
+  writes the codes beside the norm; the norm's other readers (router, compressor, ...) keep its
+  output. Flash: wq_a + wkv, wq_b, shared w1 + w3.
+- an input made by pointwise ATen ops (the inverse RoPE before native wo_a, SwiGLU before shared
+  w2) gets the quant as ATen ops (the reference `v41.quant.fp8_act_quant`), which Inductor
+  generates in the producer's own kernel.
+
+Inputs made by other ops (another GEMM's output: wo_b; a piece input: Engram) keep fp8_linear.
+f32 shown, RMSNorm:
+
+    before:
+        af = auto_functionalized(v41.rms_norm, x=x, w=w, eps=1e-20, out=empty([s0, 64]))
+        y = af[1]
+        lin = auto_functionalized_v2(v41.fp8_linear, x=view(y, [-1, 64]), w=W, ws=Ws, groups=1,
+                                     _out_base_index=0, _all_bases=[empty([s0, 128])])
+        z = lin[1]
+    after:
+        af = auto_functionalized(v41.rms_norm_act_quant, x=x, w=w, eps=1e-20, out=empty([s0, 64]),
+                                 q=empty([s0, 64], float8_e4m3fn), s=empty([s0, 2], float32))
+        y = af[1]; q = af[2]; s = af[3]
+        lin = auto_functionalized_v2(v41.fp8_block_gemm, xq=view(q, [-1, 64]), xs=view(s, [-1, 2]),
+                                     w=W, ws=Ws, groups=1, _out_base_index=0,
+                                     _all_bases=[empty([s0, 128])])
+        z = lin[1]
+
+and pointwise, SwiGLU:
+
+    before:
+        h = mul(silu(g), u)
+        lin = auto_functionalized_v2(v41.fp8_linear, x=view(h, [-1, 32]), w=W, ...)
+    after:
+        v = view(view(h, [-1, 32]), [s0, 1, 32]); amax = amax(abs(v), [-1], True) ... round ...
+        lin = auto_functionalized_v2(v41.fp8_block_gemm, xq=convert(q, float8_e4m3fn), xs=s, w=W, ...)
+
+fp8_linear's definition is fp8_act_quant then fp8_block_gemm, so the arithmetic is unchanged. A
+GEMM may read a norm's output through views; the codes take the same final view and the scales
+its last dim / 32 (the views keep the norm's rows whole). The model's graph holds its own
+mutating ops as auto_functionalized_v2 and our passes' as v1; the rewrite keeps each form. It
+edits nodes directly (a pattern cannot leave the norm's other readers outside it), giving each
+new node the fake value the compile's fake mode computes for it.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch._guards import detect_fake_mode
+
+from passes.base import V41Pass, trace
+from v41 import quant
+
+aten = torch.ops.aten
+AF = torch.ops.higher_order.auto_functionalized
+AF2 = torch.ops.higher_order.auto_functionalized_v2
+FP8_GROUP = 32
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+class NativeActQuant(V41Pass):
+    name = "native_act_quant"
+
+    def __call__(self, graph: torch.fx.Graph) -> int:
+        v41 = torch.ops.v41
+        matched = 0
+        for norm in list(graph.find_nodes(op="call_function", target=AF)):
+            if norm.args[0] is not v41.rms_norm.default:
+                continue
+            y = _output(norm)
+            gemms = [(v, r) for v, r in _readers(y) if _is_linear(r)]
+            if gemms:
+                q, s = self._quantizing_norm(graph, norm, y)
+                for view, gemm in gemms:
+                    self._gemm_on_codes(graph, gemm, view, q, s)
+                matched += len(gemms)
+        for gemm in list(graph.find_nodes(op="call_function", target=AF2)):
+            if _is_linear(gemm) and _pointwise(_base(gemm.kwargs["x"])):
+                self._inline_quant(graph, gemm)
+                matched += 1
+        if matched:
+            graph.eliminate_dead_code()
+        return matched
+
+    def _quantizing_norm(self, graph, norm, y):
+        """Replace the norm with `rms_norm_act_quant` writing the same output: the (codes,
+        scales) nodes."""
+        out = norm.kwargs["out"]
+        sizes, device = list(out.args[0]), out.kwargs["device"]
+        D = y.meta["val"].shape[-1]
+        with graph.inserting_before(norm):
+            q = _add(graph, aten.empty.memory_format, sizes, dtype=torch.float8_e4m3fn, device=device,
+                     pin_memory=False)
+            s = _add(graph, aten.empty.memory_format, sizes[:-1] + [D // FP8_GROUP], dtype=torch.float32,
+                     device=device, pin_memory=False)
+            af = _add(graph, AF, torch.ops.v41.rms_norm_act_quant.default, **norm.kwargs, q=q, s=s)
+            y2, q, s = (_add(graph, operator.getitem, af, i) for i in (1, 2, 3))
+        y.replace_all_uses_with(y2)
+        return q, s
+
+    def _inline_quant(self, graph, gemm):
+        """Replace fp8_linear(x) with the act quant's ATen ops on x and fp8_block_gemm."""
+        x = gemm.kwargs["x"]
+        traced = trace(_act_quant, [x.meta["val"]]).graph
+        with graph.inserting_before(gemm):
+            q, s = graph.graph_copy(traced, {next(iter(traced.find_nodes(op="placeholder"))): x})
+        self._replace(graph, gemm, q, s)
+
+    def _gemm_on_codes(self, graph, gemm, view, q, s):
+        """Replace fp8_linear(view(y)) with fp8_block_gemm on the same view of the codes."""
+        rows = list(view.args[1][:-1]) if view is not None else list(q.meta["val"].shape[:-1])
+        K = (view if view is not None else q).meta["val"].shape[-1]
+        with graph.inserting_before(gemm):
+            xq = _add(graph, aten.view.default, q, [*rows, K])
+            xs = _add(graph, aten.view.default, s, [*rows, K // FP8_GROUP])
+        self._replace(graph, gemm, xq, xs)
+
+    def _replace(self, graph, gemm, xq, xs):
+        kw = {k: v for k, v in gemm.kwargs.items() if k != "x"}
+        with graph.inserting_before(gemm):
+            new = _add(graph, AF2, torch.ops.v41.fp8_block_gemm.default, xq=xq, xs=xs, **kw)
+        gemm.replace_all_uses_with(new)
+        graph.erase_node(gemm)
+
+
+def _act_quant(x):
+    """The reference `v41::fp8_act_quant` as a function: (E4M3 codes, FP32 scales)."""
+    q, s = quant.fp8_act_quant(x, FP8_GROUP)
+    return q.to(torch.float32).to(torch.float8_e4m3fn), s.to(torch.float32)
+
+
+def _is_linear(node) -> bool:
+    return node.target is AF2 and node.args[0] is torch.ops.v41.fp8_linear.default
+
+
+def _base(node):
+    """The node a chain of views starts from."""
+    while node.op == "call_function" and node.target in VIEWS:
+        node = node.args[0]
+    return node
+
+
+def _pointwise(node) -> bool:
+    """Made by an ATen op Inductor generates a kernel around: pointwise, or a cat of such."""
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
+        node.target.namespace == "aten" and (torch.Tag.pointwise in node.target.tags or
+                                             node.target is aten.cat.default)
+
+
+def _output(node):
+    """The single getitem(node, 1) of an auto_functionalized node with one output, or None."""
+    users = list(node.users)
+    if len(users) == 1 and users[0].target is operator.getitem and users[0].args[1] == 1:
+        return users[0]
+    return None
+
+
+def _readers(y) -> list:
+    """(last view or None, reader) for every reader of y, directly or through a chain of views
+    that keep y's rows whole (a view splitting them counts as a reader, which no GEMM is)."""
+    if y is None:
+        return []
+    D = y.meta["val"].shape[-1]
+    out, todo = [], [(y, None)]
+    while todo:
+        node, view = todo.pop()
+        for u in node.users:
+            last = u.meta["val"].shape[-1] if u.target in VIEWS and u.args[0] is node else None
+            if isinstance(last, int) and last > 0 and last % D == 0:
+                todo.append((u, u))
+            else:
+                out.append((view, u))
+    return out
+
+
+def _add(graph, target, *args, **kwargs) -> torch.fx.Node:
+    """A call_function node with its fake value, computed in the fake mode of the graph's values."""
+    node = graph.call_function(target, args, kwargs)
+    args_v, kwargs_v = torch.fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
+    mode = detect_fake_mode([n.meta["val"] for n in graph.find_nodes(op="placeholder")])
+    with mode:
+        node.meta["val"] = target(*args_v, **kwargs_v)
+    return node
+
+
+def make(cfg, dtype, lowering="auto"):
+    return NativeActQuant(cfg, dtype, lowering)
