@@ -9,7 +9,9 @@ the GEMM a `v41::fp8_block_gemm` on the codes:
 
 - an RMSNorm (`v41::rms_norm`, after rms_norm_quant) becomes `v41::rms_norm_act_quant`, which
   writes the codes beside the norm; the norm's other readers (router, compressor, ...) keep its
-  output. Flash: wq_a + wkv, wq_b, shared w1 + w3.
+  output. Flash: wq_a + wkv, wq_b, shared w1 + w3. Where the norm's input is mHC's collapse of
+  the residual streams, read by the norm alone (the attention and FFN inputs), the collapse
+  joins it: `v41::hc_collapse_rms_norm_act_quant`.
 - an input made by pointwise ATen ops (the inverse RoPE before native wo_a, SwiGLU before shared
   w2) gets the quant as ATen ops (the reference `v41.quant.fp8_act_quant`), which Inductor
   generates in the producer's own kernel.
@@ -90,8 +92,8 @@ class NativeActQuant(V41Pass):
         return matched
 
     def _quantizing_norm(self, graph, norm, y):
-        """Replace the norm with `rms_norm_act_quant` writing the same output: the (codes,
-        scales) nodes."""
+        """Replace the norm (and the collapse it alone reads) with the op writing the same output
+        and the codes: the (codes, scales) nodes."""
         out = norm.kwargs["out"]
         sizes, device = list(out.args[0]), out.kwargs["device"]
         D = y.meta["val"].shape[-1]
@@ -100,9 +102,23 @@ class NativeActQuant(V41Pass):
                      pin_memory=False)
             s = _add(graph, aten.empty.memory_format, sizes[:-1] + [D // FP8_GROUP], dtype=torch.float32,
                      device=device, pin_memory=False)
-            af = _add(graph, AF, torch.ops.v41.rms_norm_act_quant.default, **norm.kwargs, q=q, s=s)
+            collapse = _collapse_read_once(norm.kwargs["x"])
+            if collapse is None:
+                af = _add(graph, AF, torch.ops.v41.rms_norm_act_quant.default, **norm.kwargs, q=q, s=s)
+            else:
+                kw = {k: v for k, v in norm.kwargs.items() if k != "x"}
+                af = _add(graph, AF, torch.ops.v41.hc_collapse_rms_norm_act_quant.default, X=collapse.kwargs["X"],
+                          mix=collapse.kwargs["mix"], **kw, q=q, s=s)
             y2, q, s = (_add(graph, operator.getitem, af, i) for i in (1, 2, 3))
         y.replace_all_uses_with(y2)
+        x = norm.kwargs["x"]
+        graph.erase_node(y)
+        graph.erase_node(norm)
+        if collapse is not None:
+            for count in [u for u in x.users if _token_count(u)]:
+                count.replace_input_with(x, collapse.kwargs["X"])      # X [T, hc, D]: the same T
+            graph.erase_node(x)
+            graph.erase_node(collapse)
         return q, s
 
     def _inline_quant(self, graph, gemm):
@@ -134,6 +150,19 @@ def _act_quant(x):
     """The reference `v41::fp8_act_quant` as a function: (E4M3 codes, FP32 scales)."""
     q, s = quant.fp8_act_quant(x, FP8_GROUP)
     return q.to(torch.float32).to(torch.float8_e4m3fn), s.to(torch.float32)
+
+
+def _collapse_read_once(x):
+    """The `hc_collapse` whose output x is, where the norm is its only reader (besides its
+    token count, which sizes the norm's buffers); else None."""
+    if x.target is not operator.getitem or sum(not _token_count(u) for u in x.users) != 1:
+        return None
+    af = x.args[0]
+    return af if af.target is AF and af.args[0] is torch.ops.v41.hc_collapse.default else None
+
+
+def _token_count(node) -> bool:
+    return node.target is aten.sym_size.int and node.args[1] == 0
 
 
 def _is_linear(node) -> bool:

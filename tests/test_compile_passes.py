@@ -196,14 +196,14 @@ def _ops_in(graph, name: str) -> int:
 
 def test_native_act_quant_on_native_weights(toy_cfg):
     """Native weights, wo_a FP8 too: each FP8 GEMM reading an RMSNorm takes the codes the norm's
-    op writes beside the norm; each reading pointwise ATen ops takes codes quantized by ATen ops
-    after them (Inductor's kernel for the producer); bit for bit the graph before the pass,
-    outputs and cache."""
+    op writes beside the norm (mHC's collapse before it joining the op); each reading pointwise
+    ATen ops takes codes quantized by ATen ops after them (Inductor's kernel for the producer);
+    bit for bit the graph before the pass, outputs and cache."""
     from passes.manager import PassManager
     from v41.loader import dummy_weights
     prefix = toy_prefix(dummy_weights(toy_cfg, progress=False, wo_a="fp8"), 3, weight_format="native")
     assert prefix.runner.model.native
-    producers = ("rope_qat", "rms_norm_quant")
+    producers = ("rope_qat", "mhc", "rms_norm_quant")
     compiled = record_compile(prefix, producers)
     before = [run_piece(p, PassManager(prefix.runner.cfg, torch.float32, only=producers)) for p in compiled.pieces]
     pm = PassManager(prefix.runner.cfg, torch.float32, only=(*producers, "native_act_quant"))
@@ -214,7 +214,13 @@ def test_native_act_quant_on_native_weights(toy_cfg):
     # on pointwise ops: wo_a on the inverse RoPE, shared w2 on SwiGLU
     assert pm.totals()["native_act_quant"] == 5 * 3
     graphs = [passed(p, pm).graph for p in compiled.pieces]
-    assert sum(_ops_in(g, "rms_norm_act_quant") for g in graphs) == 3 * 3
+    # the attention and FFN norms read mHC's collapse, which joins them; the q norm reads wq_a
+    assert sum(_ops_in(g, "hc_collapse_rms_norm_act_quant") for g in graphs) == 2 * 3
+    assert sum(_ops_in(g, "rms_norm_act_quant") for g in graphs) == 3
+    assert sum(_ops_in(g, "hc_collapse") for g in graphs) == 1                     # the final norm's
+    before_norms = sum(_ops_in(passed(p, PassManager(prefix.runner.cfg, torch.float32, only=producers)).graph,
+                               "rms_norm") for p in compiled.pieces)
+    assert sum(_ops_in(g, "rms_norm") for g in graphs) == before_norms - 3 * 3     # none left behind
     assert sum(_ops_in(g, "fp8_block_gemm") for g in graphs) == 5 * 3
     # still quantized by the GEMM op: wo_b (wo_a's output) per layer, Engram's projection (the
     # piece's input) in layer 1

@@ -42,6 +42,7 @@ else:
     program_order.apply()
     from custom_ops import registry
     from custom_ops.triton import (triton_engram_gate, triton_engram_gather, triton_hc_collapse,
+                                   triton_hc_collapse_rms_norm_act_quant,
                                    triton_hc_expand, triton_inv_rope_wo_a, triton_mhc_mix,
                                    triton_moe_experts, triton_moe_route, triton_rms_norm,
                                    triton_rms_norm_act_quant, triton_rms_norm_fp8, triton_rope,
@@ -96,6 +97,24 @@ else:
         ref_gemm.fp8_act_quant(out.view(-1, shape[-1]), want_q, want_s)
         assert torch.equal(q.view(-1, shape[-1]).view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(s.view(-1, shape[-1] // 32), want_s)
+
+    def test_hc_collapse_rms_norm_act_quant(g):
+        """mHC's collapse, then the norm and its codes: the norm within the FP32 rounding of the
+        collapse's and the norm's sums, the codes exactly those of the kernel's own norm."""
+        from custom_ops import gemm as ref_gemm
+        from v41.mhc import collapse
+        T, hc, D = 5, 4, 96
+        X, mix, w = rnd(g, T, hc, D, scale=2.0), torch.rand(T, hc, generator=g), rnd(g, D)
+        X[2] = 0.0
+        ref = torch.empty(T, D)
+        ref_norm.rms_norm(collapse(X, mix), w, 1e-6, ref)
+        out, q = torch.full((T, D), float("nan")), torch.full((T, D), float("nan")).to(torch.float8_e4m3fn)
+        s = torch.full((T, D // 32), float("nan"))
+        triton_hc_collapse_rms_norm_act_quant(X, mix, w, 1e-6, out, q, s)
+        assert rel(out, ref) < 1e-5
+        want_q, want_s = torch.empty_like(q), torch.empty_like(s)
+        ref_gemm.fp8_act_quant(out, want_q, want_s)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
 
     def test_rope(g):
         rope = rope_table()
@@ -367,8 +386,7 @@ else:
 
     def test_registry_selection():
         sel = registry.selected()
-        for name in ("rms_norm", "rms_norm_fp8", "rms_norm_act_quant", "rope", "rope_fp8_qat",
-                     "inv_rope_wo_a", "mhc_mix",
-                     "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate",
-                     "engram_gather", "f32_linear"):
+        for name in ("rms_norm", "rms_norm_fp8", "rms_norm_act_quant", "hc_collapse_rms_norm_act_quant", "rope",
+                     "rope_fp8_qat", "inv_rope_wo_a", "mhc_mix", "hc_collapse", "hc_expand", "moe_route",
+                     "moe_experts", "engram_gate", "engram_gather", "f32_linear"):
             assert sel[f"v41::{name}"] == {"cpu": "reference", "cuda": "triton"}, name

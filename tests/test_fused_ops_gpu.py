@@ -207,6 +207,17 @@ def test_mhc(g, T):
     out = torch.full_like(ref, float("nan"))
     ops.hc_collapse(X, pre, out)
     assert rel(out, ref) < 5e-3
+    # collapse + norm + act quant in one op: the norm of the collapse, and its codes exactly
+    w = rnd(g, D)
+    want = torch.empty_like(ref)
+    ref_norm.rms_norm(ref, w, EPS, want)
+    y, q = torch.full_like(ref, float("nan")), torch.empty(T, D, dtype=torch.float8_e4m3fn, device=DEV)
+    sc = torch.full((T, D // 32), float("nan"), device=DEV)
+    ops.hc_collapse_rms_norm_act_quant(X, pre, w, EPS, y, q, sc)
+    assert rel(y, want) < 1e-2
+    want_q, want_s = torch.empty_like(q), torch.empty_like(sc)
+    ref_gemm.fp8_act_quant(y, want_q, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(sc, want_s)
     f = rnd(g, T, D)
     ref = torch.empty_like(X)
     ref_mhc.hc_expand(f, X, post, comb, ref)
@@ -312,9 +323,9 @@ def test_engram_gather(g, T):
 # ---- dispatch, CUDA graphs -------------------------------------------------------------------
 def test_registry_selects_triton():
     sel = registry.selected()
-    for name in ("rms_norm", "rms_norm_fp8", "rms_norm_act_quant", "rope", "rope_fp8_qat", "inv_rope_wo_a",
-                 "mhc_mix", "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate", "engram_gather",
-                 "f32_linear"):
+    for name in ("rms_norm", "rms_norm_fp8", "rms_norm_act_quant", "hc_collapse_rms_norm_act_quant", "rope",
+                 "rope_fp8_qat", "inv_rope_wo_a", "mhc_mix", "hc_collapse", "hc_expand", "moe_route", "moe_experts",
+                 "engram_gate", "engram_gather", "f32_linear"):
         assert sel[f"v41::{name}"]["cuda"] == "triton", name
 
 

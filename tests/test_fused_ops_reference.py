@@ -153,6 +153,9 @@ def _opcheck_cases(g):
         "rms_norm_fp8": (x, rnd(g, 64), 1e-6, torch.empty(T, 64)),
         "rms_norm_act_quant": (x, rnd(g, 64), 1e-6, torch.empty(T, 64), torch.empty(T, 64, dtype=torch.float8_e4m3fn),
                                torch.empty(T, 2)),
+        "hc_collapse_rms_norm_act_quant": (rnd(g, T, hc, 64), torch.rand(T, hc, generator=g), rnd(g, 64), 1e-6,
+                                           torch.empty(T, 64), torch.empty(T, 64, dtype=torch.float8_e4m3fn),
+                                           torch.empty(T, 2)),
         "rope": (rnd(g, T, 2, 64), rope.cos, rope.sin, pos, True, torch.empty(T, 2, 64)),
         "rope_fp8_qat": (x, rope.cos, rope.sin, pos, False, torch.empty(T, 64)),
         "inv_rope_wo_a": (rnd(g, T, 2, 64), rope.cos, rope.sin, pos, rnd(g, 2, 16, 64),
@@ -172,12 +175,12 @@ def _opcheck_cases(g):
         "f32_linear": (rnd(g, T, D), rnd(g, 40, D), torch.empty(T, 40)),
     }
 
-OPCHECK_OPS = ["rms_norm", "rms_norm_fp8", "rms_norm_act_quant", "rope", "rope_fp8_qat",
-               "inv_rope_wo_a", "mhc_mix", "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate",
+OPCHECK_OPS = ["rms_norm", "rms_norm_fp8", "rms_norm_act_quant", "hc_collapse_rms_norm_act_quant", "rope",
+               "rope_fp8_qat", "inv_rope_wo_a", "mhc_mix", "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate",
                "engram_gather", "f32_linear"]
 
 # opcheck's schema check compares a float8 output arithmetically, which the CPU cannot
-FLOAT8_OUTPUTS = {"rms_norm_act_quant"}
+FLOAT8_OUTPUTS = {"rms_norm_act_quant", "hc_collapse_rms_norm_act_quant"}
 
 
 @pytest.mark.parametrize("name", OPCHECK_OPS)

@@ -203,14 +203,16 @@ def test_inv_rope_wo_a_builds_for_hopper(block_m, block_n, splits):
     assert 0 < registers(k) <= 255
 
 
-@pytest.mark.parametrize("codes", [False, True])
-def test_rms_norm_fp8_builds_for_hopper(codes):
+@pytest.mark.parametrize("codes,hc", [(False, 0), (True, 0), (True, 4)])
+def test_rms_norm_fp8_builds_for_hopper(codes, hc):
     """RMSNorm + the FP8 quant at Flash's width (one row a program, 32 groups a chunk): the QAT
-    values, or the E4M3 codes and scales beside the norm (`rms_norm_act_quant`), without spills."""
+    values, or the E4M3 codes and scales beside the norm (`rms_norm_act_quant`), also of mHC's
+    four streams collapsed first; without spills."""
     from custom_ops.triton.norm import _rms_norm_fp8_kernel
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv" if codes else "*bf16",
-           "s_ptr": "*fp32" if codes else "*bf16", "N": "i32", "D": "i32", "eps": "fp32",
-           **dict.fromkeys(("stride_x", "stride_o", "stride_q", "stride_s"), "i32"),
-           **dict.fromkeys(("BLOCK_R", "BLOCK_G", "CODES", "PDL"), "constexpr")}
-    k = build(_rms_norm_fp8_kernel, sig, {"BLOCK_R": 1, "BLOCK_G": 32, "CODES": codes, "PDL": True})
+           "s_ptr": "*fp32" if codes else "*bf16", "mix_ptr": "*fp32" if hc else "*bf16", "N": "i32", "D": "i32",
+           "eps": "fp32", **dict.fromkeys(("stride_x", "stride_xk", "stride_m", "stride_o", "stride_q", "stride_s"),
+                                          "i32"),
+           **dict.fromkeys(("BLOCK_R", "BLOCK_G", "CODES", "HC", "PDL"), "constexpr")}
+    k = build(_rms_norm_fp8_kernel, sig, {"BLOCK_R": 1, "BLOCK_G": 32, "CODES": codes, "HC": hc, "PDL": True})
     assert 0 < registers(k) <= 255 and B.usage(k).get("STACK", 0) == 0 and "griddepcontrol.wait" in k.asm["ptx"]

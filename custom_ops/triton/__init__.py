@@ -16,5 +16,6 @@ from custom_ops.triton.mhc import triton_hc_collapse, triton_hc_expand, triton_m
 from custom_ops.triton.moe import triton_moe_experts  # noqa: F401
 from custom_ops.triton.moe_route import triton_moe_route  # noqa: F401
 from custom_ops.triton.moe_w4a8 import triton_moe_experts_w4a8  # noqa: F401
-from custom_ops.triton.norm import triton_rms_norm, triton_rms_norm_act_quant, triton_rms_norm_fp8  # noqa: F401
+from custom_ops.triton.norm import (triton_hc_collapse_rms_norm_act_quant, triton_rms_norm,  # noqa: F401
+                                    triton_rms_norm_act_quant, triton_rms_norm_fp8)
 from custom_ops.triton.rope import triton_rope, triton_rope_fp8_qat  # noqa: F401

@@ -1,5 +1,5 @@
-"""Triton impls of `v41::rms_norm`, `v41::rms_norm_fp8` and `v41::rms_norm_act_quant`
-(custom_ops/norm.py is the definition).
+"""Triton impls of `v41::rms_norm`, `v41::rms_norm_fp8`, `v41::rms_norm_act_quant` and
+`v41::hc_collapse_rms_norm_act_quant` (custom_ops/norm.py is the definition).
 
 Rows of x ([..., D] viewed [N, D]). One program takes BLOCK_R rows and walks D in chunks twice:
 the first pass sums x² in FP32, the second (re-reading the chunks, now in L1/L2) writes
@@ -7,7 +7,8 @@ the first pass sums x² in FP32, the second (re-reading the chunks, now in L1/L2
 [BLOCK_R, BLOCK_G, 32] tile, rounds the norm to x's dtype first (as the eager model does), then
 applies the FP8 QAT per group of 32 (bit-exact with v41.quant.fp8_qat; see common.py), or with
 CODES writes the rounded norm and, beside it, its E4M3 codes and group scales (what the act-quant
-kernel of fp8_gemm.py would make of it).
+kernel of fp8_gemm.py would make of it). Collapsing mHC's streams first (HC > 0), each chunk
+is the streams' weighted sum, rounded as `hc_collapse` rounds it, recomputed in the second pass.
 Flash: D = 5120 -> chunks of 1024 (5 per pass), one row per program; q_norm (1280), kv_norm
 (512) and the index k_norm (128) pack 1..8 rows per program. FP64 (the oracle) and other dtypes
 fall back to the reference.
@@ -52,9 +53,24 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
 
 
 @triton.jit
-def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, N, D, eps, stride_x, stride_o, stride_q, stride_s,
-                         BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, CODES: tl.constexpr,
-                         PDL: tl.constexpr = False):
+def norm_input(x_ptr, mix_ptr, r, c, m, stride_x, stride_xk, stride_m, HC: tl.constexpr):
+    """The norm's input at rows r, columns c (mask m), in x's dtype: x itself, or with HC > 0
+    mHC's collapse of the rows' HC streams (x [N, HC, D], mix [N, HC] FP32): Σ_k mix[k]·x[k]
+    in FP32, rounded once (v41.mhc.collapse)."""
+    if HC == 0:
+        return tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0)
+    else:
+        acc = tl.zeros(c.shape, tl.float32) + tl.zeros(r.shape, tl.float32)
+        for k in tl.static_range(HC):
+            w = tl.load(mix_ptr + r * stride_m + k, mask=m, other=0.0)
+            acc += w * tl.load(x_ptr + r * stride_x + k * stride_xk + c, mask=m, other=0.0).to(tl.float32)
+        return acc.to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, mix_ptr, N, D, eps, stride_x, stride_xk, stride_m,
+                         stride_o, stride_q, stride_s, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+                         CODES: tl.constexpr, HC: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
@@ -65,13 +81,13 @@ def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, N, D, eps, stride_
     for d0 in range(0, D, BLOCK_G * 32):
         c = d0 + col
         m = rmask[:, None, None] & (c < D)
-        x = tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0).to(tl.float32)
+        x = norm_input(x_ptr, mix_ptr, r, c, m, stride_x, stride_xk, stride_m, HC).to(tl.float32)
         ss += tl.sum(tl.sum(x * x, axis=2), axis=1)
     inv = tl.rsqrt(ss / D + eps)[:, None, None]
     for d0 in range(0, D, BLOCK_G * 32):
         c = d0 + col
         m = rmask[:, None, None] & (c < D)
-        x = tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0)
+        x = norm_input(x_ptr, mix_ptr, r, c, m, stride_x, stride_xk, stride_m, HC)
         w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
         y = (w * (x.to(tl.float32) * inv)).to(x.dtype).to(tl.float32)   # the norm's one rounding
         if CODES:
@@ -85,9 +101,10 @@ def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, N, D, eps, stride_
             tl.store(out_ptr + r * stride_o + c, q.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _launch(kernel, x, w, eps, out, fp8: bool, codes=None) -> bool:
+def _launch(kernel, x, w, eps, out, fp8: bool, codes=None, mix=None) -> bool:
     """Launch `kernel` on x's rows; False where it does not apply (the reference runs). `codes`:
-    (q, s) of `rms_norm_act_quant`, written beside out."""
+    (q, s) of `rms_norm_act_quant`, written beside out; `mix`: x is mHC's streams [T, hc, D],
+    collapsed first (`hc_collapse_rms_norm_act_quant`)."""
     D = x.shape[-1]
     if x.dtype not in TL_DTYPES or out.dtype != x.dtype or w.dtype == torch.float64 or \
             (fp8 and D % 32) or D == 0:
@@ -95,11 +112,16 @@ def _launch(kernel, x, w, eps, out, fp8: bool, codes=None) -> bool:
     q2, s2 = (rows2d(codes[0], D), rows2d(codes[1], D // 32)) if codes else (None, None)
     if codes and (q2 is None or s2 is None or s2.dtype != torch.float32):
         return False
-    x2 = rows2d(x, D)
-    if x2 is None:
-        x2 = x.reshape(-1, D).contiguous()
+    if mix is not None:
+        if mix.dtype != torch.float32 or x.stride(-1) != 1 or mix.stride(-1) != 1:
+            return False
+        x2 = x
+    else:
+        x2 = rows2d(x, D)
+        if x2 is None:
+            x2 = x.reshape(-1, D).contiguous()
     o2 = rows2d(out, D)
-    dst = o2 if o2 is not None else torch.empty(x2.shape, dtype=out.dtype, device=out.device)
+    dst = o2 if o2 is not None else torch.empty(x2.shape[0], D, dtype=out.dtype, device=out.device)
     w = w if w.stride(-1) == 1 else w.contiguous()
     N = x2.shape[0]
     if N:
@@ -107,9 +129,12 @@ def _launch(kernel, x, w, eps, out, fp8: bool, codes=None) -> bool:
             bg = min(triton.next_power_of_2(D // 32), CHUNK // 32)
             br = max(1, min(16, TILE // (bg * 32)))
             q2, s2 = (q2, s2) if codes else (dst, dst)
-            kernel[(triton.cdiv(N, br),)](x2, w, dst, q2, s2, N, D, eps, x2.stride(0), dst.stride(0),
+            m = mix if mix is not None else dst
+            kernel[(triton.cdiv(N, br),)](x2, w, dst, q2, s2, m, N, D, eps, x2.stride(0),
+                                          x2.stride(1) if mix is not None else 0, m.stride(0), dst.stride(0),
                                           q2.stride(0), s2.stride(0), BLOCK_R=br, BLOCK_G=bg,
-                                          CODES=codes is not None, num_warps=4, **pdl(x2.device))
+                                          CODES=codes is not None, HC=0 if mix is None else x.shape[1],
+                                          num_warps=4, **pdl(x2.device))
         else:
             bd = min(triton.next_power_of_2(D), CHUNK)
             br = max(1, min(16, TILE // bd))
@@ -138,6 +163,13 @@ def triton_rms_norm_act_quant(x, w, eps, out, q, s) -> None:
         _ref.rms_norm_act_quant(x, w, eps, out, q, s)
 
 
+def triton_hc_collapse_rms_norm_act_quant(X, mix, w, eps, out, q, s) -> None:
+    """`v41::hc_collapse_rms_norm_act_quant` (same signature)."""
+    if not _launch(_rms_norm_fp8_kernel, X, w, eps, out, True, (q, s), mix):
+        _ref.hc_collapse_rms_norm_act_quant(X, mix, w, eps, out, q, s)
+
+
 register_impl("rms_norm", "triton", triton_rms_norm, device_type="cuda")
 register_impl("rms_norm_fp8", "triton", triton_rms_norm_fp8, device_type="cuda")
 register_impl("rms_norm_act_quant", "triton", triton_rms_norm_act_quant, device_type="cuda")
+register_impl("hc_collapse_rms_norm_act_quant", "triton", triton_hc_collapse_rms_norm_act_quant, device_type="cuda")
