@@ -36,8 +36,8 @@ from torch._inductor.pattern_matcher import CallFunctionVarArgs, PatternMatcherP
 
 from passes.base import V41Pass
 
-FUSED_OPS = ("rms_norm", "rms_norm_fp8", "rope", "rope_fp8_qat", "inv_rope_wo_a", "mhc_mix", "hc_collapse",
-             "hc_expand", "moe_route", "engram_gate")
+FUSED_OPS = ("rms_norm", "rms_norm_fp8", "rope", "rope_fp8_qat", "rms_norm_rope_fp8_qat", "inv_rope_wo_a", "mhc_mix",
+             "hc_collapse", "hc_expand", "moe_route", "engram_gate")
 
 
 def _device(node: torch.fx.Node) -> torch.device | None:

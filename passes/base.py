@@ -169,6 +169,55 @@ def rand(*shape, dtype=torch.float32):
     return torch.randn(*shape, dtype=dtype)
 
 
+# ---- direct graph edits (passes whose matches have readers outside them) ----------------------
+
+def add_node(graph: torch.fx.Graph, target, *args, **kwargs) -> torch.fx.Node:
+    """A call_function node with its fake value, computed in the fake mode of the graph's values."""
+    from torch._guards import detect_fake_mode
+    node = graph.call_function(target, args, kwargs)
+    args_v, kwargs_v = torch.fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
+    with detect_fake_mode([n.meta["val"] for n in graph.find_nodes(op="placeholder")]):
+        node.meta["val"] = target(*args_v, **kwargs_v)
+    return node
+
+
+def calls_of(graph: torch.fx.Graph, op) -> list[torch.fx.Node]:
+    """The graph's functional calls of the mutating op `op` (auto_functionalized, v1 or v2)."""
+    return [n for af in _AF for n in graph.find_nodes(op="call_function", target=af) if n.args[0] is op]
+
+
+def output_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The single getitem(node, 1) of an auto_functionalized node with one output, or None."""
+    users = list(node.users)
+    if len(users) == 1 and users[0].target is operator.getitem and users[0].args[1] == 1:
+        return users[0]
+    return None
+
+
+def token_count(node: torch.fx.Node) -> bool:
+    """sym_size(t, 0): a value's token count, which sizes the buffers of the ops reading it."""
+    return node.target is aten.sym_size.int and node.args[1] == 0
+
+
+def producer_read_only_by(value: torch.fx.Node, reader: torch.fx.Node, op) -> torch.fx.Node | None:
+    """The auto_functionalized `op` whose output `value` is, where `reader` is its only reader
+    besides token counts; else None."""
+    if value.target is not operator.getitem or any(u is not reader and not token_count(u) for u in value.users):
+        return None
+    af = value.args[0]
+    return af if af.target in _AF and af.args[0] is op and output_of(af) is value else None
+
+
+def erase_producer(graph: torch.fx.Graph, value: torch.fx.Node, rows: torch.fx.Node) -> None:
+    """Erase `value` (an op's output whose reader is gone) and its op; its token counts read
+    `rows` instead, a value of the same token count made before them."""
+    for count in [u for u in value.users if token_count(u)]:
+        count.replace_input_with(value, rows)
+    producer = value.args[0]
+    graph.erase_node(value)
+    graph.erase_node(producer)
+
+
 # ---- CSE of pure ops -----------------------------------------------------------------------
 
 _ALLOCATORS = (aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided)

@@ -24,9 +24,10 @@ Order (each pass's docstring shows its graph before and after):
     4 engram_gate      Engram gate after the wkv GEMM
     5 rms_norm_quant   (after a CSE of the pure ops left) RMSNorm, and RMSNorm + the FP8 act
                        quant of the GEMM reading it
-    6 native_act_quant (native weights) a GEMM's A8 quant moved into the RMSNorm or RoPE
-                       making its input
-    7 backend_select   keep each fused op (its dispatch runs the selected Triton/AITER/reference
+    6 norm_rope        RMSNorm + RoPE + FP8 QAT of the window KV row in one op
+    7 native_act_quant (native weights) a GEMM's A8 quant moved into the kernel making its
+                       input (RMSNorm, with mHC's collapse before it; pointwise ATen ops)
+    8 backend_select   keep each fused op (its dispatch runs the selected Triton/AITER/reference
                        impl) or lower it back to its reference composition for Inductor
 
 The CSE runs late on purpose: a pattern's inner nodes must have no users outside it, and

@@ -55,9 +55,8 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch._guards import detect_fake_mode
 
-from passes.base import V41Pass, trace
+from passes.base import V41Pass, add_node, calls_of, erase_producer, output_of, producer_read_only_by, trace
 from v41 import quant
 
 aten = torch.ops.aten
@@ -71,19 +70,16 @@ class NativeActQuant(V41Pass):
     name = "native_act_quant"
 
     def __call__(self, graph: torch.fx.Graph) -> int:
-        v41 = torch.ops.v41
         matched = 0
-        for norm in list(graph.find_nodes(op="call_function", target=AF)):
-            if norm.args[0] is not v41.rms_norm.default:
-                continue
-            y = _output(norm)
+        for norm in calls_of(graph, torch.ops.v41.rms_norm.default):
+            y = output_of(norm)
             gemms = [(v, r) for v, r in _readers(y) if _is_linear(r)]
             if gemms:
                 q, s = self._quantizing_norm(graph, norm, y)
                 for view, gemm in gemms:
                     self._gemm_on_codes(graph, gemm, view, q, s)
                 matched += len(gemms)
-        for gemm in list(graph.find_nodes(op="call_function", target=AF2)):
+        for gemm in calls_of(graph, torch.ops.v41.fp8_linear.default):
             if _is_linear(gemm) and _pointwise(_base(gemm.kwargs["x"])):
                 self._inline_quant(graph, gemm)
                 matched += 1
@@ -98,27 +94,24 @@ class NativeActQuant(V41Pass):
         sizes, device = list(out.args[0]), out.kwargs["device"]
         D = y.meta["val"].shape[-1]
         with graph.inserting_before(norm):
-            q = _add(graph, aten.empty.memory_format, sizes, dtype=torch.float8_e4m3fn, device=device,
+            q = add_node(graph, aten.empty.memory_format, sizes, dtype=torch.float8_e4m3fn, device=device,
                      pin_memory=False)
-            s = _add(graph, aten.empty.memory_format, sizes[:-1] + [D // FP8_GROUP], dtype=torch.float32,
+            s = add_node(graph, aten.empty.memory_format, sizes[:-1] + [D // FP8_GROUP], dtype=torch.float32,
                      device=device, pin_memory=False)
-            collapse = _collapse_read_once(norm.kwargs["x"])
+            collapse = producer_read_only_by(norm.kwargs["x"], norm, torch.ops.v41.hc_collapse.default)
             if collapse is None:
-                af = _add(graph, AF, torch.ops.v41.rms_norm_act_quant.default, **norm.kwargs, q=q, s=s)
+                af = add_node(graph, AF, torch.ops.v41.rms_norm_act_quant.default, **norm.kwargs, q=q, s=s)
             else:
                 kw = {k: v for k, v in norm.kwargs.items() if k != "x"}
-                af = _add(graph, AF, torch.ops.v41.hc_collapse_rms_norm_act_quant.default, X=collapse.kwargs["X"],
-                          mix=collapse.kwargs["mix"], **kw, q=q, s=s)
-            y2, q, s = (_add(graph, operator.getitem, af, i) for i in (1, 2, 3))
+                af = add_node(graph, AF, torch.ops.v41.hc_collapse_rms_norm_act_quant.default, X=collapse.kwargs["X"],
+                              mix=collapse.kwargs["mix"], **kw, q=q, s=s)
+            y2, q, s = (add_node(graph, operator.getitem, af, i) for i in (1, 2, 3))
         y.replace_all_uses_with(y2)
         x = norm.kwargs["x"]
         graph.erase_node(y)
         graph.erase_node(norm)
         if collapse is not None:
-            for count in [u for u in x.users if _token_count(u)]:
-                count.replace_input_with(x, collapse.kwargs["X"])      # X [T, hc, D]: the same T
-            graph.erase_node(x)
-            graph.erase_node(collapse)
+            erase_producer(graph, x, collapse.kwargs["X"])     # X [T, hc, D]: the same T
         return q, s
 
     def _inline_quant(self, graph, gemm):
@@ -134,14 +127,14 @@ class NativeActQuant(V41Pass):
         rows = list(view.args[1][:-1]) if view is not None else list(q.meta["val"].shape[:-1])
         K = (view if view is not None else q).meta["val"].shape[-1]
         with graph.inserting_before(gemm):
-            xq = _add(graph, aten.view.default, q, [*rows, K])
-            xs = _add(graph, aten.view.default, s, [*rows, K // FP8_GROUP])
+            xq = add_node(graph, aten.view.default, q, [*rows, K])
+            xs = add_node(graph, aten.view.default, s, [*rows, K // FP8_GROUP])
         self._replace(graph, gemm, xq, xs)
 
     def _replace(self, graph, gemm, xq, xs):
         kw = {k: v for k, v in gemm.kwargs.items() if k != "x"}
         with graph.inserting_before(gemm):
-            new = _add(graph, AF2, torch.ops.v41.fp8_block_gemm.default, xq=xq, xs=xs, **kw)
+            new = add_node(graph, AF2, torch.ops.v41.fp8_block_gemm.default, xq=xq, xs=xs, **kw)
         gemm.replace_all_uses_with(new)
         graph.erase_node(gemm)
 
@@ -152,20 +145,8 @@ def _act_quant(x):
     return q.to(torch.float32).to(torch.float8_e4m3fn), s.to(torch.float32)
 
 
-def _collapse_read_once(x):
-    """The `hc_collapse` whose output x is, where the norm is its only reader (besides its
-    token count, which sizes the norm's buffers); else None."""
-    if x.target is not operator.getitem or sum(not _token_count(u) for u in x.users) != 1:
-        return None
-    af = x.args[0]
-    return af if af.target is AF and af.args[0] is torch.ops.v41.hc_collapse.default else None
-
-
-def _token_count(node) -> bool:
-    return node.target is aten.sym_size.int and node.args[1] == 0
-
-
 def _is_linear(node) -> bool:
+    """An fp8_linear call in the form the model's graph holds (its out buffer among the bases)."""
     return node.target is AF2 and node.args[0] is torch.ops.v41.fp8_linear.default
 
 
@@ -181,14 +162,6 @@ def _pointwise(node) -> bool:
     return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
         node.target.namespace == "aten" and (torch.Tag.pointwise in node.target.tags or
                                              node.target is aten.cat.default)
-
-
-def _output(node):
-    """The single getitem(node, 1) of an auto_functionalized node with one output, or None."""
-    users = list(node.users)
-    if len(users) == 1 and users[0].target is operator.getitem and users[0].args[1] == 1:
-        return users[0]
-    return None
 
 
 def _readers(y) -> list:
@@ -207,16 +180,6 @@ def _readers(y) -> list:
             else:
                 out.append((view, u))
     return out
-
-
-def _add(graph, target, *args, **kwargs) -> torch.fx.Node:
-    """A call_function node with its fake value, computed in the fake mode of the graph's values."""
-    node = graph.call_function(target, args, kwargs)
-    args_v, kwargs_v = torch.fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
-    mode = detect_fake_mode([n.meta["val"] for n in graph.find_nodes(op="placeholder")])
-    with mode:
-        node.meta["val"] = target(*args_v, **kwargs_v)
-    return node
 
 
 def make(cfg, dtype, lowering="auto"):

@@ -70,7 +70,7 @@ def test_compiled_forward_is_installed(compiled_engine):
     m = rep["stats"].get("matches")
     if m is not None and not fwd.shared and rep["start"] == "cold":
         assert all(m[p] > 0 for p in ("inv_rope_wo_a", "rope_qat", "mhc", "moe_route", "engram_gate",
-                                       "rms_norm_quant")), m
+                                       "rms_norm_quant", "norm_rope")), m
 
 
 def test_greedy_tokens_identical(compiled_engine, toy_weights, reqs, eager_tokens):

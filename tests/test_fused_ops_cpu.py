@@ -45,8 +45,8 @@ else:
                                    triton_hc_collapse_rms_norm_act_quant,
                                    triton_hc_expand, triton_inv_rope_wo_a, triton_mhc_mix,
                                    triton_moe_experts, triton_moe_route, triton_rms_norm,
-                                   triton_rms_norm_act_quant, triton_rms_norm_fp8, triton_rope,
-                                   triton_rope_fp8_qat)
+                                   triton_rms_norm_act_quant, triton_rms_norm_fp8, triton_rms_norm_rope_fp8_qat,
+                                   triton_rope, triton_rope_fp8_qat)
     from custom_ops.triton.common import fp8_qat as triton_fp8_qat
     from v41.layers import rms_norm as eager_rms_norm
 
@@ -133,6 +133,15 @@ else:
         triton_rope_fp8_qat(x, rope.cos, rope.sin, pos, False, out)
         assert not out.isnan().any()
         assert_qat_close(out, ref, ref_rope.apply_rope(x, rope.cos, rope.sin, pos, False))
+        # the row's RMSNorm first (the window KV row from wkv)
+        w = rnd(g, 96)
+        x[0] = 0.0
+        ref, out = torch.empty_like(x), nan_like(x)
+        ref_rope.rms_norm_rope_fp8_qat(x, w, 1e-6, rope.cos, rope.sin, pos, False, ref)
+        triton_rms_norm_rope_fp8_qat(x, w, 1e-6, rope.cos, rope.sin, pos, False, out)
+        assert not out.isnan().any()
+        normed = eager_rms_norm(x, w, 1e-6)
+        assert_qat_close(out, ref, ref_rope.apply_rope(normed, rope.cos, rope.sin, pos, False))
 
     @pytest.mark.parametrize("kw", [{}, {"block_m": 16, "block_n": 16, "block_k": 16},
                                     {"block_m": 16, "block_n": 16, "block_k": 16, "split_k": 4}])
@@ -387,6 +396,6 @@ else:
     def test_registry_selection():
         sel = registry.selected()
         for name in ("rms_norm", "rms_norm_fp8", "rms_norm_act_quant", "hc_collapse_rms_norm_act_quant", "rope",
-                     "rope_fp8_qat", "inv_rope_wo_a", "mhc_mix", "hc_collapse", "hc_expand", "moe_route",
+                     "rope_fp8_qat", "rms_norm_rope_fp8_qat", "inv_rope_wo_a", "mhc_mix", "hc_collapse", "hc_expand", "moe_route",
                      "moe_experts", "engram_gate", "engram_gather", "f32_linear"):
             assert sel[f"v41::{name}"] == {"cpu": "reference", "cuda": "triton"}, name

@@ -125,6 +125,12 @@ def test_rope(g, rope, T):
     ops.rope_fp8_qat(kv, rope.cos, rope.sin, pos, False, out)
     assert not out.isnan().any()
     assert rel(out, ref) < 1e-2 and mismatch(out, ref, 1e-3) < 0.02
+    w = rnd(g, HD)
+    ref_rope.rms_norm_rope_fp8_qat(kv, w, EPS, rope.cos, rope.sin, pos, False, ref)
+    out = torch.full_like(kv, float("nan"))
+    ops.rms_norm_rope_fp8_qat(kv, w, EPS, rope.cos, rope.sin, pos, False, out)
+    assert not out.isnan().any()
+    assert rel(out, ref) < 1e-2 and mismatch(out, ref, 1e-3) < 0.02
 
 
 # ---- attention output --------------------------------------------------------------------------
@@ -324,8 +330,8 @@ def test_engram_gather(g, T):
 def test_registry_selects_triton():
     sel = registry.selected()
     for name in ("rms_norm", "rms_norm_fp8", "rms_norm_act_quant", "hc_collapse_rms_norm_act_quant", "rope",
-                 "rope_fp8_qat", "inv_rope_wo_a", "mhc_mix", "hc_collapse", "hc_expand", "moe_route", "moe_experts",
-                 "engram_gate", "engram_gather", "f32_linear"):
+                 "rope_fp8_qat", "rms_norm_rope_fp8_qat", "inv_rope_wo_a", "mhc_mix", "hc_collapse", "hc_expand",
+                 "moe_route", "moe_experts", "engram_gate", "engram_gather", "f32_linear"):
         assert sel[f"v41::{name}"]["cuda"] == "triton", name
 
 

@@ -158,6 +158,7 @@ def _opcheck_cases(g):
                                            torch.empty(T, 2)),
         "rope": (rnd(g, T, 2, 64), rope.cos, rope.sin, pos, True, torch.empty(T, 2, 64)),
         "rope_fp8_qat": (x, rope.cos, rope.sin, pos, False, torch.empty(T, 64)),
+        "rms_norm_rope_fp8_qat": (x, rnd(g, 64), 1e-6, rope.cos, rope.sin, pos, False, torch.empty(T, 64)),
         "inv_rope_wo_a": (rnd(g, T, 2, 64), rope.cos, rope.sin, pos, rnd(g, 2, 16, 64),
                           torch.empty(T, 32)),
         "mhc_mix": (X, fn, base, scale, 20, 1e-6, 1e-20, torch.empty(T, hc), torch.empty(T, hc),
@@ -176,8 +177,8 @@ def _opcheck_cases(g):
     }
 
 OPCHECK_OPS = ["rms_norm", "rms_norm_fp8", "rms_norm_act_quant", "hc_collapse_rms_norm_act_quant", "rope",
-               "rope_fp8_qat", "inv_rope_wo_a", "mhc_mix", "hc_collapse", "hc_expand", "moe_route", "moe_experts", "engram_gate",
-               "engram_gather", "f32_linear"]
+               "rope_fp8_qat", "rms_norm_rope_fp8_qat", "inv_rope_wo_a", "mhc_mix", "hc_collapse", "hc_expand",
+               "moe_route", "moe_experts", "engram_gate", "engram_gather", "f32_linear"]
 
 # opcheck's schema check compares a float8 output arithmetically, which the CPU cannot
 FLOAT8_OUTPUTS = {"rms_norm_act_quant", "hc_collapse_rms_norm_act_quant"}

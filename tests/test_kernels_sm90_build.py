@@ -216,3 +216,16 @@ def test_rms_norm_fp8_builds_for_hopper(codes, hc):
            **dict.fromkeys(("BLOCK_R", "BLOCK_G", "CODES", "HC", "PDL"), "constexpr")}
     k = build(_rms_norm_fp8_kernel, sig, {"BLOCK_R": 1, "BLOCK_G": 32, "CODES": codes, "HC": hc, "PDL": True})
     assert 0 < registers(k) <= 255 and B.usage(k).get("STACK", 0) == 0 and "griddepcontrol.wait" in k.asm["ptx"]
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_fp8_builds_for_hopper(norm):
+    """RoPE + FP8 QAT of the window KV row (d = 512, one row a program), with and without the
+    row's RMSNorm first (`rms_norm_rope_fp8_qat`): no spills."""
+    from custom_ops.triton.rope import _rope_fp8_kernel
+    sig = {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*bf16",
+           "w_ptr": "*bf16" if norm else "*fp32", "R": "i32", "d": "i32", "tail0": "i32", "eps": "fp32",
+           **dict.fromkeys(("stride_xt", "stride_xr", "stride_ot", "stride_or", "stride_cos", "stride_sin"), "i32"),
+           **dict.fromkeys(("INVERSE", "BLOCK_R", "BLOCK_G", "NORM", "PDL"), "constexpr")}
+    k = build(_rope_fp8_kernel, sig, {"INVERSE": False, "BLOCK_R": 1, "BLOCK_G": 16, "NORM": norm, "PDL": True})
+    assert 0 < registers(k) <= 255 and B.usage(k).get("STACK", 0) == 0

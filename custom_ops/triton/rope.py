@@ -1,4 +1,5 @@
-"""Triton impls of `v41::rope` and `v41::rope_fp8_qat` (custom_ops/rope.py is the definition).
+"""Triton impls of `v41::rope`, `v41::rope_fp8_qat` and `v41::rms_norm_rope_fp8_qat`
+(custom_ops/rope.py is the definition).
 
 x [T, ..., d] is viewed as rows [T·R, d] (R = the product of the middle dims, e.g. the 64 query
 heads); row n belongs to token n // R. One program takes one token and BLOCK_R of its rows, the
@@ -7,7 +8,9 @@ the group axis last). In the last rot dims every element also loads its pair par
 and its token's cos/sin entry (FP32 table row at the token's position, pair (col - (d-rot))/2)
 and computes the reference's `a·cos - b·sin` / `a·sin + b·cos` in FP32, rounded once to x's
 dtype; the other dims are copied. The FP8 variant then quantizes the whole row (all d dims,
-groups of 32; the window KV row: d = 512, one row per token). FP64 falls back to the reference.
+groups of 32; the window KV row: d = 512, one row per token), after, with NORM, the row's
+RMSNorm (each element and its pair partner normed and rounded to x's dtype as `rms_norm` rounds
+them). FP64 falls back to the reference.
 """
 from __future__ import annotations
 
@@ -29,16 +32,24 @@ def rope_values(ptrs, hcol, mask, cos_row, sin_row, tail0, INVERSE: tl.constexpr
     shape broadcasting to the tile). Returns x's dtype."""
     x = tl.load(ptrs, mask=mask, other=0.0)
     rot = mask & (hcol >= tail0)
+    partner = tl.load(ptrs + tl.where((hcol & 1) == 1, -1, 1), mask=rot, other=0.0)
+    return rotate(x, partner, hcol, rot, cos_row, sin_row, tail0, INVERSE)
+
+
+@triton.jit
+def rotate(x, partner, hcol, rot, cos_row, sin_row, tail0, INVERSE: tl.constexpr):
+    """x with its pair `partner` (col ^ 1) rotated where `rot`, in FP32, rounded once to x's
+    dtype; x unchanged elsewhere."""
     odd = (hcol & 1) == 1
-    partner = tl.load(ptrs + tl.where(odd, -1, 1), mask=rot, other=0.0).to(tl.float32)
     pair = tl.maximum(hcol - tail0, 0) // 2
     c = tl.load(cos_row + pair, mask=rot, other=0.0)
     s = tl.load(sin_row + pair, mask=rot, other=0.0)
     if INVERSE:
         s = -s
     xf = x.to(tl.float32)
+    pf = partner.to(tl.float32)
     # even lane: a = x, b = partner -> a·cos - b·sin;  odd lane: a = partner, b = x -> a·sin + b·cos
-    y = tl.where(odd, partner * s + xf * c, xf * c - partner * s)
+    y = tl.where(odd, pf * s + xf * c, xf * c - pf * s)
     return tl.where(rot, y.to(x.dtype), x)
 
 
@@ -61,9 +72,10 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, R, d, tail0,
 
 
 @triton.jit
-def _rope_fp8_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, R, d, tail0,
+def _rope_fp8_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, w_ptr, R, d, tail0, eps,
                      stride_xt, stride_xr, stride_ot, stride_or, stride_cos, stride_sin,
-                     INVERSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False):
+                     INVERSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, NORM: tl.constexpr,
+                     PDL: tl.constexpr = False):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     rr = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -72,8 +84,21 @@ def _rope_fp8_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, R, d, tail0,
     p = tl.load(pos_ptr + t).to(tl.int64)
     roff = rr.to(tl.int64)[:, None, None]
     hcol = tl.zeros([BLOCK_R, BLOCK_G, 32], tl.int32) + col
-    y = rope_values(x_ptr + t * stride_xt + roff * stride_xr + col, hcol, mask,
-                    cos_ptr + p * stride_cos, sin_ptr + p * stride_sin, tail0, INVERSE)
+    ptrs = x_ptr + t * stride_xt + roff * stride_xr + col
+    cos_row, sin_row = cos_ptr + p * stride_cos, sin_ptr + p * stride_sin
+    if NORM:   # the row RMS-normed first (whole rows in the tile), element and partner alike
+        x = tl.load(ptrs, mask=mask, other=0.0)
+        rot = mask & (hcol >= tail0)
+        partner = tl.load(ptrs + tl.where((hcol & 1) == 1, -1, 1), mask=rot, other=0.0)
+        xf = x.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(tl.sum(xf * xf, axis=2), axis=1) / d + eps)[:, None, None]
+        w = tl.load(w_ptr + col, mask=col < d, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + (col ^ 1), mask=col < d, other=0.0).to(tl.float32)
+        x = (w * (xf * inv)).to(x.dtype)
+        partner = (wp * (partner.to(tl.float32) * inv)).to(x.dtype)
+        y = rotate(x, partner, hcol, rot, cos_row, sin_row, tail0, INVERSE)
+    else:
+        y = rope_values(ptrs, hcol, mask, cos_row, sin_row, tail0, INVERSE)
     q = fp8_qat_groups(y.to(tl.float32), 2)
     tl.store(out_ptr + t * stride_ot + roff * stride_or + col, q.to(out_ptr.dtype.element_ty),
              mask=mask)
@@ -88,11 +113,14 @@ def _as3d(t: torch.Tensor, T: int, d: int) -> torch.Tensor | None:
     return v if d <= 1 or v.stride(2) == 1 else None
 
 
-def _launch(kernel, x, cos, sin, positions, inverse, out, fp8: bool) -> bool:
+def _launch(kernel, x, cos, sin, positions, inverse, out, fp8: bool, norm=None) -> bool:
+    """Launch `kernel`; False where it does not apply (the reference runs). `norm`: (w, eps) of
+    the RMSNorm `rms_norm_rope_fp8_qat` applies first."""
     T, d = x.shape[0], x.shape[-1]
     rot = 2 * cos.shape[-1]
     if x.dtype not in TL_DTYPES or out.dtype != x.dtype or cos.dtype != torch.float32 or \
-            sin.dtype != torch.float32 or (d - rot) % 2 or rot > d or (fp8 and d % 32):
+            sin.dtype != torch.float32 or (d - rot) % 2 or rot > d or (fp8 and d % 32) or \
+            (norm is not None and (norm[0].dtype == torch.float64 or norm[0].stride(-1) != 1)):
         return False
     if T == 0 or x.numel() == 0:
         return True
@@ -105,18 +133,20 @@ def _launch(kernel, x, cos, sin, positions, inverse, out, fp8: bool) -> bool:
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     positions = positions if positions.stride(0) == 1 else positions.contiguous()
     R = x3.shape[1]
-    args = (x3, cos, sin, positions, dst, R, d, d - rot, x3.stride(0), x3.stride(1),
-            dst.stride(0), dst.stride(1), cos.stride(0), sin.stride(0))
+    strides = (x3.stride(0), x3.stride(1), dst.stride(0), dst.stride(1), cos.stride(0), sin.stride(0))
     if fp8:
+        w, eps = norm if norm is not None else (cos, 0.0)
         bg = triton.next_power_of_2(d // 32)
         br = max(1, min(triton.next_power_of_2(R), TILE // (bg * 32)))
-        kernel[(T, triton.cdiv(R, br))](*args, INVERSE=bool(inverse), BLOCK_R=br, BLOCK_G=bg,
+        kernel[(T, triton.cdiv(R, br))](x3, cos, sin, positions, dst, w, R, d, d - rot, eps, *strides,
+                                        INVERSE=bool(inverse), BLOCK_R=br, BLOCK_G=bg, NORM=norm is not None,
                                         num_warps=4, **pdl(x3.device))
     else:
         bd = triton.next_power_of_2(d)
         br = max(1, min(triton.next_power_of_2(R), TILE // bd))
-        kernel[(T, triton.cdiv(R, br))](*args, INVERSE=bool(inverse), BLOCK_R=br, BLOCK_D=bd,
-                                        num_warps=4, **pdl(x3.device))
+        kernel[(T, triton.cdiv(R, br))](x3, cos, sin, positions, dst, R, d, d - rot, *strides,
+                                        INVERSE=bool(inverse), BLOCK_R=br, BLOCK_D=bd, num_warps=4,
+                                        **pdl(x3.device))
     if o3 is None:
         out.copy_(dst.view(out.shape))
     return True
@@ -134,5 +164,12 @@ def triton_rope_fp8_qat(x, cos, sin, positions, inverse, out) -> None:
         _ref.rope_fp8_qat(x, cos, sin, positions, inverse, out)
 
 
+def triton_rms_norm_rope_fp8_qat(x, w, eps, cos, sin, positions, inverse, out) -> None:
+    """`v41::rms_norm_rope_fp8_qat` (same signature)."""
+    if not _launch(_rope_fp8_kernel, x, cos, sin, positions, inverse, out, True, (w, eps)):
+        _ref.rms_norm_rope_fp8_qat(x, w, eps, cos, sin, positions, inverse, out)
+
+
 register_impl("rope", "triton", triton_rope, device_type="cuda")
 register_impl("rope_fp8_qat", "triton", triton_rope_fp8_qat, device_type="cuda")
+register_impl("rms_norm_rope_fp8_qat", "triton", triton_rms_norm_rope_fp8_qat, device_type="cuda")
