@@ -10,6 +10,8 @@ from it only in the order of the FP32 sums.
   `groups` G, G such GEMMs side by side (wo_a's batched GEMM).
 - `fp8_linear`: the two above in one call, x in the activation dtype (what `Linear("fp8")`
   runs; an impl may quantize x inside its GEMM).
+- `fp8_block_gemm_act_quant`: `fp8_block_gemm` whose output leaves as the next GEMM's A8
+  codes and scales.
 - `moe_experts_w4a8`: `v41::moe_experts` with FP4 E2M1 expert weights and E8M0 per-32 scales.
 
 `native_weights` is the one place that decides, at load, whether weights stay native.
@@ -55,6 +57,16 @@ def fp8_block_gemm(xq, xs, w, ws, out, groups=1) -> None:
         out.copy_(x @ wd.T)
     else:
         out.copy_(torch.einsum("mgk,grk->mgr", x.view(M, G, K), wd.view(G, R, K)).reshape(M, G * R))
+
+
+@define("fp8_block_gemm_act_quant(Tensor xq, Tensor xs, Tensor w, Tensor ws, ScalarType dtype, Tensor(a!) q, "
+        "Tensor(b!) s, int groups=1) -> ()")
+def fp8_block_gemm_act_quant(xq, xs, w, ws, dtype, q, s, groups=1) -> None:
+    """q [M, G·R] float8_e4m3fn, s [M, G·R/32] float32 <- `fp8_act_quant` of `fp8_block_gemm`'s
+    output in `dtype`: a GEMM whose only readers are native GEMMs (wo_a's, read by wo_b)."""
+    out = torch.empty(xq.shape[0], w.shape[0], dtype=dtype, device=xq.device)
+    fp8_block_gemm(xq, xs, w, ws, out, groups)
+    fp8_act_quant(out, q, s)
 
 
 @define("fp8_linear(Tensor x, Tensor w, Tensor ws, Tensor(a!) out, int groups=1) -> ()")

@@ -26,7 +26,8 @@ Order (each pass's docstring shows its graph before and after):
                        quant of the GEMM reading it
     6 norm_rope        RMSNorm + RoPE + FP8 QAT of the window KV row in one op
     7 native_act_quant (native weights) a GEMM's A8 quant moved into the kernel making its
-                       input (RMSNorm, with mHC's collapse before it; pointwise ATen ops)
+                       input (RMSNorm, with mHC's collapse before it; pointwise ATen ops; the
+                       GEMM before it)
     8 backend_select   keep each fused op (its dispatch runs the selected Triton/AITER/reference
                        impl) or lower it back to its reference composition for Inductor
 

@@ -15,8 +15,10 @@ the GEMM a `v41::fp8_block_gemm` on the codes:
 - an input made by pointwise ATen ops (the inverse RoPE before native wo_a, SwiGLU before shared
   w2) gets the quant as ATen ops (the reference `v41.quant.fp8_act_quant`), which Inductor
   generates in the producer's own kernel.
+- a W8A8 GEMM whose output only native GEMMs read (wo_a's, read by wo_b) becomes
+  `v41::fp8_block_gemm_act_quant`, which quantizes its output tiles in the epilogue.
 
-Inputs made by other ops (another GEMM's output: wo_b; a piece input: Engram) keep fp8_linear.
+Inputs made by other ops (a piece input: Engram) keep fp8_linear.
 f32 shown, RMSNorm:
 
     before:
@@ -83,8 +85,21 @@ class NativeActQuant(V41Pass):
             if _is_linear(gemm) and _pointwise(_base(gemm.kwargs["x"])):
                 self._inline_quant(graph, gemm)
                 matched += 1
+        replaced = []
+        for producer in calls_of(graph, torch.ops.v41.fp8_block_gemm.default):
+            z = output_of(producer)
+            readers = _readers(z)
+            if producer.target is AF2 and readers and all(_is_linear(r) for _, r in readers):
+                q, s = self._quantizing_gemm(graph, producer, z)
+                for view, gemm in readers:
+                    self._gemm_on_codes(graph, gemm, view, q, s)
+                replaced.append(producer)
+                matched += len(readers)
         if matched:
             graph.eliminate_dead_code()
+            for node in replaced:         # its output's views and getitem are gone: nothing reads it
+                if not getattr(node, "_erased", False) and not node.users:
+                    graph.erase_node(node)
         return matched
 
     def _quantizing_norm(self, graph, norm, y):
@@ -95,9 +110,9 @@ class NativeActQuant(V41Pass):
         D = y.meta["val"].shape[-1]
         with graph.inserting_before(norm):
             q = add_node(graph, aten.empty.memory_format, sizes, dtype=torch.float8_e4m3fn, device=device,
-                     pin_memory=False)
+                         pin_memory=False)
             s = add_node(graph, aten.empty.memory_format, sizes[:-1] + [D // FP8_GROUP], dtype=torch.float32,
-                     device=device, pin_memory=False)
+                         device=device, pin_memory=False)
             collapse = producer_read_only_by(norm.kwargs["x"], norm, torch.ops.v41.hc_collapse.default)
             if collapse is None:
                 af = add_node(graph, AF, torch.ops.v41.rms_norm_act_quant.default, **norm.kwargs, q=q, s=s)
@@ -112,6 +127,23 @@ class NativeActQuant(V41Pass):
         graph.erase_node(norm)
         if collapse is not None:
             erase_producer(graph, x, collapse.kwargs["X"])     # X [T, hc, D]: the same T
+        return q, s
+
+    def _quantizing_gemm(self, graph, gemm, z):
+        """Replace a W8A8 GEMM whose output z only native GEMMs read with
+        `fp8_block_gemm_act_quant`: the (codes, scales) nodes."""
+        (out,) = gemm.kwargs["_all_bases"]
+        sizes, device = list(out.args[0]), out.kwargs["device"]
+        N = z.meta["val"].shape[-1]
+        kw = {k: gemm.kwargs[k] for k in ("xq", "xs", "w", "ws", "groups")}
+        with graph.inserting_before(gemm):
+            q = add_node(graph, aten.empty.memory_format, sizes, dtype=torch.float8_e4m3fn, device=device,
+                         pin_memory=False)
+            s = add_node(graph, aten.empty.memory_format, sizes[:-1] + [N // FP8_GROUP], dtype=torch.float32,
+                         device=device, pin_memory=False)
+            af = add_node(graph, AF, torch.ops.v41.fp8_block_gemm_act_quant.default, **kw, dtype=z.meta["val"].dtype,
+                          q=q, s=s)
+            q, s = (add_node(graph, operator.getitem, af, i) for i in (1, 2))
         return q, s
 
     def _inline_quant(self, graph, gemm):

@@ -203,7 +203,8 @@ def test_native_act_quant_on_native_weights(toy_cfg):
     """Native weights, wo_a FP8 too: each FP8 GEMM reading an RMSNorm takes the codes the norm's
     op writes beside the norm (mHC's collapse before it joining the op); each reading pointwise
     ATen ops takes codes quantized by ATen ops after them (Inductor's kernel for the producer);
-    bit for bit the graph before the pass, outputs and cache."""
+    wo_b takes the codes wo_a's GEMM writes; bit for bit the graph before the pass, outputs and
+    cache."""
     from passes.manager import PassManager
     from v41.loader import dummy_weights
     prefix = toy_prefix(dummy_weights(toy_cfg, progress=False, wo_a="fp8"), 3, weight_format="native")
@@ -215,9 +216,9 @@ def test_native_act_quant_on_native_weights(toy_cfg):
     got = [run_piece(p, pm) for p in compiled.pieces]
     assert_pieces_equal(got, before, exact=True)
     # per layer three norms, each read by one (stacked) GEMM: attention norm -> wq_a + wkv, q norm
-    # -> wq_b (and the index query in the FULL layer), FFN norm -> shared w1 + w3; and two GEMMs
-    # on pointwise ops: wo_a on the inverse RoPE, shared w2 on SwiGLU
-    assert pm.totals()["native_act_quant"] == 5 * 3
+    # -> wq_b (and the index query in the FULL layer), FFN norm -> shared w1 + w3; two GEMMs on
+    # pointwise ops: wo_a on the inverse RoPE, shared w2 on SwiGLU; and wo_b on wo_a's output
+    assert pm.totals()["native_act_quant"] == 6 * 3
     graphs = [passed(p, pm).graph for p in compiled.pieces]
     # the attention and FFN norms read mHC's collapse, which joins them; the q norm reads wq_a
     assert sum(_ops_in(g, "hc_collapse_rms_norm_act_quant") for g in graphs) == 2 * 3
@@ -226,10 +227,11 @@ def test_native_act_quant_on_native_weights(toy_cfg):
     before_norms = sum(_ops_in(passed(p, PassManager(prefix.runner.cfg, torch.float32, only=producers)).graph,
                                "rms_norm") for p in compiled.pieces)
     assert sum(_ops_in(g, "rms_norm") for g in graphs) == before_norms - 3 * 3     # none left behind
+    # wo_a quantizes its output for wo_b in its epilogue
+    assert sum(_ops_in(g, "fp8_block_gemm_act_quant") for g in graphs) == 3
     assert sum(_ops_in(g, "fp8_block_gemm") for g in graphs) == 5 * 3
-    # still quantized by the GEMM op: wo_b (wo_a's output) per layer, Engram's projection (the
-    # piece's input) in layer 1
-    assert sum(_ops_in(g, "fp8_linear") for g in graphs) == 3 + 1
+    # still quantized by the GEMM op: Engram's projection (the piece's input) in layer 1
+    assert sum(_ops_in(g, "fp8_linear") for g in graphs) == 1
 
 
 def _registered_patterns(p):

@@ -229,3 +229,13 @@ def test_rope_fp8_builds_for_hopper(norm):
            **dict.fromkeys(("INVERSE", "BLOCK_R", "BLOCK_G", "NORM", "PDL"), "constexpr")}
     k = build(_rope_fp8_kernel, sig, {"INVERSE": False, "BLOCK_R": 1, "BLOCK_G": 16, "NORM": norm, "PDL": True})
     assert 0 < registers(k) <= 255 and B.usage(k).get("STACK", 0) == 0
+
+
+def test_fp8_gemm_quant_out_builds_for_hopper():
+    """The W8A8 GEMV's default tile (one row, split-K) and the GEMM's 16-row decode tile with the
+    act quant in the epilogue (`fp8_block_gemm_act_quant`: wo_a's output leaving as wo_b's
+    codes): no spills."""
+    from custom_ops.triton.fp8_gemm import GEMV_BLOCK_K, GEMV_BLOCK_N
+    for k in (B.fp8_gemv(1, GEMV_BLOCK_N, GEMV_BLOCK_K, False, stages=1, quant_out=True),
+              B.fp8_gemm(16, 64, 4, 3, True, False, quant_out=True)):
+        assert 0 < registers(k) <= 255 and B.usage(k).get("STACK", 0) == 0

@@ -36,7 +36,8 @@ else:
     import custom_ops  # noqa: F401
     from custom_ops import gemm as ref
     from custom_ops import registry
-    from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_fp8_linear
+    from custom_ops.triton import (triton_fp8_act_quant, triton_fp8_block_gemm, triton_fp8_block_gemm_act_quant,
+                                   triton_fp8_linear)
     from custom_ops.triton.fp8 import tile_counters
     from custom_ops.triton.fp8_gemm import quantizes_inside
     import triton
@@ -148,6 +149,34 @@ else:
             assert torch.equal(out, r), (split_k, path)
         with pytest.raises(ValueError, match="not 2 groups"):
             ref.fp8_block_gemm(xq, xs, w, ws, r, 2)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("M,G,kw", [(1, 1, {}), (1, 1, {"split_k": 3}), (1, 3, {"split_k": 2}),
+                                        (7, 1, {"path": "gemv", "block_m": 4, "block_n": 32}),
+                                        (7, 3, {}), (33, 1, {"split_k": 3}), (2, 1, {"path": "mma"})])
+    def test_fp8_block_gemm_act_quant(g, monkeypatch, dtype, M, G, kw):
+        """The act quant in the GEMM's epilogue: the codes and scales are bit for bit those of
+        the same GEMM's output (same tiles: the same sums) in `dtype`, act-quantized by the
+        reference; on exactly summable inputs also those of the reference GEMM's output (bf16
+        rounded to nearest even, as on a GPU). Every code and scale written, split or not,
+        grouped or not."""
+        rne_bf16_casts(monkeypatch)
+        R, K = 64, 256
+        for exact in (False, True):
+            xq, xs, w, ws = fp8_grouped_case(g, M, G, R, K, exact=exact)
+            y = torch.empty(M, G * R, dtype=dtype)
+            triton_fp8_block_gemm(xq, xs, w, ws, y, G, **kw)
+            want_q, want_s = torch.empty(M, G * R, dtype=torch.float8_e4m3fn), torch.empty(M, G * R // 32)
+            ref.fp8_act_quant(y, want_q, want_s)
+            q = torch.full((M, G * R), float("nan")).to(torch.float8_e4m3fn)
+            s = torch.full((M, G * R // 32), float("nan"))
+            triton_fp8_block_gemm_act_quant(xq, xs, w, ws, dtype, q, s, G, **kw)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s), exact
+            if exact:
+                ref_q, ref_s = torch.empty_like(q), torch.empty_like(s)
+                ref.fp8_block_gemm_act_quant(xq, xs, w, ws, dtype, ref_q, ref_s, G)
+                assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+            assert not tile_counters(q.device, 0).any()
 
     @pytest.mark.parametrize("M,kw", [(1, {}), (5, {"block_n": 32}), (16, {"block_m": 16}),
                                       (64, {"block_n": 128}), (64, {"block_m": 32, "block_n": 32}),
@@ -266,7 +295,7 @@ else:
     # ---- registry --------------------------------------------------------------------------
     def test_native_ops_registered():
         sel = registry.selected()
-        for name in ref.NATIVE_OPS:
+        for name in (*ref.NATIVE_OPS, "fp8_block_gemm_act_quant"):
             assert sel[f"v41::{name}"] == {"cpu": "reference", "cuda": "triton"}
         assert not ref.native_weights("cpu", torch.bfloat16)
         assert not ref.native_weights("cuda", torch.float64)

@@ -34,7 +34,7 @@ MMA_REL = 2.0**-13
 
 def test_registry_picks_triton():
     sel = registry.selected()
-    assert all(sel[f"v41::{n}"]["cuda"] == "triton" for n in ref.NATIVE_OPS)
+    assert all(sel[f"v41::{n}"]["cuda"] == "triton" for n in (*ref.NATIVE_OPS, "fp8_block_gemm_act_quant"))
     assert ref.native_weights(DEV, torch.bfloat16)
 
 
@@ -76,6 +76,16 @@ def test_fp8_block_gemm_grouped(M):
     assert not out.isnan().any()
     assert ((out.double() - exact).abs() <= bound).all()
     assert ((r.double() - exact).abs() <= bound).all()
+    # the act quant in the epilogue (wo_a's output as wo_b's codes): bit for bit the act quant of
+    # the same GEMM's bf16 output
+    y = torch.empty(M, G * R, dtype=torch.bfloat16, device=DEV)
+    torch.ops.v41.fp8_block_gemm(xq, xs, w, ws, y, G)
+    want_q = torch.empty(M, G * R, dtype=torch.float8_e4m3fn, device=DEV)
+    want_s = torch.empty(M, G * R // 32, device=DEV)
+    ref.fp8_act_quant(y, want_q, want_s)
+    q, s = torch.empty_like(want_q), torch.full_like(want_s, float("nan"))
+    torch.ops.v41.fp8_block_gemm_act_quant(xq, xs, w, ws, torch.bfloat16, q, s, G)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
 
 
 @pytest.mark.parametrize("M", [1, 3, 4, 8, 33, 64, 2048])

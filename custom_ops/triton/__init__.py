@@ -9,7 +9,8 @@ from custom_ops.triton.cache import triton_scatter_rows  # noqa: F401
 from custom_ops.triton.compressor import triton_compress_pool  # noqa: F401
 from custom_ops.triton.index import triton_index_topk  # noqa: F401
 from custom_ops.triton.attn_out import triton_inv_rope_wo_a  # noqa: F401
-from custom_ops.triton.fp8_gemm import triton_fp8_act_quant, triton_fp8_block_gemm, triton_fp8_linear  # noqa: F401
+from custom_ops.triton.fp8_gemm import (triton_fp8_act_quant, triton_fp8_block_gemm,  # noqa: F401
+                                        triton_fp8_block_gemm_act_quant, triton_fp8_linear)
 from custom_ops.triton.engram import triton_engram_gate, triton_engram_gather  # noqa: F401
 from custom_ops.triton.head import triton_f32_linear  # noqa: F401
 from custom_ops.triton.mhc import triton_hc_collapse, triton_hc_expand, triton_mhc_mix  # noqa: F401

@@ -66,30 +66,66 @@ def e4m3_word_values(w, ASM: tl.constexpr):
 
 
 @triton.jit
-def store_tile(acc, rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, SPLIT_K: tl.constexpr):
-    """The output tile [rm, rn] of program (m, n, split): `acc` rounded into o, or with SPLIT_K
-    handed to `sum_splits` (partials at p, the tile's counter at cnt_ptr)."""
+def store_tile(acc, rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, os_ptr, stride_osm,
+               SPLIT_K: tl.constexpr, QUANT_OUT: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """The output tile [rm, rn] of program (m, n, split) (rn = n·BLOCK_N + arange): `acc`, or with
+    SPLIT_K the sum of the splits' partials (`split_sum`: at p, the tile's counter at cnt_ptr),
+    rounded into o; with QUANT_OUT rounded to OUT_DTYPE and act-quantized per 32 columns, the
+    E4M3 codes into o and the scales into os (`write_codes`)."""
     omask = (rm < M)[:, None] & (rn < N)[None, :]
     o_ptrs = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     if SPLIT_K:
         p_tile = p_ptr + rm.to(tl.int64)[:, None] * stride_pm + rn[None, :]
         counter = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        sum_splits(acc, o_ptrs, p_tile, stride_ps, tl.program_id(2), tl.num_programs(2), counter, omask)
+        last, tot = split_sum(acc, p_tile, stride_ps, tl.program_id(2), tl.num_programs(2), counter, omask)
+        if last:
+            if QUANT_OUT:
+                write_codes(tot, rm, M, N, o_ptrs, omask, os_ptr, stride_osm, OUT_DTYPE)
+            else:
+                tl.store(o_ptrs, tot.to(o_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(counter, 0)
+    elif QUANT_OUT:
+        write_codes(acc, rm, M, N, o_ptrs, omask, os_ptr, stride_osm, OUT_DTYPE)
     else:
         tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
-def sum_splits(acc, o_ptrs, p_tile, stride_ps, split, splits, counter, omask):
+def write_codes(y, rm, M, N, o_ptrs, omask, os_ptr, stride_osm, OUT_DTYPE: tl.constexpr):
+    """The FP32 tile y [BM, BN] of program column n rounded to OUT_DTYPE, then its act quant
+    (`fp8_quant_groups` per 32 columns, BN a multiple of 32): codes at o_ptrs, scales into os."""
+    BM: tl.constexpr = y.shape[0]
+    BN: tl.constexpr = y.shape[1]
+    v = tl.reshape(y.to(OUT_DTYPE).to(tl.float32), [BM, BN // GROUP_K, GROUP_K])
+    q, s = fp8_quant_groups(v, 2)
+    tl.store(o_ptrs, tl.reshape(q, [BM, BN]).to(o_ptrs.dtype.element_ty), mask=omask)
+    g = tl.program_id(1) * (BN // GROUP_K) + tl.arange(0, BN // GROUP_K)
+    smask = (rm < M)[:, None] & (g < tl.cdiv(N, GROUP_K))[None, :]
+    tl.store(os_ptr + rm.to(tl.int64)[:, None] * stride_osm + g[None, :], tl.reshape(s, [BM, BN // GROUP_K]),
+             mask=smask)
+
+
+@triton.jit
+def split_sum(acc, p_tile, stride_ps, split, splits, counter, omask):
     """Split-K's end of a program: its FP32 partial `acc` stored at p_tile + split·stride_ps and
-    counted in the tile's counter (acq_rel); the split that counts last sums the partials in
-    ascending split order, rounds once into o_ptrs and zeroes the counter for the next call."""
+    counted in the tile's counter (acq_rel). Returns (whether this split counted last, and there
+    the partials summed in ascending split order); the last one's caller stores the sum and
+    zeroes the counter for the next call."""
     tl.store(p_tile + split.to(tl.int64) * stride_ps, acc, mask=omask)
-    if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
-        tot = tl.zeros_like(acc)
+    last = tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1
+    tot = tl.zeros_like(acc)
+    if last:
         for s in range(splits):
             # .cg: from L2, where the other splits' stores are (not a stale L1 line)
             tot += tl.load(p_tile + s * stride_ps, mask=omask, other=0.0, cache_modifier=".cg")
+    return last, tot
+
+
+@triton.jit
+def sum_splits(acc, o_ptrs, p_tile, stride_ps, split, splits, counter, omask):
+    """`split_sum`, the last split rounding the sum once into o_ptrs and zeroing the counter."""
+    last, tot = split_sum(acc, p_tile, stride_ps, split, splits, counter, omask)
+    if last:
         tl.store(o_ptrs, tot.to(o_ptrs.dtype.element_ty), mask=omask)
         tl.atomic_xchg(counter, 0)
 

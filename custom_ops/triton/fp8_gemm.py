@@ -1,5 +1,5 @@
-"""Triton impls of `v41::fp8_act_quant`, `v41::fp8_block_gemm` and `v41::fp8_linear`
-(custom_ops/gemm.py is the definition).
+"""Triton impls of `v41::fp8_act_quant`, `v41::fp8_block_gemm`, `v41::fp8_block_gemm_act_quant`
+and `v41::fp8_linear` (custom_ops/gemm.py is the definition).
 
 Activation quant, grid (row tiles, group tiles): per group of 32, the scale 2^k and the E4M3
 codes of common.py's FP8 QAT (bit-exact with v41.quant), stored as float8_e4m3fn codes plus
@@ -95,10 +95,11 @@ def triton_fp8_act_quant(x, q, s) -> None:
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, KB, KB_SPLIT, ROWS_G,
-                     stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm,
+def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr, M, N, KB, KB_SPLIT, ROWS_G,
+                     stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm, stride_osm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
-                     SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, PDL: tl.constexpr = False):
+                     SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, PDL: tl.constexpr = False,
+                     QUANT_OUT: tl.constexpr = False, OUT_DTYPE: tl.constexpr = tl.bfloat16):
     """Program (m, n, s): K blocks [s·KB_SPLIT, (s+1)·KB_SPLIT) of one output tile. KB and
     KB_SPLIT are multiples of UNROLL. Grouped: the tile's weight rows belong to group
     n0 // ROWS_G (ROWS_G a multiple of BLOCK_N), which reads its own KB blocks of x.
@@ -106,7 +107,9 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
     p + s·stride_ps and counts itself in the tile's counter (acq_rel); the split that counts
     last sums the partials in ascending s, rounds once into o and zeroes the counter for the
     next call. QUANT_X: x is the activation itself, each 32-wide block quantized here as
-    `_act_quant_kernel` would (the same codes and scales; xs unused)."""
+    `_act_quant_kernel` would (the same codes and scales; xs unused). QUANT_OUT: the output
+    rounded to OUT_DTYPE is act-quantized in the epilogue, codes into o, scales into os
+    (fp8.store_tile)."""
     pdl_wait(PDL)
     n0 = tl.program_id(1) * BLOCK_N
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -145,7 +148,8 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
         b_ptrs += UNROLL * GROUP_K
         sa_ptrs += UNROLL
         sb_ptrs += UNROLL
-    store_tile(acc, rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, SPLIT_K)
+    store_tile(acc, rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, os_ptr, stride_osm, SPLIT_K,
+               QUANT_OUT, OUT_DTYPE)
 
 
 @triton.jit
@@ -170,6 +174,13 @@ def triton_fp8_block_gemm(xq, xs, w, ws, out, groups: int = 1, **knobs) -> None:
     one group); keyword knobs: `_gemm`'s."""
     if xs.dtype != torch.float32 or xs.stride(-1) != 1 or not _gemm(xq, xs, w, ws, out, groups, **knobs):
         _ref.fp8_block_gemm(xq, xs, w, ws, out, groups)
+
+
+def triton_fp8_block_gemm_act_quant(xq, xs, w, ws, dtype, q, s, groups: int = 1, **knobs) -> None:
+    """`v41::fp8_block_gemm_act_quant` (same signature): the act quant in the GEMM's epilogue."""
+    if xs.dtype != torch.float32 or xs.stride(-1) != 1 or s.dtype != torch.float32 or \
+            not _gemm(xq, xs, w, ws, q, groups, scales=s, out_dtype=dtype, **knobs):
+        _ref.fp8_block_gemm_act_quant(xq, xs, w, ws, dtype, q, s, groups)
 
 
 def quantizes_inside(M: int, N: int, K: int) -> bool:
@@ -208,14 +219,16 @@ def gemm_path(M: int) -> str:
 def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | None = None,
           block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
           split_k: int | None = None, unroll: int | None = None, num_warps: int | None = None,
-          num_stages: int | None = None, prefetch: bool = False) -> bool:
+          num_stages: int | None = None, prefetch: bool = False, scales=None, out_dtype=None) -> bool:
     """Launch the kernel of `path` (default `gemm_path`): `_fp8_gemv_kernel` or
     `_fp8_gemm_kernel`, or return False where it does not apply. Knobs: tile sizes (block_m: the
     GEMV's rows a program; block_k: the GEMV's K block), split-K count (None: `split_count`),
     pipeline stages, the MMA kernel's K blocks per iteration (None: `_tiles`, one
     block per iteration where its count does not divide K), warps, the GEMV's register prefetch
     of the next K block (`_fp8_gemv_kernel` PREFETCH). Split-K sums FP32 partials in
-    a fixed order: deterministic, and only the order of the FP32 sums differs from one split."""
+    a fixed order: deterministic, and only the order of the FP32 sums differs from one split.
+    `scales`: out takes the E4M3 codes of the output rounded to `out_dtype`, `scales` their
+    FP32 scales per 32 columns (QUANT_OUT)."""
     K, R = _ref.gemm_group_shape(x, w, groups)
     M, N = x.shape[0], w.shape[0]
     path = path or gemm_path(M)
@@ -225,8 +238,10 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
         path = "mma"                               # no int32 view of the codes
     tile_n, tile_unroll, stages = (GEMV_BLOCK_N, GEMV_BLOCK_K // GROUP, GEMV_STAGES) if path == "gemv" else _tiles(M)
     bn = block_n or (tile_n if groups == 1 else min(tile_n, R & -R))   # a power of two dividing R
-    if K % GROUP or out.dtype not in TL_DTYPES or (groups > 1 and (R % bn or bn < 16)) or \
-            (path == "mma" and bn % GROUP) or \
+    codes = scales is not None
+    if K % GROUP or (out.dtype != torch.float8_e4m3fn if codes else out.dtype not in TL_DTYPES) or \
+            (groups > 1 and (R % bn or bn < 16)) or (path == "mma" and bn % GROUP) or \
+            (codes and (bn % GROUP or N % GROUP or out_dtype not in TL_DTYPES or scales.stride(-1) != 1)) or \
             x.stride(-1) != 1 or w.stride(-1) != 1 or out.stride(-1) != 1:
         return False
     if M == 0 or N == 0:
@@ -248,22 +263,25 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
     splits = triton.cdiv(KB, per)                   # no empty split
     part = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=out.device)
     counters = tile_counters(out.device, grid_m * grid_n if splits > 1 else 0)
+    os_ = scales if codes else part
+    epilogue = dict(QUANT_OUT=codes, OUT_DTYPE=TL_DTYPES[out_dtype] if codes else tl.bfloat16)
     if path == "gemv":
         words = w.view(torch.int32)
         _fp8_gemv_kernel[(grid_m, grid_n, splits)](
-            x, xs, words, wsc, out, part, counters, M, N, K, per * GROUP, R, x.stride(0), xs.stride(0),
-            words.stride(0), wsc.stride(0), out.stride(0), part.stride(0), part.stride(-2), ROWS=bm,
+            x, xs, words, wsc, out, part, counters, os_, M, N, K, per * GROUP, R, x.stride(0), xs.stride(0),
+            words.stride(0), wsc.stride(0), out.stride(0), part.stride(0), part.stride(-2), os_.stride(0), ROWS=bm,
             BLOCK_N=bn, BLOCK_K=unroll * GROUP, SPLIT_K=splits > 1, QUANT_X=quant_x, ASM=x.is_cuda,
-            STAGES=launch.pop("num_stages"), PREFETCH=prefetch, **launch, **pdl(out.device))
+            STAGES=launch.pop("num_stages"), PREFETCH=prefetch, **epilogue, **launch, **pdl(out.device))
         return True
     _fp8_gemm_kernel[(grid_m, grid_n, splits)](
-        x, xs, w, wsc, out, part, counters,
+        x, xs, w, wsc, out, part, counters, os_,
         M, N, KB, per, R, x.stride(0), xs.stride(0), w.stride(0), wsc.stride(0), out.stride(0),
-        part.stride(0), part.stride(-2), BLOCK_M=bm, BLOCK_N=bn, UNROLL=unroll, SPLIT_K=splits > 1,
-        QUANT_X=quant_x, **launch, **pdl(out.device))
+        part.stride(0), part.stride(-2), os_.stride(0), BLOCK_M=bm, BLOCK_N=bn, UNROLL=unroll, SPLIT_K=splits > 1,
+        QUANT_X=quant_x, **epilogue, **launch, **pdl(out.device))
     return True
 
 
 register_impl("fp8_act_quant", "triton", triton_fp8_act_quant, device_type="cuda")
 register_impl("fp8_block_gemm", "triton", triton_fp8_block_gemm, device_type="cuda")
 register_impl("fp8_linear", "triton", triton_fp8_linear, device_type="cuda")
+register_impl("fp8_block_gemm_act_quant", "triton", triton_fp8_block_gemm_act_quant, device_type="cuda")

@@ -19,11 +19,12 @@ from custom_ops.triton.fp8 import GROUP_K, e4m3_word_values, e8m0_to_f32, store_
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, K, K_SPLIT, ROWS_G,
-                     stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm,
+def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr, M, N, K, K_SPLIT, ROWS_G,
+                     stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm, stride_osm,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
-                     PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
+                     PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
+                     QUANT_OUT: tl.constexpr = False, OUT_DTYPE: tl.constexpr = tl.bfloat16):
     """The W8A8 GEMM on CUDA cores for a few rows of x, program (m, n, s): ROWS rows of x against
     BLOCK_N weight rows over K range [s·K_SPLIT, (s+1)·K_SPLIT) (multiples of BLOCK_K, itself a
     multiple of 32). The weight arrives as int32 words of four E4M3 codes (stride_wn in words).
@@ -33,7 +34,8 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
     STAGES > 1 software-pipelines the K loop's loads (the weight words through shared memory).
     PREFETCH: the next K block's weight words and scales are loaded in registers while this one
     is multiplied, the first before `pdl_wait` (constant weights: they may stream while the
-    kernel before ends). Grouped, split-K and the output as in `_fp8_gemm_kernel`."""
+    kernel before ends). Grouped, split-K and the output (QUANT_OUT included) as in
+    `_fp8_gemm_kernel`."""
     if not PREFETCH:
         pdl_wait(PDL)
     W: tl.constexpr = BLOCK_K // 4                      # words a row a K block
@@ -77,7 +79,8 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, M, N, 
             sx = tl.load(xs_at + k0 // GROUP_K, mask=mmask, other=0.0)
             x0, x1, x2, x3 = x0 * sx, x1 * sx, x2 * sx, x3 * sx
         acc += (w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3) * sw
-    store_tile(tl.sum(acc, axis=2), rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, SPLIT_K)
+    store_tile(tl.sum(acc, axis=2), rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, os_ptr,
+               stride_osm, SPLIT_K, QUANT_OUT, OUT_DTYPE)
 
 
 @triton.jit
