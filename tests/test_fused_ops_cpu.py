@@ -396,6 +396,6 @@ else:
     def test_registry_selection():
         sel = registry.selected()
         for name in ("rms_norm", "rms_norm_fp8", "rms_norm_act_quant", "hc_collapse_rms_norm_act_quant", "rope",
-                     "rope_fp8_qat", "rms_norm_rope_fp8_qat", "inv_rope_wo_a", "mhc_mix", "hc_collapse", "hc_expand", "moe_route",
-                     "moe_experts", "engram_gate", "engram_gather", "f32_linear"):
+                     "rope_fp8_qat", "rms_norm_rope_fp8_qat", "inv_rope_wo_a", "mhc_mix", "hc_collapse", "hc_expand",
+                     "moe_route", "moe_experts", "engram_gate", "engram_gather", "f32_linear"):
             assert sel[f"v41::{name}"] == {"cpu": "reference", "cuda": "triton"}, name
