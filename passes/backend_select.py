@@ -26,7 +26,9 @@ calls the op or Inductor generates its reference composition itself. Policy (`lo
     calls the op and its dispatch runs the selected impl.
 
 The irregular ops (sparse attention, index top-k, scatters, compressor, experts, Engram gather)
-are always kept: their reference impls are not traceable to fixed shapes.
+are always kept: their reference impls are not traceable to fixed shapes. So are the native
+GEMMs and the ops native_act_quant makes (their codes feed those GEMMs, which only native
+weights on a device with their Triton impls run).
 """
 from __future__ import annotations
 
