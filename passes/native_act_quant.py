@@ -76,7 +76,7 @@ class NativeActQuant(V41Pass):
         for norm in calls_of(graph, torch.ops.v41.rms_norm.default):
             y = output_of(norm)
             gemms = [(v, r) for v, r in _readers(y) if _is_linear(r)]
-            if gemms:
+            if gemms and _fresh(norm.kwargs["out"]):
                 q, s = self._quantizing_norm(graph, norm, y)
                 for view, gemm in gemms:
                     self._gemm_on_codes(graph, gemm, view, q, s)
@@ -89,7 +89,8 @@ class NativeActQuant(V41Pass):
         for producer in calls_of(graph, torch.ops.v41.fp8_block_gemm.default):
             z = output_of(producer)
             readers = _readers(z)
-            if producer.target is AF2 and readers and all(_is_linear(r) for _, r in readers):
+            if producer.target is AF2 and readers and all(_is_linear(r) for _, r in readers) and \
+                    len(producer.kwargs["_all_bases"]) == 1 and _fresh(producer.kwargs["_all_bases"][0]):
                 q, s = self._quantizing_gemm(graph, producer, z)
                 for view, gemm in readers:
                     self._gemm_on_codes(graph, gemm, view, q, s)
@@ -175,6 +176,11 @@ def _act_quant(x):
     """The reference `v41::fp8_act_quant` as a function: (E4M3 codes, FP32 scales)."""
     q, s = quant.fp8_act_quant(x, FP8_GROUP)
     return q.to(torch.float32).to(torch.float8_e4m3fn), s.to(torch.float32)
+
+
+def _fresh(buffer) -> bool:
+    """An op's output buffer made by `empty` here: its sizes give the codes' and scales'."""
+    return buffer.op == "call_function" and buffer.target is aten.empty.memory_format
 
 
 def _is_linear(node) -> bool:
