@@ -32,12 +32,19 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def act_quant_codes(x):
+    """quant.fp8_act_quant(x, 32) as the native GEMMs take it: (float8_e4m3fn codes, float32
+    scales)."""
+    qv, sv = quant.fp8_act_quant(x, FP8_GROUP)
+    return qv.to(torch.float32).to(torch.float8_e4m3fn), sv.to(torch.float32)   # E4M3 values: exact
+
+
 @define("fp8_act_quant(Tensor x, Tensor(a!) q, Tensor(b!) s) -> ()")
 def fp8_act_quant(x, q, s) -> None:
     """x [M, K] (K a multiple of 32); q [M, K] float8_e4m3fn, s [M, K/32] float32 <-
-    quant.fp8_act_quant(x, 32) (q·s is quant.fp8_qat(x))."""
-    qv, sv = quant.fp8_act_quant(x, FP8_GROUP)
-    q.copy_(qv.to(torch.float32).to(torch.float8_e4m3fn))   # E4M3 values: the cast is exact
+    `act_quant_codes(x)` (q·s is quant.fp8_qat(x))."""
+    qv, sv = act_quant_codes(x)
+    q.copy_(qv)
     s.copy_(sv)
 
 

@@ -13,7 +13,7 @@ the GEMM a `v41::fp8_block_gemm` on the codes:
   the residual streams, read by the norm alone (the attention and FFN inputs), the collapse
   joins it: `v41::hc_collapse_rms_norm_act_quant`.
 - an input made by pointwise ATen ops (the inverse RoPE before native wo_a, SwiGLU before shared
-  w2) gets the quant as ATen ops (the reference `v41.quant.fp8_act_quant`), which Inductor
+  w2) gets the quant as ATen ops (the reference's `custom_ops.gemm.act_quant_codes`), which Inductor
   generates in the producer's own kernel.
 - a W8A8 GEMM whose output only native GEMMs read (wo_a's, read by wo_b) becomes
   `v41::fp8_block_gemm_act_quant`, which quantizes its output tiles in the epilogue.
@@ -58,8 +58,8 @@ import operator
 
 import torch
 
+from custom_ops.gemm import act_quant_codes
 from passes.base import V41Pass, add_node, calls_of, erase_producer, output_of, producer_read_only_by, trace
-from v41 import quant
 
 aten = torch.ops.aten
 AF = torch.ops.higher_order.auto_functionalized
@@ -85,7 +85,6 @@ class NativeActQuant(V41Pass):
             if _is_linear(gemm) and _pointwise(_base(gemm.kwargs["x"])):
                 self._inline_quant(graph, gemm)
                 matched += 1
-        replaced = []
         for producer in calls_of(graph, torch.ops.v41.fp8_block_gemm.default):
             z = output_of(producer)
             readers = _readers(z)
@@ -94,26 +93,16 @@ class NativeActQuant(V41Pass):
                 q, s = self._quantizing_gemm(graph, producer, z)
                 for view, gemm in readers:
                     self._gemm_on_codes(graph, gemm, view, q, s)
-                replaced.append(producer)
                 matched += len(readers)
         if matched:
-            graph.eliminate_dead_code()
-            for node in replaced:         # its output's views and getitem are gone: nothing reads it
-                if not getattr(node, "_erased", False) and not node.users:
-                    graph.erase_node(node)
+            graph.eliminate_dead_code()         # the replaced GEMMs, their outputs' views and getitems
         return matched
 
     def _quantizing_norm(self, graph, norm, y):
         """Replace the norm (and the collapse it alone reads) with the op writing the same output
         and the codes: the (codes, scales) nodes."""
-        out = norm.kwargs["out"]
-        sizes, device = list(out.args[0]), out.kwargs["device"]
-        D = y.meta["val"].shape[-1]
         with graph.inserting_before(norm):
-            q = add_node(graph, aten.empty.memory_format, sizes, dtype=torch.float8_e4m3fn, device=device,
-                         pin_memory=False)
-            s = add_node(graph, aten.empty.memory_format, sizes[:-1] + [D // FP8_GROUP], dtype=torch.float32,
-                         device=device, pin_memory=False)
+            q, s = _code_buffers(graph, norm.kwargs["out"])
             collapse = producer_read_only_by(norm.kwargs["x"], norm, torch.ops.v41.hc_collapse.default)
             if collapse is None:
                 af = add_node(graph, AF, torch.ops.v41.rms_norm_act_quant.default, **norm.kwargs, q=q, s=s)
@@ -133,15 +122,9 @@ class NativeActQuant(V41Pass):
     def _quantizing_gemm(self, graph, gemm, z):
         """Replace a W8A8 GEMM whose output z only native GEMMs read with
         `fp8_block_gemm_act_quant`: the (codes, scales) nodes."""
-        (out,) = gemm.kwargs["_all_bases"]
-        sizes, device = list(out.args[0]), out.kwargs["device"]
-        N = z.meta["val"].shape[-1]
         kw = {k: gemm.kwargs[k] for k in ("xq", "xs", "w", "ws", "groups")}
         with graph.inserting_before(gemm):
-            q = add_node(graph, aten.empty.memory_format, sizes, dtype=torch.float8_e4m3fn, device=device,
-                         pin_memory=False)
-            s = add_node(graph, aten.empty.memory_format, sizes[:-1] + [N // FP8_GROUP], dtype=torch.float32,
-                         device=device, pin_memory=False)
+            q, s = _code_buffers(graph, gemm.kwargs["_all_bases"][0])
             af = add_node(graph, AF, torch.ops.v41.fp8_block_gemm_act_quant.default, **kw, dtype=z.meta["val"].dtype,
                           q=q, s=s)
             q, s = (add_node(graph, operator.getitem, af, i) for i in (1, 2))
@@ -150,7 +133,7 @@ class NativeActQuant(V41Pass):
     def _inline_quant(self, graph, gemm):
         """Replace fp8_linear(x) with the act quant's ATen ops on x and fp8_block_gemm."""
         x = gemm.kwargs["x"]
-        traced = trace(_act_quant, [x.meta["val"]]).graph
+        traced = trace(act_quant_codes, [x.meta["val"]]).graph
         with graph.inserting_before(gemm):
             q, s = graph.graph_copy(traced, {next(iter(traced.find_nodes(op="placeholder"))): x})
         self._replace(graph, gemm, q, s)
@@ -172,10 +155,14 @@ class NativeActQuant(V41Pass):
         graph.erase_node(gemm)
 
 
-def _act_quant(x):
-    """The reference `v41::fp8_act_quant` as a function: (E4M3 codes, FP32 scales)."""
-    q, s = quant.fp8_act_quant(x, FP8_GROUP)
-    return q.to(torch.float32).to(torch.float8_e4m3fn), s.to(torch.float32)
+def _code_buffers(graph, out):
+    """Fresh E4M3 codes and FP32 scales for an op's output buffer `out` (`_fresh`): its sizes,
+    the last one over 32 for the scales."""
+    sizes, device = list(out.args[0]), out.kwargs["device"]
+    q = add_node(graph, aten.empty.memory_format, sizes, dtype=torch.float8_e4m3fn, device=device, pin_memory=False)
+    s = add_node(graph, aten.empty.memory_format, sizes[:-1] + [sizes[-1] // FP8_GROUP], dtype=torch.float32,
+                 device=device, pin_memory=False)
+    return q, s
 
 
 def _fresh(buffer) -> bool:

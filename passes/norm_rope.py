@@ -38,7 +38,8 @@ class NormRope(V41Pass):
         v41 = torch.ops.v41
         matched = 0
         for rope in calls_of(graph, v41.rope_fp8_qat.default):
-            if output_of(rope) is None:
+            old = output_of(rope)
+            if old is None:
                 continue
             n = rope.kwargs["x"]
             norm = producer_read_only_by(n, rope, v41.rms_norm.default)
@@ -49,7 +50,6 @@ class NormRope(V41Pass):
                 af = add_node(graph, AF, v41.rms_norm_rope_fp8_qat.default, x=norm.kwargs["x"], w=norm.kwargs["w"],
                               eps=norm.kwargs["eps"], **kw)
                 row = add_node(graph, operator.getitem, af, 1)
-            old = output_of(rope)
             old.replace_all_uses_with(row)
             graph.erase_node(old)
             graph.erase_node(rope)

@@ -70,8 +70,7 @@ def store_tile(acc, rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps,
                SPLIT_K: tl.constexpr, QUANT_OUT: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """The output tile [rm, rn] of program (m, n, split) (rn = n·BLOCK_N + arange): `acc`, or with
     SPLIT_K the sum of the splits' partials (`split_sum`: at p, the tile's counter at cnt_ptr),
-    rounded into o; with QUANT_OUT rounded to OUT_DTYPE and act-quantized per 32 columns, the
-    E4M3 codes into o and the scales into os (`write_codes`)."""
+    written by `write_tile`."""
     omask = (rm < M)[:, None] & (rn < N)[None, :]
     o_ptrs = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     if SPLIT_K:
@@ -79,30 +78,29 @@ def store_tile(acc, rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps,
         counter = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         last, tot = split_sum(acc, p_tile, stride_ps, tl.program_id(2), tl.num_programs(2), counter, omask)
         if last:
-            if QUANT_OUT:
-                write_codes(tot, rm, M, N, o_ptrs, omask, os_ptr, stride_osm, OUT_DTYPE)
-            else:
-                tl.store(o_ptrs, tot.to(o_ptr.dtype.element_ty), mask=omask)
+            write_tile(tot, rm, M, N, o_ptrs, omask, os_ptr, stride_osm, QUANT_OUT, OUT_DTYPE)
             tl.atomic_xchg(counter, 0)
-    elif QUANT_OUT:
-        write_codes(acc, rm, M, N, o_ptrs, omask, os_ptr, stride_osm, OUT_DTYPE)
     else:
-        tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=omask)
+        write_tile(acc, rm, M, N, o_ptrs, omask, os_ptr, stride_osm, QUANT_OUT, OUT_DTYPE)
 
 
 @triton.jit
-def write_codes(y, rm, M, N, o_ptrs, omask, os_ptr, stride_osm, OUT_DTYPE: tl.constexpr):
-    """The FP32 tile y [BM, BN] of program column n rounded to OUT_DTYPE, then its act quant
-    (`fp8_quant_groups` per 32 columns, BN a multiple of 32): codes at o_ptrs, scales into os."""
-    BM: tl.constexpr = y.shape[0]
-    BN: tl.constexpr = y.shape[1]
-    v = tl.reshape(y.to(OUT_DTYPE).to(tl.float32), [BM, BN // GROUP_K, GROUP_K])
-    q, s = fp8_quant_groups(v, 2)
-    tl.store(o_ptrs, tl.reshape(q, [BM, BN]).to(o_ptrs.dtype.element_ty), mask=omask)
-    g = tl.program_id(1) * (BN // GROUP_K) + tl.arange(0, BN // GROUP_K)
-    smask = (rm < M)[:, None] & (g < tl.cdiv(N, GROUP_K))[None, :]
-    tl.store(os_ptr + rm.to(tl.int64)[:, None] * stride_osm + g[None, :], tl.reshape(s, [BM, BN // GROUP_K]),
-             mask=smask)
+def write_tile(y, rm, M, N, o_ptrs, omask, os_ptr, stride_osm, QUANT_OUT: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """The FP32 tile y [BM, BN] of program column n rounded once into o; with QUANT_OUT rounded
+    to OUT_DTYPE, then act-quantized (`fp8_quant_groups` per 32 columns, BN a multiple of 32):
+    the E4M3 codes into o, the scales into os."""
+    if QUANT_OUT:
+        BM: tl.constexpr = y.shape[0]
+        BN: tl.constexpr = y.shape[1]
+        v = tl.reshape(y.to(OUT_DTYPE).to(tl.float32), [BM, BN // GROUP_K, GROUP_K])
+        q, s = fp8_quant_groups(v, 2)
+        tl.store(o_ptrs, tl.reshape(q, [BM, BN]).to(o_ptrs.dtype.element_ty), mask=omask)
+        g = tl.program_id(1) * (BN // GROUP_K) + tl.arange(0, BN // GROUP_K)
+        smask = (rm < M)[:, None] & (g < tl.cdiv(N, GROUP_K))[None, :]
+        tl.store(os_ptr + rm.to(tl.int64)[:, None] * stride_osm + g[None, :], tl.reshape(s, [BM, BN // GROUP_K]),
+                 mask=smask)
+    else:
+        tl.store(o_ptrs, y.to(o_ptrs.dtype.element_ty), mask=omask)
 
 
 @triton.jit

@@ -98,12 +98,21 @@ def _hc_collapse_kernel(x_ptr, mix_ptr, out_ptr, T, D, stride_xt, stride_xk, str
     tmask = t < T
     t64 = t.to(tl.int64)
     m = tmask[:, None] & (c < D)[None, :]
-    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    for k in tl.static_range(HC):
-        w = tl.load(mix_ptr + t64 * stride_mt + k * stride_mk, mask=tmask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + t64[:, None] * stride_xt + k * stride_xk + c[None, :], mask=m, other=0.0)
-        acc += w[:, None] * x.to(tl.float32)
+    acc = collapse_streams(x_ptr + t64[:, None] * stride_xt + c[None, :], (mix_ptr + t64 * stride_mt)[:, None],
+                           stride_xk, stride_mk, m, tmask[:, None], HC)
     tl.store(out_ptr + t64[:, None] * stride_ot + c[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def collapse_streams(x_at, mix_at, stride_xk, stride_mk, mask, mix_mask, HC: tl.constexpr):
+    """Σ_k mix[k]·x[k] over the HC streams in FP32 (v41.mhc.collapse before its one rounding):
+    x_at points at stream 0 of each element (mask), mix_at at its row's first mix weight
+    (mix_mask; a shape broadcasting to x_at's, so each weight loads once a row)."""
+    acc = tl.zeros(x_at.shape, tl.float32)
+    for k in tl.static_range(HC):
+        w = tl.load(mix_at + k * stride_mk, mask=mix_mask, other=0.0).to(tl.float32)
+        acc += w * tl.load(x_at + k * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    return acc
 
 
 @triton.jit

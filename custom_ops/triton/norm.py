@@ -23,6 +23,7 @@ from custom_ops import norm as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, fp8_qat_groups, pdl, pdl_wait, rows2d
 from custom_ops.triton.fp8 import fp8_quant_groups
+from custom_ops.triton.mhc import collapse_streams
 
 CHUNK = 1024                  # elements of a row per chunk
 TILE = 2048                   # elements per program per chunk (rows x chunk)
@@ -53,17 +54,14 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
 
 
 @triton.jit
-def norm_input(x_ptr, mix_ptr, r, c, m, stride_x, stride_xk, stride_m, HC: tl.constexpr):
-    """The norm's input at rows r, columns c (mask m), in x's dtype: x itself, or with HC > 0
-    mHC's collapse of the rows' HC streams (x [N, HC, D], mix [N, HC] FP32): Σ_k mix[k]·x[k]
-    in FP32, rounded once (v41.mhc.collapse)."""
+def norm_input(x_ptr, mix_ptr, r, c, m, rmask, stride_x, stride_xk, stride_m, HC: tl.constexpr):
+    """The norm's input at rows r, columns c (mask m; rmask the rows'), in x's dtype: x itself,
+    or with HC > 0 mHC's collapse of the rows' HC streams (x [N, HC, D], mix [N, HC] FP32,
+    unit stride), rounded once as `hc_collapse` rounds it."""
     if HC == 0:
         return tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0)
     else:
-        acc = tl.zeros(c.shape, tl.float32) + tl.zeros(r.shape, tl.float32)
-        for k in tl.static_range(HC):
-            w = tl.load(mix_ptr + r * stride_m + k, mask=m, other=0.0)
-            acc += w * tl.load(x_ptr + r * stride_x + k * stride_xk + c, mask=m, other=0.0).to(tl.float32)
+        acc = collapse_streams(x_ptr + r * stride_x + c, mix_ptr + r * stride_m, stride_xk, 1, m, rmask, HC)
         return acc.to(x_ptr.dtype.element_ty)
 
 
@@ -73,29 +71,28 @@ def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, mix_ptr, N, D, eps
                          CODES: tl.constexpr, HC: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < N
+    rmask = (rows < N)[:, None, None]
     r = rows.to(tl.int64)[:, None, None]
     g = tl.arange(0, BLOCK_G)[None, :, None]
     col = g * 32 + tl.arange(0, 32)[None, None, :]
     ss = tl.zeros([BLOCK_R], tl.float32)
     for d0 in range(0, D, BLOCK_G * 32):
         c = d0 + col
-        m = rmask[:, None, None] & (c < D)
-        x = norm_input(x_ptr, mix_ptr, r, c, m, stride_x, stride_xk, stride_m, HC).to(tl.float32)
+        m = rmask & (c < D)
+        x = norm_input(x_ptr, mix_ptr, r, c, m, rmask, stride_x, stride_xk, stride_m, HC).to(tl.float32)
         ss += tl.sum(tl.sum(x * x, axis=2), axis=1)
     inv = tl.rsqrt(ss / D + eps)[:, None, None]
     for d0 in range(0, D, BLOCK_G * 32):
         c = d0 + col
-        m = rmask[:, None, None] & (c < D)
-        x = norm_input(x_ptr, mix_ptr, r, c, m, stride_x, stride_xk, stride_m, HC)
+        m = rmask & (c < D)
+        x = norm_input(x_ptr, mix_ptr, r, c, m, rmask, stride_x, stride_xk, stride_m, HC)
         w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
         y = (w * (x.to(tl.float32) * inv)).to(x.dtype).to(tl.float32)   # the norm's one rounding
         if CODES:
             tl.store(out_ptr + r * stride_o + c, y.to(out_ptr.dtype.element_ty), mask=m)
             q, scale = fp8_quant_groups(y, 2)
             tl.store(q_ptr + r * stride_q + c, q.to(q_ptr.dtype.element_ty), mask=m)
-            gm = rmask[:, None, None] & (d0 + g * 32 < D)
-            tl.store(s_ptr + r * stride_s + d0 // 32 + g, scale, mask=gm)
+            tl.store(s_ptr + r * stride_s + d0 // 32 + g, scale, mask=rmask & (d0 + g * 32 < D))
         else:
             q = fp8_qat_groups(y, 2)
             tl.store(out_ptr + r * stride_o + c, q.to(out_ptr.dtype.element_ty), mask=m)

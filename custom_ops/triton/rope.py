@@ -30,10 +30,16 @@ def rope_values(ptrs, hcol, mask, cos_row, sin_row, tail0, INVERSE: tl.constexpr
     """x at `ptrs` (any tile shape) with the rotation applied where the in-head column `hcol`
     is >= tail0 (= d - rot, even); `cos_row`/`sin_row` point at the token's table row (any
     shape broadcasting to the tile). Returns x's dtype."""
+    x, partner, rot = load_pairs(ptrs, hcol, mask, tail0)
+    return rotate(x, partner, hcol, rot, cos_row, sin_row, tail0, INVERSE)
+
+
+@triton.jit
+def load_pairs(ptrs, hcol, mask, tail0):
+    """(x at `ptrs`, its pair partner (col ^ 1) where it rotates, that mask `rot`)."""
     x = tl.load(ptrs, mask=mask, other=0.0)
     rot = mask & (hcol >= tail0)
-    partner = tl.load(ptrs + tl.where((hcol & 1) == 1, -1, 1), mask=rot, other=0.0)
-    return rotate(x, partner, hcol, rot, cos_row, sin_row, tail0, INVERSE)
+    return x, tl.load(ptrs + tl.where((hcol & 1) == 1, -1, 1), mask=rot, other=0.0), rot
 
 
 @triton.jit
@@ -87,9 +93,7 @@ def _rope_fp8_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, w_ptr, R, d, tai
     ptrs = x_ptr + t * stride_xt + roff * stride_xr + col
     cos_row, sin_row = cos_ptr + p * stride_cos, sin_ptr + p * stride_sin
     if NORM:   # the row RMS-normed first (whole rows in the tile), element and partner alike
-        x = tl.load(ptrs, mask=mask, other=0.0)
-        rot = mask & (hcol >= tail0)
-        partner = tl.load(ptrs + tl.where((hcol & 1) == 1, -1, 1), mask=rot, other=0.0)
+        x, partner, rot = load_pairs(ptrs, hcol, mask, tail0)
         xf = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(tl.sum(xf * xf, axis=2), axis=1) / d + eps)[:, None, None]
         w = tl.load(w_ptr + col, mask=col < d, other=0.0).to(tl.float32)
