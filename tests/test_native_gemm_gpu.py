@@ -38,6 +38,23 @@ def test_registry_picks_triton():
     assert ref.native_weights(DEV, torch.bfloat16)
 
 
+def test_fp8_act_quant_codes_equal_the_reference():
+    """The act quant's E4M3 codes and scales, bit for bit the reference's on the GPU: a million
+    random values, and groups whose small negative values round to zero (code 0x80, -0, as
+    torch.copysign keeps it; the interpreter cannot show this, its negation is numpy's)."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(1024, 1280, device=DEV, generator=g) * 3
+    x[:8, ::32] = 400.0                              # rows whose groups hold -1e-6 and -0.0
+    x[:8, 1::32], x[:8, 2::32], x[:8, 3::32] = -1e-6, -0.0, 1e-6
+    x = x.bfloat16()
+    q, s = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=DEV), torch.empty(1024, 40, device=DEV)
+    want_q, want_s = torch.empty_like(q), torch.empty_like(s)
+    torch.ops.v41.fp8_act_quant(x, q, s)
+    ref.fp8_act_quant(x, want_q, want_s)
+    assert (want_q[:8, 1::32].view(torch.uint8) == 0x80).all()
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+
+
 @pytest.mark.parametrize("M", [1, 5, 16, 17, 64])
 @pytest.mark.parametrize("N,K,G", [(1280, 5120, 1), (32768, 1280, 1), (8192, 4096, 8)])
 def test_fp8_linear_equals_quant_then_gemm(M, N, K, G):

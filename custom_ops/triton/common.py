@@ -121,8 +121,10 @@ def round_e4m3(v):
     qe = tl.maximum(e, -6) - 3
     c = pow2(qe + 23)
     r = (a + c) - c
-    neg = v.to(tl.int32, bitcast=True) < 0
-    return tl.where(neg, -r, r)
+    # v's sign bit onto r, as torch.copysign: a negative v that rounds to zero keeps its -0 (code
+    # 0x80). Triton compiles `-r` to `0 - r` on the GPU, which gives +0 there
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
