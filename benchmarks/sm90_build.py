@@ -81,6 +81,15 @@ def registers(kernel) -> int:
     return u["REG"]
 
 
+def zero_subtractions(kernel) -> int:
+    """The PTX's FP32 subtractions from zero (0 - x, which is +0 where x is +0: how Triton compiles
+    `-x`), counted where a sign must survive, as in E4M3 codes."""
+    ptx = kernel.asm["ptx"]
+    zeros = set(re.findall(r"mov\.(?:b32|f32)\s+(%r\w*\d+),\s*0f00000000;", ptx))
+    subs = re.findall(r"sub(?:\.rn)?\.f32\s+%\w+,\s*(%r\w*\d+|0f00000000),", ptx)
+    return sum(a == "0f00000000" or a in zeros for a in subs)
+
+
 def per_weight(body: list[str], warps: int, weights: int) -> float:
     """Thread instructions a weight: the loop body's warp instructions over the weights one
     iteration of the program's `warps` warps reads."""

@@ -239,3 +239,23 @@ def test_fp8_gemm_quant_out_builds_for_hopper():
     for k in (B.fp8_gemv(1, GEMV_BLOCK_N, GEMV_BLOCK_K, False, stages=1, quant_out=True),
               B.fp8_gemm(16, 64, 4, 3, True, False, quant_out=True)):
         assert 0 < registers(k) <= 255 and B.usage(k).get("STACK", 0) == 0
+
+
+def test_e4m3_codes_keep_the_sign_of_zero():
+    """The kernels that write E4M3 codes put the value's sign bit on (round_e4m3): no `0 - x`,
+    which Triton makes of `-x` and which turns a negative value rounded to zero into code 0x00
+    where the reference keeps -0 (0x80); the interpreter negates with numpy and cannot show it."""
+    from custom_ops.triton.fp8_gemm import GEMV_BLOCK_K, GEMV_BLOCK_N, _act_quant_kernel
+    from custom_ops.triton.norm import _rms_norm_fp8_kernel
+    act = build(_act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                                    **dict.fromkeys(("N", "NG", "stride_x", "stride_q", "stride_s"), "i32"),
+                                    **dict.fromkeys(("BLOCK_R", "BLOCK_G"), "constexpr")},
+                {"BLOCK_R": 2, "BLOCK_G": 32})
+    norm = build(_rms_norm_fp8_kernel, {
+        "x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+        "mix_ptr": "*bf16", "N": "i32", "D": "i32", "eps": "fp32",
+        **dict.fromkeys(("stride_x", "stride_xk", "stride_m", "stride_o", "stride_q", "stride_s"), "i32"),
+        **dict.fromkeys(("BLOCK_R", "BLOCK_G", "CODES", "HC"), "constexpr")},
+        {"BLOCK_R": 1, "BLOCK_G": 32, "CODES": True, "HC": 0})
+    gemv = B.fp8_gemv(1, GEMV_BLOCK_N, GEMV_BLOCK_K, False, stages=1, quant_out=True)
+    assert [B.zero_subtractions(k) for k in (act, norm, gemv)] == [0, 0, 0]
