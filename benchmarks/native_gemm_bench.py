@@ -55,7 +55,8 @@ DECODE_SWEEP = ({"path": "mma"}, {"path": "gemv"}, {"path": "gemv", "block_n": 1
                 {"path": "gemv", "block_n": 128, "block_k": 256}, {"path": "gemv", "block_k": 64},
                 {"path": "gemv", "split_k": 2}, {"path": "gemv", "split_k": 8}, {"path": "gemv", "num_stages": 2},
                 {"path": "mma", "block_n": 128, "num_stages": 2}, {"path": "mma", "split_k": 8},
-                {"path": "gemv", "prefetch": True, "num_warps": 8}, {"path": "gemv", "prefetch": True, "block_n": 64})
+                {"path": "gemv", "prefetch": True, "num_warps": 8}, {"path": "gemv", "prefetch": True, "block_n": 64},
+                {"path": "gemv", "split_k": 16}, {"path": "gemv", "split_k": 32}, {"path": "gemv", "split_k": 64})
 # the first prefill width: the FP8 MMA kernel (fp8_gemm.gemm_path) at its default and at a 128 x 128
 # tile, and its stages
 PREFILL_SWEEP = ({"path": "mma"}, {"path": "mma", "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
@@ -94,6 +95,9 @@ def parse(argv=None):
     p.add_argument("--no-sweep", action="store_true", help="the defaults only, no sweep rows")
     p.add_argument("--one-row", action="store_true",
                    help="the dense GEMMs at one row and their sweep only (no wo_a, experts or prefill: a short call)")
+    p.add_argument("--knobs", type=json.loads, metavar="JSON",
+                   help="a JSON list of knob dicts timed instead of the dense decode sweep, e.g. "
+                        "'[{\"path\": \"gemv\", \"split_k\": 16}]'")
     p.add_argument("--slice-experts", action="store_true",
                    help="flash-slice's expert paths at 1, 5, 6, 16 and 96 tokens and the 'tiles' path's sweep only")
     return p.parse_args(argv)
@@ -115,7 +119,7 @@ def main(argv=None) -> dict:
     prefill = () if args.one_row else (40,) if args.dry_run else PREFILL
     experts = None if args.one_row else TINY_EXPERTS if args.dry_run else EXPERTS
     res = run(dev, TINY_DENSE if args.dry_run else DENSE, decode, prefill, experts, sweep=not args.no_sweep,
-              checkpoint=None if args.dry_run else lambda out: emit(out, args))
+              checkpoint=None if args.dry_run else lambda out: emit(out, args), knobs=args.knobs)
     emit(res, args)
     return res
 
@@ -149,9 +153,10 @@ def timer(dev: str):
     return cuda
 
 
-def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=None) -> dict:
+def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=None, knobs=None) -> dict:
     """The rows (module docstring); `checkpoint(out)`, when given, after each group of rows, so
-    a run cut by its time limit keeps what it measured; `experts` None: the dense rows only."""
+    a run cut by its time limit keeps what it measured; `experts` None: the dense rows only;
+    `knobs`: the dense decode sweep's list instead of DECODE_SWEEP."""
     import torch
 
     import custom_ops  # noqa: F401
@@ -167,6 +172,7 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=Non
            "bf16_peak_TFLOPs": bf16_peak / 1e12, "dense": [], "experts": [], "sweep": []}
     sweep_m = () if not sweep else (1,) if dev == "cpu" else SWEEP_M
     dense_sweep, expert_sweep = (DECODE_SWEEP[:1], EXPERT_SWEEP[-1:]) if dev == "cpu" else (DECODE_SWEEP, EXPERT_SWEEP)
+    dense_sweep = knobs if knobs is not None else dense_sweep
     prefill_sweep = () if not sweep else PREFILL_SWEEP[-1:] if dev == "cpu" else PREFILL_SWEEP
     expert_prefill_sweep = () if not sweep else EXPERT_PREFILL_SWEEP[:1] if dev == "cpu" else EXPERT_PREFILL_SWEEP
     budget = 256 * 2**20 if dev == "cuda" else 1
