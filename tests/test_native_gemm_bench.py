@@ -50,11 +50,27 @@ def test_bench_dry_run(tmp_path):
 
 
 def test_bench_one_row(tmp_path):
-    """--one-row: the dense GEMMs at one row and their sweep, nothing else (a short device call)."""
-    res = dry_run(tmp_path, "native_gemm_bench.py", "--one-row")
+    """--one-row: the dense GEMMs at one row and their sweep, nothing else (a short device call);
+    --knobs: the sweep's knobs given instead."""
+    res = dry_run(tmp_path, "native_gemm_bench.py", "--one-row", "--knobs", '[{"path": "gemv", "split_k": 2}]')
     assert [(row["gemm"], row["M"]) for row in res["dense"]] == [("tiny", 1)]
-    assert not res["experts"] and [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1)]
+    assert not res["experts"] and [(row["gemm"], row["M"], row["knobs"]) for row in res["sweep"]] == \
+        [("tiny", 1, {"path": "gemv", "split_k": 2})]
     assert res["dense"][0]["pct_read"] > 0 and res["sweep"][0]["linear_us"] > 0
+
+
+def test_gemv_chain_dry_run(tmp_path):
+    """benchmarks/gemv_chain_bench.py --dry-run: a layer's chain of producers and GEMVs (the norm
+    with the act quant, the act-quant kernel, a GEMV whose epilogue writes the next one's codes)
+    under each knob variant and without dependent launch, and each GEMV alone."""
+    res = dry_run(tmp_path, "gemv_chain_bench.py")
+    assert [r["codes_from"] for r in res["chain"]] == ["norm", "quant", "epilogue"]
+    chained = [r for r in res["rows"] if "knobs" in r]
+    assert [(r["knobs"], r["pdl"]) for r in chained] == [({}, True), ({"prefetch": True}, True),
+                                                         ({"prefetch": True, "num_warps": 8}, True),
+                                                         ({"num_warps": 8}, True), ({}, False)]
+    assert all(r["us_a_layer"] > 0 and r["of_floor"] > 0 for r in chained)
+    assert [r["alone"] for r in res["rows"] if "alone" in r] == ["a", "o", "b"]
 
 
 def test_bench_slice_experts(tmp_path):

@@ -26,6 +26,8 @@
 #   tools/gpu_checks.sh OUT ab-seq    # base_tree/ then this tree, one after the other (an H100 holds one
 #                                     # engine): native FULL decode at BATCHES (default 1), profiled
 #   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
+#   tools/gpu_checks.sh OUT gemv-chain  # gemv_chain_bench: a layer's dense GEMVs at one row back to back
+#                                     # in one graph, GEMV knobs varied, dependent launch on and off (~1 min)
 #   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles;
 #                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm;
 #                                     # --mhc: mhc_mix with its projection split more ways
@@ -186,6 +188,10 @@ slice-experts)
   timeout 450 $py benchmarks/native_gemm_bench.py --slice-experts --out "$OUT/experts-slice-tiles.json" \
     > "$OUT/slice-experts.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/slice-experts.log" ;;
+gemv-chain)
+  step "gemv_chain_bench"
+  timeout 300 $py benchmarks/gemv_chain_bench.py --out "$OUT/gemv-chain.json" > "$OUT/gemv-chain.log" 2>&1
+  echo "rc=$?"; grep -E '^\{"(knobs|alone)|Error' "$OUT/gemv-chain.log" ;;
 wo-a)
   step "kernel_bench --wo-a"
   timeout 240 $py benchmarks/kernel_bench.py --wo-a --out "$OUT/kernels-wo-a-h200.json" > "$OUT/wo-a.log" 2>&1
@@ -225,7 +231,7 @@ serve)
   echo "rc=$?"; grep -E 'TTFT|TPOT|ITL|throughput' "$OUT/serve-bench.log"
   kill $pid; wait $pid 2> /dev/null ;;
 *)
-  echo "unknown part $PART: tests, graphtests, harness, graphs, hybrid, dspark, dspark-eager, native, native-gemm, slice-experts, wo-a, formats, replay or serve" >&2; exit 2 ;;
+  echo "unknown part $PART: tests, graphtests, harness, graphs, hybrid, dspark, dspark-eager, native, native-decode, ab, ab-seq, native-gemm, slice-experts, gemv-chain, wo-a, formats, replay or serve" >&2; exit 2 ;;
 esac
 if [ "${PACK_CACHE:-0}" = 1 ] && [ -d .cache/gpu-compile ]; then
   step "packing .cache/gpu-compile"
