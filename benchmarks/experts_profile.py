@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from native_gemm_bench import EXPERTS, TINY_EXPERTS, emit, experts_native, timer  # noqa: E402
+from native_gemm_bench import EXPERTS, TINY_EXPERTS, device_for, emit, experts_native, timer  # noqa: E402
 
 
 def parse(argv=None):
@@ -55,17 +55,13 @@ def kernel_times(fn, calls: int, dev: str) -> dict:
 
 def main(argv=None) -> dict:
     args = parse(argv)
-    if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"       # before triton is first imported
+    dev = device_for(args.dry_run)
     import torch
 
     import custom_ops  # noqa: F401
     import custom_ops.triton  # noqa: F401  (registers the CUDA impls)
     from custom_ops.triton import triton_moe_experts_w4a8
     from custom_ops.triton.moe_w4a8 import expert_path
-    dev = "cpu" if args.dry_run else "cuda"
-    if dev == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: needs a CUDA device (or --dry-run)")
     E, k, D, I = TINY_EXPERTS if args.dry_run else EXPERTS
     E = args.experts or E
     timed = timer(dev)

@@ -20,6 +20,9 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from native_gemm_bench import device_for, emit, header, measure_copy, measure_read, timer  # noqa: E402
+
 # name: (N, K, groups, what writes its codes) of Flash's dense FP8 projections at one row
 # (v41/attention.py, v41/moe.py: wq_a and wkv stacked, shared w1 and w3 stacked; wo_a grouped)
 CHAIN = (("wq_a_kv", 1792, 5120, 1, "norm"), ("wq_b", 32768, 1280, 1, "norm"), ("wo_a", 8192, 4096, 8, "quant"),
@@ -40,21 +43,11 @@ def parse(argv=None):
 
 def main(argv=None) -> dict:
     args = parse(argv)
-    if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"       # before triton is first imported
-    import torch
-    if not args.dry_run and not torch.cuda.is_available():
-        sys.exit("error: needs a CUDA device (or --dry-run)")
-    res = run("cpu" if args.dry_run else "cuda", TINY_CHAIN if args.dry_run else CHAIN, 1 if args.dry_run else args.layers)
-    text = json.dumps(res, indent=1)
-    if args.dry_run:
-        print(text)
-    else:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    res = run(device_for(args.dry_run), TINY_CHAIN if args.dry_run else CHAIN, 1 if args.dry_run else args.layers)
+    if not args.dry_run:
         for row in res["rows"]:
             print(json.dumps(row))
-        print(f"wrote {args.out}")
+    emit(res, args)
     return res
 
 
@@ -108,8 +101,6 @@ def run(dev, chain, layers: int) -> dict:
     import custom_ops  # noqa: F401
     import custom_ops.triton  # noqa: F401  (registers the CUDA impls)
     from custom_ops.triton import common
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from native_gemm_bench import header, measure_copy, measure_read, timer
 
     timed = timer(dev)
     copy_rate, read_rate = measure_copy(dev, timed), measure_read(dev, timed)

@@ -103,14 +103,20 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def device_for(dry_run: bool) -> str:
+    """'cpu' under the Triton interpreter for a dry run (set before triton is first imported),
+    else 'cuda', or exit where there is none."""
+    if dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    if not dry_run and not torch.cuda.is_available():
+        sys.exit("error: needs a CUDA device (or --dry-run)")
+    return "cpu" if dry_run else "cuda"
+
+
 def main(argv=None) -> dict:
     args = parse(argv)
-    if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"       # before triton is first imported
-    import torch
-    if not args.dry_run and not torch.cuda.is_available():
-        sys.exit("error: needs a CUDA device (or --dry-run)")
-    dev = "cpu" if args.dry_run else "cuda"
+    dev = device_for(args.dry_run)
     if args.slice_experts:
         res = slice_experts_run(dev, checkpoint=None if args.dry_run else lambda out: emit(out, args))
         emit(res, args)
