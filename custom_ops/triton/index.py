@@ -223,6 +223,17 @@ def _radix_byte(row, lim, offs, need, prefix, BYTE: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
+def _last_valid(cand_row, n_cand, offs, BLOCK: tl.constexpr):
+    """1 + the index of the last candidate >= 0 in cand_row[:n_cand] (0 where there is none)."""
+    last = 0
+    for c0 in range(0, n_cand, BLOCK):
+        cs = c0 + offs
+        cb = tl.load(cand_row + cs, mask=cs < n_cand, other=-1)
+        last = tl.maximum(last, tl.max(tl.where(cb >= 0, cs + 1, 0), 0))
+    return last
+
+
+@triton.jit
 def _select_row_kernel(score_ptr, out_ptr, cand_ptr, pos_ptr, bid_ptr, t0, ratio, per, width, k, cand_block,
                        n_cand, stride_s, stride_o, stride_cand, BOUNDED: tl.constexpr, MAP_CAND: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
@@ -233,16 +244,19 @@ def _select_row_kernel(score_ptr, out_ptr, cand_ptr, pos_ptr, bid_ptr, t0, ratio
     finite key is above it); a row of at most kk columns skips the radix passes, and one whose
     first byte's pass counts at most kk finite scores the other three. BOUNDED: only columns
     below the token's bound are read, ceil(((p + 1) // ratio) / per) (0 for a padding row), the
-    same columns the scorer left finite."""
+    same columns the scorer left finite. MAP_CAND: only the columns up to the row's last valid
+    candidate are read (the scorer left those past it -inf: its -1 candidates)."""
     pdl_wait(PDL)
     i = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
     lim = width
     if BOUNDED:
         p = tl.load(pos_ptr + t0 + i)
         v = tl.where(tl.load(bid_ptr + t0 + i) >= 0, (p + 1) // ratio, 0)
         lim = tl.minimum((v + per - 1) // per, width)
+    if MAP_CAND:
+        lim = tl.minimum(lim, _last_valid(cand_ptr + i * stride_cand, n_cand, offs, BLOCK) * cand_block)
     row = score_ptr + i * stride_s
-    offs = tl.arange(0, BLOCK)
     kk = tl.minimum(k, width)
     need = kk                                   # still to find, from the top
     prefix = tl.zeros([], tl.uint32)            # the threshold key's bytes found so far
