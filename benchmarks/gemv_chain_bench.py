@@ -23,9 +23,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from native_gemm_bench import device_for, emit, header, measure_copy, measure_read, timer  # noqa: E402
 
-# name: (N, K, groups, what writes its codes) of Flash's dense FP8 projections at one row
-# (v41/attention.py, v41/moe.py: wq_a and wkv stacked, shared w1 and w3 stacked; wo_a grouped)
-CHAIN = (("wq_a_kv", 1792, 5120, 1, "norm"), ("wq_b", 32768, 1280, 1, "norm"), ("wo_a", 8192, 4096, 8, "quant"),
+# name: (N, x's width, groups, what writes its codes) of Flash's dense FP8 projections at one row
+# (v41/attention.py, v41/moe.py: wq_a and wkv stacked, shared w1 and w3 stacked; wo_a's 8 groups
+# of 1,024 rows each read their own 4,096 of the attention output's 32,768)
+CHAIN = (("wq_a_kv", 1792, 5120, 1, "norm"), ("wq_b", 32768, 1280, 1, "norm"), ("wo_a", 8192, 32768, 8, "quant"),
          ("wo_b", 5120, 8192, 1, "epilogue"), ("s_w13", 4608, 5120, 1, "norm"), ("s_w2", 5120, 2304, 1, "quant"))
 TINY_CHAIN = (("a", 96, 128, 1, "norm"), ("o", 64, 64, 2, "quant"), ("b", 128, 64, 1, "epilogue"))
 LAYERS = 8
