@@ -15,10 +15,10 @@ every GEMV reads from HBM. CUDA events around 20 replays of the graph, median of
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from native_gemm_bench import device_for, emit, header, measure_copy, measure_read, timer  # noqa: E402
@@ -66,42 +66,29 @@ def make_layer(dev, chain, weights, knobs: dict):
 
     from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_fp8_block_gemm_act_quant
     from custom_ops.triton.norm import triton_rms_norm_act_quant
-    bf = dict(dtype=torch.bfloat16, device=dev)
-    steps = []
+    bf, fp8 = dict(dtype=torch.bfloat16, device=dev), dict(dtype=torch.float8_e4m3fn, device=dev)
+    launches, codes = [], None
     for i, ((_, n, k, g, src), (w, ws)) in enumerate(zip(chain, weights)):
-        x, norm_w, y = torch.randn(1, k, **bf), torch.ones(k, **bf), torch.empty(1, k, **bf)
-        q = torch.empty(1, k, dtype=torch.float8_e4m3fn, device=dev)
-        s = torch.empty(1, k // 32, device=dev)
-        nxt = chain[i + 1] if i + 1 < len(chain) else None
-        # wo_a's epilogue writes the codes of the next GEMV's input (its output)
-        to_codes = nxt is not None and nxt[4] == "epilogue"
-        out = torch.empty(1, n, dtype=torch.float8_e4m3fn if to_codes else torch.bfloat16, device=dev)
-        out_s = torch.empty(1, n // 32, device=dev) if to_codes else None
-        steps.append((src, x, norm_w, y, q, s, w, ws, g, out, out_s))
-    for i, st in enumerate(steps):
-        if st[0] == "epilogue":             # reads the codes the GEMV before wrote
-            prev = steps[i - 1]
-            steps[i] = (*st[:4], prev[9], prev[10], *st[6:])
-
-    def layer():
-        for src, x, norm_w, y, q, s, w, ws, g, out, out_s in steps:
+        if src == "epilogue":              # the codes the GEMV before wrote
+            q, s = codes
+        else:
+            x, q, s = torch.randn(1, k, **bf), torch.empty(1, k, **fp8), torch.empty(1, k // 32, device=dev)
             if src == "norm":
-                triton_rms_norm_act_quant(x, norm_w, 1e-6, y, q, s)
-            elif src == "quant":
-                triton_fp8_act_quant(x, q, s)
-            if out_s is not None:
-                triton_fp8_block_gemm_act_quant(q, s, w, ws, torch.bfloat16, out, out_s, g, **knobs)
+                launches.append(partial(triton_rms_norm_act_quant, x, torch.ones(k, **bf), 1e-6, torch.empty_like(x),
+                                        q, s))
             else:
-                triton_fp8_block_gemm(q, s, w, ws, out, g, **knobs)
-    return layer
+                launches.append(partial(triton_fp8_act_quant, x, q, s))
+        if i + 1 < len(chain) and chain[i + 1][4] == "epilogue":     # wo_a's output leaves as wo_b's codes
+            codes = torch.empty(1, n, **fp8), torch.empty(1, n // 32, device=dev)
+            launches.append(partial(triton_fp8_block_gemm_act_quant, q, s, w, ws, torch.bfloat16, *codes, g, **knobs))
+        else:
+            launches.append(partial(triton_fp8_block_gemm, q, s, w, ws, torch.empty(1, n, **bf), g, **knobs))
+    return lambda: [f() for f in launches]
 
 
 def run(dev, chain, layers: int) -> dict:
-    import torch
-
     import custom_ops  # noqa: F401
     import custom_ops.triton  # noqa: F401  (registers the CUDA impls)
-    from custom_ops.triton import common
 
     timed = timer(dev)
     copy_rate, read_rate = measure_copy(dev, timed), measure_read(dev, timed)
@@ -110,22 +97,19 @@ def run(dev, chain, layers: int) -> dict:
     out = {"benchmark": "benchmarks/gemv_chain_bench.py", **header(dev, copy_rate, read_rate), "layers": layers,
            "chain": [{"gemm": name, "N": n, "K": k, "groups": g, "codes_from": src} for name, n, k, g, src in chain],
            "weight_bytes_a_layer": nbytes, "floor_us_a_layer": nbytes / read_rate * 1e6, "rows": []}
-    pdl_saved = dict(common._pdl)
-    for pdl_on in (True, False):
-        for knobs in VARIANTS if pdl_on else VARIANTS[:1]:
-            if not pdl_on:                  # the launches without dependent launch (common.pdl's cache)
-                common._pdl.update({i: False for i in range(torch.cuda.device_count())} if dev == "cuda" else {})
-            fns = [make_layer(dev, chain, w, knobs) for w in weights]
-            us = timed(lambda: [f() for f in fns], layers)
-            common._pdl.clear()
-            common._pdl.update(pdl_saved)
-            out["rows"].append({"knobs": knobs, "pdl": pdl_on, "us_a_layer": us,
-                                "of_floor": us / out["floor_us_a_layer"]})
+    saved = os.environ.get("V41_PDL")
+    for knobs, pdl_on in [(kw, True) for kw in VARIANTS] + [({}, False)]:
+        os.environ["V41_PDL"] = "1" if pdl_on else "0"      # common.pdl reads it at every launch
+        fns = [make_layer(dev, chain, w, knobs) for w in weights]
+        us = timed(lambda: [f() for f in fns], layers)
+        out["rows"].append({"knobs": knobs, "pdl": pdl_on, "us_a_layer": us, "of_floor": us / out["floor_us_a_layer"]})
+    os.environ.pop("V41_PDL")
+    if saved is not None:
+        os.environ["V41_PDL"] = saved
     # each GEMV alone after an act-quant launch making its codes (wo_b's too), the step's knobs
     for i, (name, n, k, g, _) in enumerate(chain):
         fns = [make_layer(dev, [(name, n, k, g, "quant")], w[i:i + 1], {}) for w in weights]
         out["rows"].append({"alone": name, "us": timed(lambda: [f() for f in fns], layers)})
-    out["date"] = datetime.date.today().isoformat()
     return out
 
 
