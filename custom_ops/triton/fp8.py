@@ -79,7 +79,6 @@ def store_tile(acc, rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps,
         last, tot = split_sum(acc, p_tile, stride_ps, tl.program_id(2), tl.num_programs(2), counter, omask)
         if last:
             write_tile(tot, rm, M, N, o_ptrs, omask, os_ptr, stride_osm, QUANT_OUT, OUT_DTYPE)
-            tl.atomic_xchg(counter, 0)
     else:
         write_tile(acc, rm, M, N, o_ptrs, omask, os_ptr, stride_osm, QUANT_OUT, OUT_DTYPE)
 
@@ -107,8 +106,8 @@ def write_tile(y, rm, M, N, o_ptrs, omask, os_ptr, stride_osm, QUANT_OUT: tl.con
 def split_sum(acc, p_tile, stride_ps, split, splits, counter, omask):
     """Split-K's end of a program: its FP32 partial `acc` stored at p_tile + split·stride_ps and
     counted in the tile's counter (acq_rel). Returns (whether this split counted last, and there
-    the partials summed in ascending split order); the last one's caller stores the sum and
-    zeroes the counter for the next call."""
+    the partials summed in ascending split order, the counter zeroed for the next call: every
+    split of this launch has counted); the last one's caller stores the sum."""
     tl.store(p_tile + split.to(tl.int64) * stride_ps, acc, mask=omask)
     last = tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1
     tot = tl.zeros_like(acc)
@@ -116,16 +115,16 @@ def split_sum(acc, p_tile, stride_ps, split, splits, counter, omask):
         for s in range(splits):
             # .cg: from L2, where the other splits' stores are (not a stale L1 line)
             tot += tl.load(p_tile + s * stride_ps, mask=omask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(counter, 0)
     return last, tot
 
 
 @triton.jit
 def sum_splits(acc, o_ptrs, p_tile, stride_ps, split, splits, counter, omask):
-    """`split_sum`, the last split rounding the sum once into o_ptrs and zeroing the counter."""
+    """`split_sum`, the last split rounding the sum once into o_ptrs."""
     last, tot = split_sum(acc, p_tile, stride_ps, split, splits, counter, omask)
     if last:
         tl.store(o_ptrs, tot.to(o_ptrs.dtype.element_ty), mask=omask)
-        tl.atomic_xchg(counter, 0)
 
 
 def split_count(tiles: int, KB: int, M: int, K: int, device) -> int:
