@@ -25,7 +25,7 @@ from custom_ops.registry import define, selected
 from v41 import quant
 
 FP8_GROUP = 32
-NATIVE_OPS = ("fp8_act_quant", "fp8_block_gemm", "fp8_linear", "moe_experts_w4a8")
+NATIVE_OPS = ("fp8_act_quant", "fp8_block_gemm", "fp8_block_gemm_act_quant", "fp8_linear", "moe_experts_w4a8")
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
