@@ -150,6 +150,19 @@ def fp8_gemm(block_m: int, block_n: int, unroll: int, stages: int, split_k: bool
                  num_warps=warps, num_stages=stages)
 
 
+def rms_norm_fp8(codes: bool, hc: int):
+    """RMSNorm + the FP8 quant (norm.py `_rms_norm_fp8_kernel`) at Flash's width, one row a
+    program, with PDL: the QAT values, or (codes) the E4M3 codes and scales beside the norm, of
+    mHC's hc streams collapsed first where hc > 0."""
+    from custom_ops.triton.norm import _rms_norm_fp8_kernel
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv" if codes else "*bf16",
+           "s_ptr": "*fp32" if codes else "*bf16", "mix_ptr": "*fp32" if hc else "*bf16", "N": "i32", "D": "i32",
+           "eps": "fp32", **dict.fromkeys(("stride_x", "stride_xk", "stride_m", "stride_o", "stride_q", "stride_s"),
+                                          "i32"),
+           **dict.fromkeys(("BLOCK_R", "BLOCK_G", "CODES", "HC", "PDL"), "constexpr")}
+    return build(_rms_norm_fp8_kernel, sig, {"BLOCK_R": 1, "BLOCK_G": 32, "CODES": codes, "HC": hc, "PDL": True})
+
+
 FP8_GEMV_INTS = ("M", "N", "K", "K_SPLIT", "ROWS_G", "stride_xm", "stride_sm", "stride_wn", "stride_wsn", "stride_om",
                  "stride_ps", "stride_pm", "stride_osm")
 

@@ -208,13 +208,7 @@ def test_rms_norm_fp8_builds_for_hopper(codes, hc):
     """RMSNorm + the FP8 quant at Flash's width (one row a program, 32 groups a chunk): the QAT
     values, or the E4M3 codes and scales beside the norm (`rms_norm_act_quant`), also of mHC's
     four streams collapsed first; without spills."""
-    from custom_ops.triton.norm import _rms_norm_fp8_kernel
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv" if codes else "*bf16",
-           "s_ptr": "*fp32" if codes else "*bf16", "mix_ptr": "*fp32" if hc else "*bf16", "N": "i32", "D": "i32",
-           "eps": "fp32", **dict.fromkeys(("stride_x", "stride_xk", "stride_m", "stride_o", "stride_q", "stride_s"),
-                                          "i32"),
-           **dict.fromkeys(("BLOCK_R", "BLOCK_G", "CODES", "HC", "PDL"), "constexpr")}
-    k = build(_rms_norm_fp8_kernel, sig, {"BLOCK_R": 1, "BLOCK_G": 32, "CODES": codes, "HC": hc, "PDL": True})
+    k = B.rms_norm_fp8(codes, hc)
     assert 0 < registers(k) <= 255 and B.usage(k).get("STACK", 0) == 0 and "griddepcontrol.wait" in k.asm["ptx"]
 
 
@@ -246,16 +240,10 @@ def test_e4m3_codes_keep_the_sign_of_zero():
     which Triton makes of `-x` and which turns a negative value rounded to zero into code 0x00
     where the reference keeps -0 (0x80); the interpreter negates with numpy and cannot show it."""
     from custom_ops.triton.fp8_gemm import GEMV_BLOCK_K, GEMV_BLOCK_N, _act_quant_kernel
-    from custom_ops.triton.norm import _rms_norm_fp8_kernel
     act = build(_act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
                                     **dict.fromkeys(("N", "NG", "stride_x", "stride_q", "stride_s"), "i32"),
                                     **dict.fromkeys(("BLOCK_R", "BLOCK_G"), "constexpr")},
                 {"BLOCK_R": 2, "BLOCK_G": 32})
-    norm = build(_rms_norm_fp8_kernel, {
-        "x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
-        "mix_ptr": "*bf16", "N": "i32", "D": "i32", "eps": "fp32",
-        **dict.fromkeys(("stride_x", "stride_xk", "stride_m", "stride_o", "stride_q", "stride_s"), "i32"),
-        **dict.fromkeys(("BLOCK_R", "BLOCK_G", "CODES", "HC"), "constexpr")},
-        {"BLOCK_R": 1, "BLOCK_G": 32, "CODES": True, "HC": 0})
+    norm = B.rms_norm_fp8(True, 0)
     gemv = B.fp8_gemv(1, GEMV_BLOCK_N, GEMV_BLOCK_K, False, stages=1, quant_out=True)
     assert [B.zero_subtractions(k) for k in (act, norm, gemv)] == [0, 0, 0]
