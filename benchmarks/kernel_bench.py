@@ -1,5 +1,6 @@
 """Per-kernel timings on a GPU against the floor of the bytes each call must move (Flash shapes,
-bf16): v41::sparse_attn (decode 1/16/64 tokens, prefill 4096) and v41::index_topk (`--mhc`:
+bf16): v41::sparse_attn (decode 1/16/64 tokens, prefill 4096) and v41::index_topk (`--norm`: the FP8
+norms, one pass against chunks; `--mhc`:
 v41::mhc_mix alone; `--wo-a`: v41::inv_rope_wo_a alone, split-K and tile variants; `--lm-head`: the
 LM head at the row counts of decode and DSpark steps, bf16 and FP32, cuBLAS and common.skinny_gemm). Each call is
 captured in a CUDA graph and replayed; CUDA events around 50 replays, median of 15 repeats.
@@ -203,6 +204,42 @@ def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
         alternate(rows, cases, nbytes, lambda us: {})
 
 
+def bench_norm(rows: list, hc: int = 4, dim: int = 5120) -> None:
+    """The FP8 norms at Flash's widths, the one-pass tile (norm.py's default up to ONE_PASS_MAX)
+    at 8 warps beside 4 and 16 warps and beside the two passes over 1024-wide chunks: mHC's
+    collapse + RMSNorm + act quant (the attention and FFN inputs, [T, 4, 5120]) and the act-quant
+    norm of q's 1280-wide latent, twice in alternation; the floor is the bytes read and written."""
+    from custom_ops.triton import norm
+    from custom_ops.triton.norm import triton_hc_collapse_rms_norm_act_quant, triton_rms_norm_act_quant
+
+    def knobbed(fn, **knobs):
+        def call():
+            old = {k: getattr(norm, k) for k in knobs}
+            for k, v in knobs.items():
+                setattr(norm, k, v)
+            try:
+                fn()
+            finally:
+                for k, v in old.items():
+                    setattr(norm, k, v)
+        return call
+    knobs = {"one_pass_8_warps": {}, "one_pass_4_warps": {"ONE_PASS_WARPS": 4},
+             "one_pass_16_warps": {"ONE_PASS_WARPS": 16}, "chunks": {"ONE_PASS_MAX": 0}}
+    for T in (1, 16, 64, 4096):
+        for name, width, streams in (("hc_collapse_rms_norm_act_quant", dim, hc), ("rms_norm_act_quant", 1280, 0)):
+            X = torch.randn(T, streams, width, device="cuda").bfloat16() if streams else \
+                torch.randn(T, width, device="cuda").bfloat16()
+            mix, w = torch.rand(T, hc, device="cuda"), torch.randn(width, device="cuda").bfloat16()
+            out = torch.empty(T, width, dtype=torch.bfloat16, device="cuda")
+            q = torch.empty(T, width, dtype=torch.float8_e4m3fn, device="cuda")
+            s = torch.empty(T, width // 32, device="cuda")
+            op = (lambda: triton_hc_collapse_rms_norm_act_quant(X, mix, w, 1e-20, out, q, s)) if streams else \
+                (lambda: triton_rms_norm_act_quant(X, w, 1e-20, out, q, s))
+            nbytes = X.nbytes + w.nbytes + out.nbytes + q.nbytes + s.nbytes
+            cases = [({"kernel": name, "tokens": T, "knobs": k}, knobbed(op, **kw)) for k, kw in knobs.items()]
+            alternate(rows, cases, nbytes, lambda us: {})
+
+
 def alternate(rows: list, cases: list, nbytes: int, rate, rounds: int = 2) -> None:
     """`cases` ((a row's leading fields, the call) each) timed in turn, `rounds` times: a row
     each with its round, µs, the floor of its bytes (a case's own "bytes" field, else `nbytes`)
@@ -270,11 +307,15 @@ def main():
     ap.add_argument("--mhc", action="store_true", help="only mhc_mix: the default beside more projection splits")
     ap.add_argument("--wo-a", action="store_true", help="only inv_rope_wo_a at decode widths, split-K and tiles")
     ap.add_argument("--lm-head", action="store_true", help="only the LM head: bf16 and FP32, cuBLAS and skinny_gemm")
+    ap.add_argument("--norm", action="store_true", help="only the FP8 norms: one pass (warps) against chunks")
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
     if a.lm_head:
         bench_lm_head(rows)
+        return save(a.out, rows)
+    if a.norm:
+        bench_norm(rows)
         return save(a.out, rows)
     if a.wo_a:
         bench_wo_a(rows)

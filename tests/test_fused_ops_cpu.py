@@ -66,7 +66,7 @@ else:
         triton_fp8_qat(x, out)
         assert torch.equal(out, quant.fp8_qat(x, 32))
 
-    @pytest.mark.parametrize("shape", [(7, 96), (3, 2, 2080)])
+    @pytest.mark.parametrize("shape", [(7, 96), (3, 2, 2080), (2, 8224)])   # the last wider than one pass
     def test_rms_norm(g, shape):
         x, w = rnd(g, *shape, scale=2.0), rnd(g, shape[-1])
         ref, out = torch.empty_like(x), nan_like(x)
@@ -79,7 +79,7 @@ else:
         assert not out.isnan().any()
         assert_qat_close(out, ref, eager_rms_norm(x, w, 1e-6))
 
-    @pytest.mark.parametrize("shape", [(7, 96), (3, 2, 2080)])
+    @pytest.mark.parametrize("shape", [(7, 96), (3, 2, 2080), (2, 8224)])
     def test_rms_norm_act_quant(g, shape):
         """The norm within the FP32 rounding of its sum, and beside it exactly the act-quant of
         that norm (codes and scales bit for bit): every element and group scale written."""
@@ -98,12 +98,14 @@ else:
         assert torch.equal(q.view(-1, shape[-1]).view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(s.view(-1, shape[-1] // 32), want_s)
 
-    def test_hc_collapse_rms_norm_act_quant(g):
+    @pytest.mark.parametrize("D", [96, 8224])
+    def test_hc_collapse_rms_norm_act_quant(g, D):
         """mHC's collapse, then the norm and its codes: the norm within the FP32 rounding of the
-        collapse's and the norm's sums, the codes exactly those of the kernel's own norm."""
+        collapse's and the norm's sums, the codes exactly those of the kernel's own norm; rows
+        read in one pass and (8224) in chunks."""
         from custom_ops import gemm as ref_gemm
         from v41.mhc import collapse
-        T, hc, D = 5, 4, 96
+        T, hc = 5, 4
         X, mix, w = rnd(g, T, hc, D, scale=2.0), torch.rand(T, hc, generator=g), rnd(g, D)
         X[2] = 0.0
         ref = torch.empty(T, D)

@@ -77,7 +77,7 @@ def mismatch(a, b, rtol):
 
 # ---- norm --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("T", T_ALL)
-@pytest.mark.parametrize("width", [D, 1280, 512, 128])
+@pytest.mark.parametrize("width", [D, 1280, 512, 128, 2 * D])     # 2 D: wider than one pass (norm.py)
 def test_rms_norm(g, T, width):
     x, w = rnd(g, T, width, scale=3.0), rnd(g, width)
     ref = torch.empty_like(x)
@@ -242,10 +242,13 @@ def _route_inputs(g, T, E=E_ROUTER):
 
 
 def _near_ties(x, gate, bias, k, tol=1e-4):
+    """Tokens with two of their top k+1 biased scores within tol, equal ones included: on
+    random data an equality is a coincidence of cuBLAS's rounding, which the kernel's order
+    of summation need not repeat (the CPU test's exact ties are exact in both)."""
     s = F.softplus(x.float() @ gate.T).sqrt() + bias
     top = s.sort(-1, descending=True).values[:, : k + 1].double()
     gap = (top[:, :-1] - top[:, 1:]).abs()
-    return ((gap > 0) & (gap < tol * top[:, :-1].abs().clamp(min=1e-3))).any(-1)
+    return (gap < tol * top[:, :-1].abs().clamp(min=1e-3)).any(-1)
 
 
 @pytest.mark.parametrize("T", T_ALL)
@@ -260,7 +263,8 @@ def test_moe_route(g, T):
     keep = ~_near_ties(x, gate, bias, TOPK)
     # near ties excluded: 5 of 64 rows seen (H200), so a few rows of 5 can be (1 of 5, 12-05)
     assert int((~keep).sum()) <= max(1, T // 6)
-    assert torch.equal(ids[keep], ri[keep])
+    differ = keep & (ids != ri).any(-1)
+    assert not differ.any(), f"{int(differ.sum())} rows differ: {differ.nonzero().flatten().tolist()[:8]}"
     assert rel(w[keep], rw[keep]) < 1e-4
     assert not w.isnan().any() and (ids >= 0).all()
 

@@ -203,12 +203,13 @@ def test_inv_rope_wo_a_builds_for_hopper(block_m, block_n, splits):
     assert 0 < registers(k) <= 255
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("codes,hc", [(False, 0), (True, 0), (True, 4)])
-def test_rms_norm_fp8_builds_for_hopper(codes, hc):
-    """RMSNorm + the FP8 quant at Flash's width (one row a program, 32 groups a chunk): the QAT
-    values, or the E4M3 codes and scales beside the norm (`rms_norm_act_quant`), also of mHC's
-    four streams collapsed first; without spills."""
-    k = B.rms_norm_fp8(codes, hc)
+def test_rms_norm_fp8_builds_for_hopper(codes, hc, one_pass):
+    """RMSNorm + the FP8 quant at Flash's width (one row a program, in one tile or in chunks
+    of 32 groups): the QAT values, or the E4M3 codes and scales beside the norm
+    (`rms_norm_act_quant`), also of mHC's four streams collapsed first; without spills."""
+    k = B.rms_norm_fp8(codes, hc, one_pass)
     assert 0 < registers(k) <= 255 and B.usage(k).get("STACK", 0) == 0 and "griddepcontrol.wait" in k.asm["ptx"]
 
 

@@ -28,6 +28,7 @@
 #   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
 #   tools/gpu_checks.sh OUT gemv-chain  # gemv_chain_bench: a layer's dense GEMVs at one row back to back
 #                                     # in one graph, GEMV knobs varied, dependent launch on and off (~1 min)
+#   tools/gpu_checks.sh OUT norm      # kernel_bench --norm: the FP8 norms in one pass (warps) against chunks (~1 min)
 #   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles;
 #                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm;
 #                                     # --mhc: mhc_mix with its projection split more ways
@@ -192,6 +193,10 @@ gemv-chain)
   step "gemv_chain_bench"
   timeout 300 $py benchmarks/gemv_chain_bench.py --out "$OUT/gemv-chain.json" > "$OUT/gemv-chain.log" 2>&1
   echo "rc=$?"; grep -E '^\{"(knobs|alone)|Error' "$OUT/gemv-chain.log" ;;
+norm)
+  step "kernel_bench --norm"
+  timeout 240 $py benchmarks/kernel_bench.py --norm --out "$OUT/kernels-norm.json" > "$OUT/norm.log" 2>&1
+  echo "rc=$?"; grep -E '"round": 1|Error' "$OUT/norm.log" | cut -c1-160 ;;
 wo-a)
   step "kernel_bench --wo-a"
   timeout 240 $py benchmarks/kernel_bench.py --wo-a --out "$OUT/kernels-wo-a-h200.json" > "$OUT/wo-a.log" 2>&1
@@ -231,7 +236,7 @@ serve)
   echo "rc=$?"; grep -E 'TTFT|TPOT|ITL|throughput' "$OUT/serve-bench.log"
   kill $pid; wait $pid 2> /dev/null ;;
 *)
-  echo "unknown part $PART: tests, graphtests, harness, graphs, hybrid, dspark, dspark-eager, native, native-decode, ab, ab-seq, native-gemm, slice-experts, gemv-chain, wo-a, formats, replay or serve" >&2; exit 2 ;;
+  echo "unknown part $PART: tests, graphtests, harness, graphs, hybrid, dspark, dspark-eager, native, native-decode, ab, ab-seq, native-gemm, slice-experts, gemv-chain, norm, wo-a, formats, replay or serve" >&2; exit 2 ;;
 esac
 if [ "${PACK_CACHE:-0}" = 1 ] && [ -d .cache/gpu-compile ]; then
   step "packing .cache/gpu-compile"

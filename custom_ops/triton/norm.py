@@ -3,14 +3,15 @@
 
 Rows of x ([..., D] viewed [N, D]). One program takes BLOCK_R rows and walks D in chunks twice:
 the first pass sums x² in FP32, the second (re-reading the chunks, now in L1/L2) writes
-`w·(x·rsqrt(Σx²/D + eps))` rounded once to x's dtype. The FP8 variant reads each chunk as a
-[BLOCK_R, BLOCK_G, 32] tile, rounds the norm to x's dtype first (as the eager model does), then
-applies the FP8 QAT per group of 32 (bit-exact with v41.quant.fp8_qat; see common.py), or with
-CODES writes the rounded norm and, beside it, its E4M3 codes and group scales (what the act-quant
-kernel of fp8_gemm.py would make of it). Collapsing mHC's streams first (HC > 0), each chunk
-is the streams' weighted sum, rounded as `hc_collapse` rounds it, recomputed in the second pass.
-Flash: D = 5120 -> chunks of 1024 (5 per pass), one row per program; q_norm (1280), kv_norm
-(512) and the index k_norm (128) pack 1..8 rows per program. FP64 (the oracle) and other dtypes
+`w·(x·rsqrt(Σx²/D + eps))` rounded once to x's dtype. The FP8 variant reads a row up to
+ONE_PASS_MAX wide once, as one [BLOCK_R, BLOCK_G, 32] tile kept in registers (wider rows: the two
+passes over chunks), rounds the norm to x's dtype first (as the eager model does), then applies
+the FP8 QAT per group of 32 (bit-exact with v41.quant.fp8_qat; see common.py), or with CODES
+writes the rounded norm and, beside it, its E4M3 codes and group scales (what the act-quant
+kernel of fp8_gemm.py would make of it). Collapsing mHC's streams first (HC > 0), each element
+is the streams' weighted sum, rounded as `hc_collapse` rounds it.
+Flash: D = 5120 -> one row per program, a tile of 8192 columns, 8 warps; q_norm (1280), kv_norm
+(512) and the index k_norm (128) pack 1..16 rows per program. FP64 (the oracle) and other dtypes
 fall back to the reference.
 """
 from __future__ import annotations
@@ -27,6 +28,10 @@ from custom_ops.triton.mhc import collapse_streams
 
 CHUNK = 1024                  # elements of a row per chunk
 TILE = 2048                   # elements per program per chunk (rows x chunk)
+ONE_PASS_MAX = 8192           # the FP8 norms: rows up to this wide are read once, whole (Flash's 5120
+                              # in one program of 8 warps: at decode a row's two passes over five
+                              # chunks were a chain of ten dependent loads for one program)
+ONE_PASS_WARPS = 8            # warps of a one-pass program whose tile exceeds TILE
 
 
 @triton.jit
@@ -66,36 +71,53 @@ def norm_input(x_ptr, mix_ptr, r, c, m, rmask, stride_x, stride_xk, stride_m, HC
 
 
 @triton.jit
+def _norm_fp8_store(x, inv, w_ptr, out_ptr, q_ptr, s_ptr, r, c, m, rmask, g, d0, D, stride_o, stride_q, stride_s,
+                    CODES: tl.constexpr):
+    """One chunk of the norm's output from its input x (x's dtype) and the rows' rsqrt."""
+    w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
+    y = (w * (x.to(tl.float32) * inv)).to(x.dtype).to(tl.float32)   # the norm's one rounding
+    if CODES:
+        tl.store(out_ptr + r * stride_o + c, y.to(out_ptr.dtype.element_ty), mask=m)
+        q, scale = fp8_quant_groups(y, 2)
+        tl.store(q_ptr + r * stride_q + c, q.to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(s_ptr + r * stride_s + d0 // 32 + g, scale, mask=rmask & (d0 + g * 32 < D))
+    else:
+        q = fp8_qat_groups(y, 2)
+        tl.store(out_ptr + r * stride_o + c, q.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, mix_ptr, N, D, eps, stride_x, stride_xk, stride_m,
                          stride_o, stride_q, stride_s, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-                         CODES: tl.constexpr, HC: tl.constexpr, PDL: tl.constexpr = False):
+                         CODES: tl.constexpr, HC: tl.constexpr, ONE_PASS: tl.constexpr,
+                         PDL: tl.constexpr = False):
     pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = (rows < N)[:, None, None]
     r = rows.to(tl.int64)[:, None, None]
     g = tl.arange(0, BLOCK_G)[None, :, None]
     col = g * 32 + tl.arange(0, 32)[None, None, :]
-    ss = tl.zeros([BLOCK_R], tl.float32)
-    for d0 in range(0, D, BLOCK_G * 32):
-        c = d0 + col
-        m = rmask & (c < D)
-        x = norm_input(x_ptr, mix_ptr, r, c, m, rmask, stride_x, stride_xk, stride_m, HC).to(tl.float32)
-        ss += tl.sum(tl.sum(x * x, axis=2), axis=1)
-    inv = tl.rsqrt(ss / D + eps)[:, None, None]
-    for d0 in range(0, D, BLOCK_G * 32):
-        c = d0 + col
-        m = rmask & (c < D)
-        x = norm_input(x_ptr, mix_ptr, r, c, m, rmask, stride_x, stride_xk, stride_m, HC)
-        w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
-        y = (w * (x.to(tl.float32) * inv)).to(x.dtype).to(tl.float32)   # the norm's one rounding
-        if CODES:
-            tl.store(out_ptr + r * stride_o + c, y.to(out_ptr.dtype.element_ty), mask=m)
-            q, scale = fp8_quant_groups(y, 2)
-            tl.store(q_ptr + r * stride_q + c, q.to(q_ptr.dtype.element_ty), mask=m)
-            tl.store(s_ptr + r * stride_s + d0 // 32 + g, scale, mask=rmask & (d0 + g * 32 < D))
-        else:
-            q = fp8_qat_groups(y, 2)
-            tl.store(out_ptr + r * stride_o + c, q.to(out_ptr.dtype.element_ty), mask=m)
+    if ONE_PASS:            # the row in one tile, read once
+        m = rmask & (col < D)
+        x = norm_input(x_ptr, mix_ptr, r, col, m, rmask, stride_x, stride_xk, stride_m, HC)
+        xf = x.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(tl.sum(xf * xf, axis=2), axis=1) / D + eps)[:, None, None]
+        _norm_fp8_store(x, inv, w_ptr, out_ptr, q_ptr, s_ptr, r, col, m, rmask, g, 0, D, stride_o, stride_q,
+                        stride_s, CODES)
+    else:
+        ss = tl.zeros([BLOCK_R], tl.float32)
+        for d0 in range(0, D, BLOCK_G * 32):
+            c = d0 + col
+            m = rmask & (c < D)
+            x = norm_input(x_ptr, mix_ptr, r, c, m, rmask, stride_x, stride_xk, stride_m, HC).to(tl.float32)
+            ss += tl.sum(tl.sum(x * x, axis=2), axis=1)
+        inv = tl.rsqrt(ss / D + eps)[:, None, None]
+        for d0 in range(0, D, BLOCK_G * 32):
+            c = d0 + col
+            m = rmask & (c < D)
+            x = norm_input(x_ptr, mix_ptr, r, c, m, rmask, stride_x, stride_xk, stride_m, HC)
+            _norm_fp8_store(x, inv, w_ptr, out_ptr, q_ptr, s_ptr, r, c, m, rmask, g, d0, D, stride_o, stride_q,
+                            stride_s, CODES)
 
 
 def _launch(kernel, x, w, eps, out, fp8: bool, codes=None, mix=None) -> bool:
@@ -123,7 +145,9 @@ def _launch(kernel, x, w, eps, out, fp8: bool, codes=None, mix=None) -> bool:
     N = x2.shape[0]
     if N:
         if fp8:
-            bg = min(triton.next_power_of_2(D // 32), CHUNK // 32)
+            bg = triton.next_power_of_2(D // 32)
+            one_pass = bg * 32 <= ONE_PASS_MAX
+            bg = bg if one_pass else CHUNK // 32
             br = max(1, min(16, TILE // (bg * 32)))
             q2, s2 = (q2, s2) if codes else (dst, dst)
             m = mix if mix is not None else dst
@@ -131,7 +155,8 @@ def _launch(kernel, x, w, eps, out, fp8: bool, codes=None, mix=None) -> bool:
                                           x2.stride(1) if mix is not None else 0, m.stride(0), dst.stride(0),
                                           q2.stride(0), s2.stride(0), BLOCK_R=br, BLOCK_G=bg,
                                           CODES=codes is not None, HC=0 if mix is None else x.shape[1],
-                                          num_warps=4, **pdl(x2.device))
+                                          ONE_PASS=one_pass, num_warps=4 if br * bg * 32 <= TILE else ONE_PASS_WARPS,
+                                          **pdl(x2.device))
         else:
             bd = min(triton.next_power_of_2(D), CHUNK)
             br = max(1, min(16, TILE // bd))
