@@ -205,8 +205,8 @@ def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
 
 
 def bench_norm(rows: list, hc: int = 4, dim: int = 5120) -> None:
-    """The FP8 norms at Flash's widths, the one-pass tile (norm.py's default up to ONE_PASS_MAX)
-    at 8 warps beside 4 and 16 warps and beside the two passes over 1024-wide chunks: mHC's
+    """The FP8 norms at Flash's widths, the one-pass tile (norm.py's default up to ONE_PASS_MAX,
+    its warps by FEW_ROWS) beside 4 and 16 warps and beside the two passes over 1024-wide chunks: mHC's
     collapse + RMSNorm + act quant (the attention and FFN inputs, [T, 4, 5120]) and the act-quant
     norm of q's 1280-wide latent, twice in alternation; the floor is the bytes read and written."""
     from custom_ops.triton import norm
@@ -223,8 +223,8 @@ def bench_norm(rows: list, hc: int = 4, dim: int = 5120) -> None:
                 for k, v in old.items():
                     setattr(norm, k, v)
         return call
-    knobs = {"one_pass_8_warps": {}, "one_pass_4_warps": {"ONE_PASS_WARPS": 4},
-             "one_pass_16_warps": {"ONE_PASS_WARPS": 16}, "chunks": {"ONE_PASS_MAX": 0}}
+    knobs = {"default": {}, "one_pass_4_warps": {"FEW_ROWS": 0}, "one_pass_16_warps": {"FEW_ROWS": 1 << 30},
+             "chunks": {"ONE_PASS_MAX": 0}}
     for T in (1, 16, 64, 4096):
         for name, width, streams in (("hc_collapse_rms_norm_act_quant", dim, hc), ("rms_norm_act_quant", 1280, 0)):
             X = torch.randn(T, streams, width, device="cuda").bfloat16() if streams else \

@@ -152,7 +152,7 @@ def fp8_gemm(block_m: int, block_n: int, unroll: int, stages: int, split_k: bool
 
 def rms_norm_fp8(codes: bool, hc: int, one_pass: bool = True):
     """RMSNorm + the FP8 quant (norm.py `_rms_norm_fp8_kernel`) at Flash's width, one row a
-    program, with PDL, as `_launch` starts it: the row in one tile of 8 warps (one_pass) or in
+    program, with PDL, as `_launch` starts it at decode: the row in one tile of 16 warps (one_pass) or in
     chunks of 32 groups; the QAT values, or (codes) the E4M3 codes and scales beside the norm,
     of mHC's hc streams collapsed first where hc > 0."""
     from custom_ops.triton.norm import CHUNK, ONE_PASS_MAX, _rms_norm_fp8_kernel
@@ -163,7 +163,7 @@ def rms_norm_fp8(codes: bool, hc: int, one_pass: bool = True):
            **dict.fromkeys(("BLOCK_R", "BLOCK_G", "CODES", "HC", "ONE_PASS", "PDL"), "constexpr")}
     return build(_rms_norm_fp8_kernel, sig, {"BLOCK_R": 1, "BLOCK_G": (ONE_PASS_MAX if one_pass else CHUNK) // 32,
                                              "CODES": codes, "HC": hc, "ONE_PASS": one_pass, "PDL": True},
-                 num_warps=8 if one_pass else 4)
+                 num_warps=16 if one_pass else 4)
 
 
 FP8_GEMV_INTS = ("M", "N", "K", "K_SPLIT", "ROWS_G", "stride_xm", "stride_sm", "stride_wn", "stride_wsn", "stride_om",

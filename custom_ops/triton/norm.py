@@ -10,7 +10,7 @@ the FP8 QAT per group of 32 (bit-exact with v41.quant.fp8_qat; see common.py), o
 writes the rounded norm and, beside it, its E4M3 codes and group scales (what the act-quant
 kernel of fp8_gemm.py would make of it). Collapsing mHC's streams first (HC > 0), each element
 is the streams' weighted sum, rounded as `hc_collapse` rounds it.
-Flash: D = 5120 -> one row per program, a tile of 8192 columns, 8 warps; q_norm (1280), kv_norm
+Flash: D = 5120 -> one row per program, a tile of 8192 columns (16 warps at decode); q_norm (1280), kv_norm
 (512) and the index k_norm (128) pack 1..16 rows per program. FP64 (the oracle) and other dtypes
 fall back to the reference.
 """
@@ -29,9 +29,12 @@ from custom_ops.triton.mhc import collapse_streams
 CHUNK = 1024                  # elements of a row per chunk
 TILE = 2048                   # elements per program per chunk (rows x chunk)
 ONE_PASS_MAX = 8192           # the FP8 norms: rows up to this wide are read once, whole (Flash's 5120
-                              # in one program of 8 warps: at decode a row's two passes over five
+                              # in one program: at decode a row's two passes over five
                               # chunks were a chain of ten dependent loads for one program)
-ONE_PASS_WARPS = 8            # warps of a one-pass program whose tile exceeds TILE
+FEW_ROWS = 128                # one-pass tiles wider than TILE: 16 warps up to this many rows, else 4
+                              # (H100, Flash's collapse + norm + act quant: 4.04 / 4.65 / 5.02 us at 16 /
+                              # 8 / 4 warps for one row, 84.6 / 93.7 / 100.3 us at 4 / 8 / 16 for 4096;
+                              # kernels-norm-h100.json)
 
 
 @triton.jit
@@ -155,7 +158,7 @@ def _launch(kernel, x, w, eps, out, fp8: bool, codes=None, mix=None) -> bool:
                                           x2.stride(1) if mix is not None else 0, m.stride(0), dst.stride(0),
                                           q2.stride(0), s2.stride(0), BLOCK_R=br, BLOCK_G=bg,
                                           CODES=codes is not None, HC=0 if mix is None else x.shape[1],
-                                          ONE_PASS=one_pass, num_warps=4 if br * bg * 32 <= TILE else ONE_PASS_WARPS,
+                                          ONE_PASS=one_pass, num_warps=4 if br * bg * 32 <= TILE or N > FEW_ROWS else 16,
                                           **pdl(x2.device))
         else:
             bd = min(triton.next_power_of_2(D), CHUNK)
