@@ -207,10 +207,12 @@ def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
 def bench_norm(rows: list, hc: int = 4, dim: int = 5120) -> None:
     """The FP8 norms at Flash's widths, the one-pass tile (norm.py's default up to ONE_PASS_MAX,
     its warps by FEW_ROWS) beside 4 and 16 warps and beside the two passes over 1024-wide chunks: mHC's
-    collapse + RMSNorm + act quant (the attention and FFN inputs, [T, 4, 5120]) and the act-quant
-    norm of q's 1280-wide latent, twice in alternation; the floor is the bytes read and written."""
+    collapse + RMSNorm + act quant (the attention and FFN inputs, [T, 4, 5120]), the act-quant
+    norm of q's 1280-wide latent and the plain bf16 norm at 5120 (the dequant engine's), twice in
+    alternation; the floor is the bytes read and written."""
     from custom_ops.triton import norm
-    from custom_ops.triton.norm import triton_hc_collapse_rms_norm_act_quant, triton_rms_norm_act_quant
+    from custom_ops.triton.norm import (triton_hc_collapse_rms_norm_act_quant, triton_rms_norm,
+                                        triton_rms_norm_act_quant)
 
     def knobbed(fn, **knobs):
         def call():
@@ -226,16 +228,19 @@ def bench_norm(rows: list, hc: int = 4, dim: int = 5120) -> None:
     knobs = {"default": {}, "one_pass_4_warps": {"FEW_ROWS": 0}, "one_pass_16_warps": {"FEW_ROWS": 1 << 30},
              "chunks": {"ONE_PASS_MAX": 0}}
     for T in (1, 16, 64, 4096):
-        for name, width, streams in (("hc_collapse_rms_norm_act_quant", dim, hc), ("rms_norm_act_quant", 1280, 0)):
+        for name, width, streams in (("hc_collapse_rms_norm_act_quant", dim, hc), ("rms_norm_act_quant", 1280, 0),
+                                     ("rms_norm", dim, 0)):
             X = torch.randn(T, streams, width, device="cuda").bfloat16() if streams else \
                 torch.randn(T, width, device="cuda").bfloat16()
             mix, w = torch.rand(T, hc, device="cuda"), torch.randn(width, device="cuda").bfloat16()
             out = torch.empty(T, width, dtype=torch.bfloat16, device="cuda")
             q = torch.empty(T, width, dtype=torch.float8_e4m3fn, device="cuda")
             s = torch.empty(T, width // 32, device="cuda")
-            op = (lambda: triton_hc_collapse_rms_norm_act_quant(X, mix, w, 1e-20, out, q, s)) if streams else \
-                (lambda: triton_rms_norm_act_quant(X, w, 1e-20, out, q, s))
-            nbytes = X.nbytes + w.nbytes + out.nbytes + q.nbytes + s.nbytes
+            op = {"hc_collapse_rms_norm_act_quant": lambda: triton_hc_collapse_rms_norm_act_quant(X, mix, w, 1e-20,
+                                                                                                out, q, s),
+                  "rms_norm_act_quant": lambda: triton_rms_norm_act_quant(X, w, 1e-20, out, q, s),
+                  "rms_norm": lambda: triton_rms_norm(X, w, 1e-20, out)}[name]
+            nbytes = X.nbytes + w.nbytes + out.nbytes + (0 if name == "rms_norm" else q.nbytes + s.nbytes)
             cases = [({"kernel": name, "tokens": T, "knobs": k}, knobbed(op, **kw)) for k, kw in knobs.items()]
             alternate(rows, cases, nbytes, lambda us: {})
 

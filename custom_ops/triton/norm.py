@@ -1,18 +1,18 @@
 """Triton impls of `v41::rms_norm`, `v41::rms_norm_fp8`, `v41::rms_norm_act_quant` and
 `v41::hc_collapse_rms_norm_act_quant` (custom_ops/norm.py is the definition).
 
-Rows of x ([..., D] viewed [N, D]). One program takes BLOCK_R rows and walks D in chunks twice:
-the first pass sums x² in FP32, the second (re-reading the chunks, now in L1/L2) writes
-`w·(x·rsqrt(Σx²/D + eps))` rounded once to x's dtype. The FP8 variant reads a row up to
-ONE_PASS_MAX wide once, as one [BLOCK_R, BLOCK_G, 32] tile kept in registers (wider rows: the two
-passes over chunks), rounds the norm to x's dtype first (as the eager model does), then applies
-the FP8 QAT per group of 32 (bit-exact with v41.quant.fp8_qat; see common.py), or with CODES
-writes the rounded norm and, beside it, its E4M3 codes and group scales (what the act-quant
-kernel of fp8_gemm.py would make of it). Collapsing mHC's streams first (HC > 0), each element
-is the streams' weighted sum, rounded as `hc_collapse` rounds it.
-Flash: D = 5120 -> one row per program, a tile of 8192 columns (16 warps at decode); q_norm (1280), kv_norm
-(512) and the index k_norm (128) pack 1..16 rows per program. FP64 (the oracle) and other dtypes
-fall back to the reference.
+Rows of x ([..., D] viewed [N, D]), BLOCK_R of them a program (`tile`). A row up to ONE_PASS_MAX
+wide is read once, as one tile held in registers: the FP32 Σx², then `w·(x·rsqrt(Σx²/D + eps))`
+rounded once to x's dtype. A wider row takes two passes over CHUNK-wide pieces, the second
+re-reading them (now in L1/L2). The FP8 variant reads [BLOCK_R, BLOCK_G, 32] tiles, rounds the
+norm to x's dtype first (as the eager model does), then applies the FP8 QAT per group of 32
+(bit-exact with v41.quant.fp8_qat; see common.py), or with CODES writes the rounded norm and,
+beside it, its E4M3 codes and group scales (what the act-quant kernel of fp8_gemm.py would make
+of it). Collapsing mHC's streams first (HC > 0), each element is the streams' weighted sum,
+rounded as `hc_collapse` rounds it (recomputed in a wide row's second pass).
+Flash: D = 5120 -> one row a program, a tile of 8192 columns, 16 warps at decode; q_norm (1280),
+kv_norm (512) and the index k_norm (128) pack 1..16 rows a program. FP64 (the oracle) and other
+dtypes fall back to the reference.
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ from custom_ops.triton.mhc import collapse_streams
 
 CHUNK = 1024                  # elements of a row per chunk
 TILE = 2048                   # elements per program per chunk (rows x chunk)
-ONE_PASS_MAX = 8192           # the FP8 norms: rows up to this wide are read once, whole (Flash's 5120
-                              # in one program: at decode a row's two passes over five
-                              # chunks were a chain of ten dependent loads for one program)
-FEW_ROWS = 128                # one-pass tiles wider than TILE: 16 warps up to this many rows, else 4
+ONE_PASS_MAX = 8192           # rows up to this wide are read once, whole (Flash's 5120 in one
+                              # program: at decode a row's two passes over five chunks were a
+                              # chain of ten dependent loads for one program)
+FEW_ROWS = 128                # tiles wider than TILE: 16 warps up to this many rows, else 4
                               # (H100, Flash's collapse + norm + act quant: 4.04 / 4.65 / 5.02 us at 16 /
                               # 8 / 4 warps for one row, 84.6 / 93.7 / 100.3 us at 4 / 8 / 16 for 4096;
                               # kernels-norm-h100.json)
@@ -39,26 +39,35 @@ FEW_ROWS = 128                # one-pass tiles wider than TILE: 16 warps up to t
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
-                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ONE_PASS: tl.constexpr,
+                     PDL: tl.constexpr = False):
     pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     r = rows.to(tl.int64)[:, None]
     cols = tl.arange(0, BLOCK_D)
-    ss = tl.zeros([BLOCK_R], tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        c = d0 + cols
-        m = rmask[:, None] & (c < D)[None, :]
-        x = tl.load(x_ptr + r * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
-        ss += tl.sum(x * x, axis=1)
-    inv = tl.rsqrt(ss / D + eps)
-    for d0 in range(0, D, BLOCK_D):
-        c = d0 + cols
-        m = rmask[:, None] & (c < D)[None, :]
-        x = tl.load(x_ptr + r * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
-        y = w[None, :] * (x * inv[:, None])
-        tl.store(out_ptr + r * stride_o + c[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+    if ONE_PASS:            # the row in one tile, read once
+        m = rmask[:, None] & (cols < D)[None, :]
+        x = tl.load(x_ptr + r * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r * stride_o + cols[None, :], (w[None, :] * (x * inv[:, None])).to(out_ptr.dtype.element_ty),
+                 mask=m)
+    else:
+        ss = tl.zeros([BLOCK_R], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            c = d0 + cols
+            m = rmask[:, None] & (c < D)[None, :]
+            x = tl.load(x_ptr + r * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
+            ss += tl.sum(x * x, axis=1)
+        inv = tl.rsqrt(ss / D + eps)
+        for d0 in range(0, D, BLOCK_D):
+            c = d0 + cols
+            m = rmask[:, None] & (c < D)[None, :]
+            x = tl.load(x_ptr + r * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
+            y = w[None, :] * (x * inv[:, None])
+            tl.store(out_ptr + r * stride_o + c[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -123,6 +132,16 @@ def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, mix_ptr, N, D, eps
                             stride_s, CODES)
 
 
+def tile(N: int, D: int) -> tuple[bool, int, int, int]:
+    """(one pass, the tile's width, rows a program, warps) of a norm over N rows of D: a row up
+    to ONE_PASS_MAX wide whole, in as many rows as fill TILE; wider rows in CHUNK-wide pieces."""
+    width = triton.next_power_of_2(D)
+    one_pass = width <= ONE_PASS_MAX
+    width = width if one_pass else CHUNK
+    br = max(1, min(16, TILE // width))
+    return one_pass, width, br, 4 if br * width <= TILE or N > FEW_ROWS else 16
+
+
 def _launch(kernel, x, w, eps, out, fp8: bool, codes=None, mix=None) -> bool:
     """Launch `kernel` on x's rows; False where it does not apply (the reference runs). `codes`:
     (q, s) of `rms_norm_act_quant`, written beside out; `mix`: x is mHC's streams [T, hc, D],
@@ -147,24 +166,20 @@ def _launch(kernel, x, w, eps, out, fp8: bool, codes=None, mix=None) -> bool:
     w = w if w.stride(-1) == 1 else w.contiguous()
     N = x2.shape[0]
     if N:
+        one_pass, width, br, warps = tile(N, D)
         if fp8:
-            bg = triton.next_power_of_2(D // 32)
-            one_pass = bg * 32 <= ONE_PASS_MAX
-            bg = bg if one_pass else CHUNK // 32
-            br = max(1, min(16, TILE // (bg * 32)))
+            bg = width // 32
             q2, s2 = (q2, s2) if codes else (dst, dst)
             m = mix if mix is not None else dst
             kernel[(triton.cdiv(N, br),)](x2, w, dst, q2, s2, m, N, D, eps, x2.stride(0),
                                           x2.stride(1) if mix is not None else 0, m.stride(0), dst.stride(0),
                                           q2.stride(0), s2.stride(0), BLOCK_R=br, BLOCK_G=bg,
                                           CODES=codes is not None, HC=0 if mix is None else x.shape[1],
-                                          ONE_PASS=one_pass, num_warps=4 if br * bg * 32 <= TILE or N > FEW_ROWS else 16,
-                                          **pdl(x2.device))
+                                          ONE_PASS=one_pass, num_warps=warps, **pdl(x2.device))
         else:
-            bd = min(triton.next_power_of_2(D), CHUNK)
-            br = max(1, min(16, TILE // bd))
             kernel[(triton.cdiv(N, br),)](x2, w, dst, N, D, eps, x2.stride(0), dst.stride(0),
-                                          BLOCK_R=br, BLOCK_D=bd, num_warps=4, **pdl(x2.device))
+                                          BLOCK_R=br, BLOCK_D=width, ONE_PASS=one_pass, num_warps=warps,
+                                          **pdl(x2.device))
     if o2 is None:
         out.copy_(dst.view(out.shape))
     return True
