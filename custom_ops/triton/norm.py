@@ -32,9 +32,9 @@ ONE_PASS_MAX = 8192           # rows up to this wide are read once, whole (Flash
                               # program: at decode a row's two passes over five chunks were a
                               # chain of ten dependent loads for one program)
 FEW_ROWS = 128                # tiles wider than TILE: 16 warps up to this many rows, else 4
-                              # (H100, Flash's collapse + norm + act quant: 4.04 / 4.65 / 5.02 us at 16 /
-                              # 8 / 4 warps for one row, 84.6 / 93.7 / 100.3 us at 4 / 8 / 16 for 4096;
-                              # kernels-norm-h100.json)
+                              # (H100, Flash's collapse + norm + act quant, mean of two rounds: 4.05 /
+                              # 4.66 / 5.02 us at 16 / 8 / 4 warps for one row, 84.6 / 93.8 / 100.3 us
+                              # at 4 / 8 / 16 for 4096; kernels-norm-h100.json)
 
 
 @triton.jit
