@@ -248,3 +248,14 @@ def test_e4m3_codes_keep_the_sign_of_zero():
     norm = B.rms_norm_fp8(True, 0)
     gemv = B.fp8_gemv(1, GEMV_BLOCK_N, GEMV_BLOCK_K, False, stages=1, quant_out=True)
     assert [B.zero_subtractions(k) for k in (act, norm, gemv)] == [0, 0, 0]
+
+
+def test_fp4_mma_probe_holds_one_element_a_lane():
+    """benchmarks/fp4_mma_probe.py's premise: a [32 · warps] tensor is laid out one element a
+    lane, so its inline mma.sync sees one lane's registers; its K loop issues the two MMAs a
+    group of 32 (eight a 128-wide block), without spills."""
+    from benchmarks import fp4_mma_probe as P
+    k = P.build()
+    assert P.layouts(k) == ["#ttg.blocked<{sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [4], "
+                            "order = [0]}>"]
+    assert B.loop_body(k).count("HMMA.16816.F32") == 8 and B.usage(k).get("STACK", 0) == 0
