@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
-import json
 import re
-import subprocess
 
 import triton
 import triton.language as tl
@@ -118,18 +115,8 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     if not B.tools_present():
         ap.error(f"this Triton build ships no CUDA ptxas/cuobjdump in {B.NVIDIA_BIN}")
-    import torch
     rows = [row(build()), B.fp4_gemv_row("down", 64, 128, 4)]        # the probe, then moe_gemv.py's default
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    res = {"benchmark": "fp4_mma_probe", "device": "cpu (no GPU): Triton's compiler and bundled ptxas, target sm_90",
-           "triton": triton.__version__, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-           "commit": commit,
-           "what": __doc__.split("\n\n")[0].replace("\n", " "), "results": rows}
-    print(json.dumps(res, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
-    return res
+    return B.emit("fp4_mma_probe", __doc__.split("\n\n")[0].replace("\n", " "), rows, a.out)
 
 
 if __name__ == "__main__":

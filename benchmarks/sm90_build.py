@@ -334,7 +334,6 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     if not tools_present():
         ap.error(f"this Triton build ships no CUDA ptxas/cuobjdump in {NVIDIA_BIN}")
-    import torch
     rows = [fp4_gemv_row(w, bn, bk, nw, asm, stages=3) for w in ("up", "down") for bn, bk, nw in
             ((64, 128, 4), (32, 256, 4), (64, 128, 8)) for asm in (True, False)]     # pipelined 3 deep
     rows += [fp4_gemv_row(w, 64, 128, 4, True, stages=1) for w in ("up", "down")]     # unpipelined (the default)
@@ -351,13 +350,19 @@ def main(argv=None) -> dict:
                 rows.append(tile_row(which, per, bm, bn, bk, nw, "FP4 split", split=True))
             if (bm, bn, bk, nw) in ((64, 64, 64, 4), (128, 128, 64, 8)):      # the same tiles on bf16 weights
                 rows.append(tile_row(which, per, bm, bn, bk, nw, "bf16", fp4=False))
+    return emit("sm90_build", __doc__.split("\n\n")[1].replace("\n", " "), rows, a.out)
+
+
+def emit(benchmark: str, what: str, rows: list, out: str | None) -> dict:
+    """A build-count result (device, versions, date, commit, rows) printed and, with out, written."""
+    import torch
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    res = {"benchmark": "sm90_build", "device": "cpu (no GPU): Triton's compiler and bundled ptxas, target sm_90",
+    res = {"benchmark": benchmark, "device": "cpu (no GPU): Triton's compiler and bundled ptxas, target sm_90",
            "triton": triton.__version__, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-           "commit": commit, "what": __doc__.split("\n\n")[1].replace("\n", " "), "results": rows}
+           "commit": commit, "what": what, "results": rows}
     print(json.dumps(res, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             json.dump(res, f, indent=1)
     return res
 
