@@ -2,7 +2,8 @@
 GEMV's K loop with each lane's weight words decoded to f16 pairs and multiplied on tensor cores by
 `mma.sync.m16n8k16` (f16 x f16 -> FP32), instead of moe_gemv.py's f16 -> f32 conversion and FFMA
 per weight. It prints the loop's thread instructions a weight beside the GEMV's; it is not wired
-to any op, and its products have not been checked on a GPU.
+to any op. Its group step's products are checked on the CPU by tests/test_ptx.py (a warp of
+lanes emulated, mma.sync's fragments as the PTX ISA lays them out), not yet on a GPU.
 
     python benchmarks/fp4_mma_probe.py [--out benchmarks/results/fp4-mma-probe-cpu.json]
 

@@ -3,7 +3,8 @@ a small emulator of the few instructions it uses. The interpreter tests run the 
 form instead (the interpreter executes no PTX), and the sm_90 build only shows that ptxas
 accepts it; this checks what the PTX computes: every E2M1 nibble, in every position of a word,
 decodes to its E4M3 value (2^-6 times the E2M1 value of v41.quant), and every E4M3 byte to its
-value, in element order."""
+value, in element order. `run_warp` runs a block for a warp's 32 lanes in lockstep, with
+mma.sync's fragments as the PTX ISA lays them out (benchmarks/fp4_mma_probe.py's group step)."""
 from __future__ import annotations
 
 import re
@@ -23,37 +24,94 @@ def e4m3(byte: int) -> float:
     return float(torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
 
 
+def instructions(src: str) -> list[tuple[str, str]]:
+    """(opcode, operands) of each instruction of a PTX block, declarations left out."""
+    body = src.strip().strip("{}")
+    return [tuple(ins.split(None, 1)) for ins in filter(None, (s.strip() for s in body.split(";")))
+            if not ins.startswith(".reg")]
+
+
+def f16_word(lo: float, hi: float) -> int:
+    """A 32-bit register of two f16 values, lo in the low half."""
+    return int(np.float16(lo).view(np.uint16)) | int(np.float16(hi).view(np.uint16)) << 16
+
+
+def f16_halves(word: int) -> tuple[float, float]:
+    return tuple(float(np.uint16((word >> s) & 0xFFFF).view(np.float16)) for s in (0, 16))
+
+
+def step(regs: dict, op: str, args: str) -> None:
+    """One lane's instruction on its registers (32-bit words, or Python floats for .f32)."""
+    val = lambda x: int(x, 0) if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", x) else regs[x]  # noqa: E731
+    if op == "mov.b32":                                          # mov.b32 {lo, hi}, r: r's low and high halves
+        lo, hi, r = re.fullmatch(r"\{\s*(\S+),\s*(\S+)\s*\},\s*(\S+)", args).groups()
+        regs[lo], regs[hi] = val(r) & 0xFFFF, val(r) >> 16
+        return
+    d, *a = [x.strip() for x in args.split(",")]
+    if op == "shl.b32":
+        regs[d] = (val(a[0]) << val(a[1])) & M32
+    elif op == "shr.b32":                                        # .b32: a logical shift
+        regs[d] = (val(a[0]) & M32) >> val(a[1])
+    elif op == "and.b32":
+        regs[d] = val(a[0]) & val(a[1]) & M32
+    elif op == "or.b32":
+        regs[d] = (val(a[0]) | val(a[1])) & M32
+    elif op == "cvt.rn.f16x2.e4m3x2":                            # the low byte into the low half
+        h = val(a[0])
+        regs[d] = f16_word(e4m3(h & 0xFF), e4m3(h >> 8))
+    elif op == "cvt.f32.f16":
+        regs[d] = float(np.uint16(val(a[0])).view(np.float16))
+    elif op == "mov.f32" and re.fullmatch(r"0f[0-9a-fA-F]{8}", a[0]):
+        regs[d] = float(np.uint32(int(a[0][2:], 16)).view(np.float32))
+    elif op == "fma.rn.f32":                                     # exact in float64, then one rounding
+        regs[d] = float(np.float32(regs[a[0]] * regs[a[1]] + regs[a[2]]))
+    else:
+        raise NotImplementedError(op)
+
+
 def run_ptx(src: str, inputs: dict[int, int]) -> dict[int, object]:
     """Execute `src` with operands $i preset from `inputs` (32-bit words); returns every $i."""
     regs: dict[str, object] = {f"${i}": v for i, v in inputs.items()}
-    val = lambda x: int(x, 0) if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", x) else regs[x]  # noqa: E731
-    body = src.strip().strip("{}")
-    for ins in filter(None, (s.strip() for s in body.split(";"))):
-        op, args = ins.split(None, 1)
-        if op == ".reg":
-            continue
-        if op == "mov.b32":                                      # mov.b32 {lo, hi}, r: r's low and high halves
-            lo, hi, r = re.fullmatch(r"\{\s*(\S+),\s*(\S+)\s*\},\s*(\S+)", args).groups()
-            regs[lo], regs[hi] = val(r) & 0xFFFF, val(r) >> 16
-            continue
-        d, *a = [x.strip() for x in args.split(",")]
-        if op == "shl.b32":
-            regs[d] = (val(a[0]) << val(a[1])) & M32
-        elif op == "shr.b32":                                    # .b32: a logical shift
-            regs[d] = (val(a[0]) & M32) >> val(a[1])
-        elif op == "and.b32":
-            regs[d] = val(a[0]) & val(a[1]) & M32
-        elif op == "or.b32":
-            regs[d] = (val(a[0]) | val(a[1])) & M32
-        elif op == "cvt.rn.f16x2.e4m3x2":                        # the low byte into the low half
-            h = val(a[0])
-            lo, hi = (np.float16(e4m3(b)).view(np.uint16) for b in (h & 0xFF, h >> 8))
-            regs[d] = int(lo) | int(hi) << 16
-        elif op == "cvt.f32.f16":
-            regs[d] = float(np.uint16(val(a[0])).view(np.float16))
-        else:
-            raise NotImplementedError(op)
+    for op, args in instructions(src):
+        step(regs, op, args)
     return {int(k[1:]): v for k, v in regs.items() if k.startswith("$")}
+
+
+MMA_F16 = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+
+
+def mma_m16n8k16(lanes: list[dict], args: str) -> None:
+    """The warp's D = A·B + C, fragments as the PTX ISA lays them out for m16n8k16 with f16 A
+    (row) and B (col) and FP32 C, D: lane 4g + t holds A's (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
+    (g+8, 2t+8..) as four f16 pairs, B's (2t..2t+1, g), (2t+8.., g) as two, and C's and D's (g, 2t..),
+    (g+8, 2t..). The products are exact in float64 and summed there, then rounded once to FP32."""
+    d, a, b, c = (v.split(",") for v in re.findall(r"\{([^}]*)\}", args))
+    A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+    for lane, regs in enumerate(lanes):
+        g, t = divmod(lane, 4)
+        for i, r in enumerate(x.strip() for x in a):
+            A[g + 8 * (i % 2), 2 * t + 8 * (i // 2) + np.arange(2)] = f16_halves(regs[r])
+        for i, r in enumerate(x.strip() for x in b):
+            B[2 * t + 8 * i + np.arange(2), g] = f16_halves(regs[r])
+        for i, r in enumerate(x.strip() for x in c):
+            C[g + 8 * (i // 2), 2 * t + i % 2] = regs[r]
+    D = (A @ B + C).astype(np.float32)
+    for lane, regs in enumerate(lanes):
+        g, t = divmod(lane, 4)
+        for i, r in enumerate(x.strip() for x in d):
+            regs[r] = float(D[g + 8 * (i // 2), 2 * t + i % 2])
+
+
+def run_warp(src: str, inputs: list[dict[int, object]]) -> list[dict[int, object]]:
+    """`src` run by the 32 lanes of a warp in lockstep, lane i's operands $j from inputs[i]."""
+    lanes = [{f"${j}": v for j, v in lane.items()} for lane in inputs]
+    for op, args in instructions(src):
+        if op == MMA_F16:
+            mma_m16n8k16(lanes, args)
+        else:
+            for regs in lanes:
+                step(regs, op, args)
+    return [{int(k[1:]): v for k, v in regs.items() if k.startswith("$")} for regs in lanes]
 
 
 def nibble_value(c: int) -> float:
@@ -93,3 +151,28 @@ def test_emulator_rejects_what_it_does_not_know():
     """A PTX edit that uses an instruction the emulator lacks fails here rather than passing."""
     with pytest.raises(NotImplementedError):
         run_ptx("{ add.u32 $0, $1, 1; }", {1: 0})
+
+
+def test_fp4_mma_probe_sums_each_rows_group():
+    """benchmarks/fp4_mma_probe.py's group step, run by a warp: lane 4g + t passes rows g and
+    g + 8's word t of a group of 32, the group's activations as the f16 pairs (0, 2), (1, 3),
+    (4, 6), (5, 7) of elements 8t.., and the rows' scales; every lane's two outputs are its
+    rows' accumulators plus scale · Σ_k w[row, k]·x[k] (w the E2M1 values times 2^-6)."""
+    from benchmarks.fp4_mma_probe import GROUP_PTX
+    g = np.random.default_rng(0)
+    codes = g.integers(0, 16, (16, 32))                          # E2M1 codes, rows x K
+    x = g.integers(-8, 9, 32) * 2.0 ** g.integers(-6, 4, 32)    # exact in f16
+    scale, acc = 2.0 ** g.integers(-4, 4, 16), g.standard_normal(16)
+    w = np.array([[nibble_value(int(c)) for c in row] for row in codes])
+    word = lambda r, t: sum(int(c) << (4 * i) for i, c in enumerate(codes[r, 8 * t:8 * t + 8]))  # noqa: E731
+    inputs = []
+    for lane in range(32):
+        r, t = divmod(lane, 4)
+        e = x[8 * t:8 * t + 8]
+        inputs.append({2: word(r, t), 3: word(r + 8, t), 4: f16_word(e[0], e[2]), 5: f16_word(e[1], e[3]),
+                       6: f16_word(e[4], e[6]), 7: f16_word(e[5], e[7]), 8: acc[r], 9: acc[r + 8],
+                       10: scale[r], 11: scale[r + 8]})
+    want = (acc + scale * (w @ x)).astype(np.float32)
+    for lane, out in enumerate(run_warp(GROUP_PTX.value, inputs)):
+        r = lane // 4
+        assert (out[0], out[1]) == (want[r], want[r + 8]), lane
