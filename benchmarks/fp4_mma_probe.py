@@ -5,7 +5,8 @@ per weight. It prints the loop's thread instructions a weight beside the GEMV's;
 to any op. Its group step's products are checked on the CPU by tests/test_ptx.py (a warp of
 lanes emulated, mma.sync's fragments as the PTX ISA lays them out), not yet on a GPU.
 
-    python benchmarks/fp4_mma_probe.py [--out benchmarks/results/fp4-mma-probe-cpu.json]
+    python benchmarks/fp4_mma_probe.py [--out FILE]     # fp4-mma-probe-triton36-cpu.json: under the
+                                                         # GPU's Triton 3.6 (PYTHONPATH to its wheel)
 
 The kernel holds one element per thread: every tensor is [32 * warps] (Triton lays such a tensor
 out one element a lane, which the probe checks in its TTGIR), so an inline-PTX block sees one
