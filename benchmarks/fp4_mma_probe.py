@@ -17,8 +17,8 @@ reads the row's int32 word t (elements 8t..8t+7): its low nibbles' E4M3 codes gi
 hardware's E4M3 pair -> f16x2). Two MMAs cover the group, the first on pairs (0, 2) and (1, 3) in
 A's k slots (2t, 2t+1) and (2t+8, 2t+9), the second on (4, 6) and (5, 7); any order of K serves
 the dot product if B's k slots hold the activations in the same order, so the activation arrives
-as f16 pairs already in that order (h_ptr: four int32 words a lane a group) and every column of
-B is the same activation. D's column 0 is the group's sum for rows g and g + 8; one FMA a row
+as f16 pairs already in that order (`lane_words`: four int32 words a lane position t a group)
+and every column of B is the same activation. D's column 0 is the group's sum for rows g and g + 8; one FMA a row
 adds it, times the row's E8M0 scale, to the row's accumulator.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _fp4_mma_down(h_ptr, w2_ptr, s2_ptr, y_ptr, k_split, stride_wn, stride_sn, L
         for c in tl.static_range(4):
             w0 = tl.load(w2_ptr + r0.to(tl.int64) * stride_wn + k0 // 8 + 4 * c + t)
             w1 = tl.load(w2_ptr + r1.to(tl.int64) * stride_wn + k0 // 8 + 4 * c + t)
-            hb = h_ptr + (k0 // 32 + c) * 128 + (lane % 32) * 4
+            hb = h_ptr + (k0 // 32 + c) * 16 + t * 4
             # fp4.e2m1_scale's 2^(code - 127) · 2^6 as the FP32 bits of exponent code + 6: one IMAD
             # (the same values for codes up to 248, as e2m1_scale's bound)
             f0 = ((((sw0 >> (8 * c)) & 0xFF) + 6) << 23).to(tl.float32, bitcast=True)
@@ -85,6 +85,15 @@ def _fp4_mma_down(h_ptr, w2_ptr, s2_ptr, y_ptr, k_split, stride_wn, stride_sn, L
                 dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
     tl.store(y_ptr + r0, acc0, mask=t == 0)
     tl.store(y_ptr + r1, acc1, mask=t == 0)
+
+
+def lane_words(x):
+    """The activation x [K] (values exact in f16, K a multiple of 32) as the probe reads it:
+    int32 [K / 32, 4, 4], group c's words for lane position t the f16 pairs (0, 2), (1, 3),
+    (4, 6), (5, 7) of elements 32c + 8t.., the first of a pair in the low half."""
+    import torch
+    pairs = x.to(torch.float16).reshape(-1, 4, 8)[..., [0, 2, 1, 3, 4, 6, 5, 7]].contiguous()
+    return pairs.view(torch.int32).reshape(-1, 4, 4)
 
 
 def build():

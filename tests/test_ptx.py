@@ -155,23 +155,22 @@ def test_emulator_rejects_what_it_does_not_know():
 
 def test_fp4_mma_probe_sums_each_rows_group():
     """benchmarks/fp4_mma_probe.py's group step, run by a warp: lane 4g + t passes rows g and
-    g + 8's word t of a group of 32, the group's activations as the f16 pairs (0, 2), (1, 3),
-    (4, 6), (5, 7) of elements 8t.., and the rows' scales; every lane's two outputs are its
-    rows' accumulators plus scale · Σ_k w[row, k]·x[k] (w the E2M1 values times 2^-6)."""
-    from benchmarks.fp4_mma_probe import GROUP_PTX
+    g + 8's word t of a group of 32, its `lane_words` of the group's activations and the rows'
+    scales; every lane's two outputs are its rows' accumulators plus scale · Σ_k w[row, k]·x[k]
+    (w the E2M1 values times 2^-6)."""
+    from benchmarks.fp4_mma_probe import GROUP_PTX, lane_words
     g = np.random.default_rng(0)
     codes = g.integers(0, 16, (16, 32))                          # E2M1 codes, rows x K
     x = g.integers(-8, 9, 32) * 2.0 ** g.integers(-6, 4, 32)    # exact in f16
     scale, acc = 2.0 ** g.integers(-4, 4, 16), g.standard_normal(16)
     w = np.array([[nibble_value(int(c)) for c in row] for row in codes])
     word = lambda r, t: sum(int(c) << (4 * i) for i, c in enumerate(codes[r, 8 * t:8 * t + 8]))  # noqa: E731
+    xw = lane_words(torch.tensor(x))[0].numpy().view(np.uint32)   # [t, 4] words of the one group
     inputs = []
     for lane in range(32):
         r, t = divmod(lane, 4)
-        e = x[8 * t:8 * t + 8]
-        inputs.append({2: word(r, t), 3: word(r + 8, t), 4: f16_word(e[0], e[2]), 5: f16_word(e[1], e[3]),
-                       6: f16_word(e[4], e[6]), 7: f16_word(e[5], e[7]), 8: acc[r], 9: acc[r + 8],
-                       10: scale[r], 11: scale[r + 8]})
+        inputs.append({2: word(r, t), 3: word(r + 8, t), **{4 + i: int(xw[t, i]) for i in range(4)},
+                       8: acc[r], 9: acc[r + 8], 10: scale[r], 11: scale[r + 8]})
     want = (acc + scale * (w @ x)).astype(np.float32)
     for lane, out in enumerate(run_warp(GROUP_PTX.value, inputs)):
         r = lane // 4
