@@ -143,11 +143,12 @@ native)
     --profile "$OUT/native-profiles.txt" --out "$OUT/native-weights-flash-slice-h200.json" > "$OUT/native.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | cut -c1-200 | tail -12 ;;
 native-decode)
-  # the kernels' GPU tests first (dependent launch, fused ops, native GEMMs, attention and index;
-  # eight processes), then native decode steps only
+  # the kernels' GPU tests first (dependent launch, fused ops, native GEMMs, attention and index,
+  # the FP4 MMA probe; eight processes), then native decode steps only
   step "kernel GPU tests"
   timeout 200 $py -m pytest -q -n 8 -m gpu -p no:cacheprovider --timeout=190 tests/test_pdl_gpu.py \
-    tests/test_fused_ops_gpu.py tests/test_native_gemm_gpu.py tests/test_kernels_gpu.py > "$OUT/fused-ops-gpu.log" 2>&1
+    tests/test_fused_ops_gpu.py tests/test_native_gemm_gpu.py tests/test_kernels_gpu.py \
+    tests/test_fp4_mma_probe_gpu.py > "$OUT/fused-ops-gpu.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/fused-ops-gpu.log"
   step "step_bench --weight-format native --decode-only"
   timeout $(( ${LIMIT:-560} - SECONDS )) $py benchmarks/step_bench.py --weight-format native --variants full --no-agreement \
