@@ -1,5 +1,5 @@
 """Per-kernel timings on a GPU against the floor of the bytes each call must move (Flash shapes,
-bf16): v41::sparse_attn (decode 1/16/64 tokens, prefill 4096) and v41::index_topk (`--norm`: the FP8
+bf16): v41::sparse_attn (decode 1/16/64 tokens, prefill 4096) and v41::index_topk (`--norm`: the
 norms, one pass against chunks; `--mhc`:
 v41::mhc_mix alone; `--wo-a`: v41::inv_rope_wo_a alone, split-K and tile variants; `--lm-head`: the
 LM head at the row counts of decode and DSpark steps, bf16 and FP32, cuBLAS and common.skinny_gemm). Each call is
@@ -205,7 +205,7 @@ def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
 
 
 def bench_norm(rows: list, hc: int = 4, dim: int = 5120) -> None:
-    """The FP8 norms at Flash's widths, the one-pass tile (norm.py's default up to ONE_PASS_MAX,
+    """The norms at Flash's widths, the one-pass tile (norm.py's default up to ONE_PASS_MAX,
     its warps by FEW_ROWS) beside 4 and 16 warps and beside the two passes over 1024-wide chunks: mHC's
     collapse + RMSNorm + act quant (the attention and FFN inputs, [T, 4, 5120]), the act-quant
     norm of q's 1280-wide latent and the plain bf16 norm at 5120 (the dequant engine's), twice in
@@ -312,7 +312,7 @@ def main():
     ap.add_argument("--mhc", action="store_true", help="only mhc_mix: the default beside more projection splits")
     ap.add_argument("--wo-a", action="store_true", help="only inv_rope_wo_a at decode widths, split-K and tiles")
     ap.add_argument("--lm-head", action="store_true", help="only the LM head: bf16 and FP32, cuBLAS and skinny_gemm")
-    ap.add_argument("--norm", action="store_true", help="only the FP8 norms: one pass (warps) against chunks")
+    ap.add_argument("--norm", action="store_true", help="only the norms: one pass (warps) against chunks")
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []

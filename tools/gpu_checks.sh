@@ -28,7 +28,7 @@
 #   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
 #   tools/gpu_checks.sh OUT gemv-chain  # gemv_chain_bench: a layer's dense GEMVs at one row back to back
 #                                     # in one graph, GEMV knobs varied, dependent launch on and off (~1 min)
-#   tools/gpu_checks.sh OUT norm      # kernel_bench --norm: the FP8 norms in one pass (warps) against chunks (~1 min)
+#   tools/gpu_checks.sh OUT norm      # kernel_bench --norm: the norms in one pass (warps) against chunks (~1 min)
 #   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles;
 #                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm;
 #                                     # --mhc: mhc_mix with its projection split more ways

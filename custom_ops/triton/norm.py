@@ -38,6 +38,14 @@ FEW_ROWS = 128                # tiles wider than TILE: 16 warps up to this many 
 
 
 @triton.jit
+def _norm_store(x, inv, w_ptr, out_ptr, r, c, m, D, stride_o):
+    """One chunk of the plain norm's output from its FP32 input x and the rows' rsqrt."""
+    w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r * stride_o + c[None, :], (w[None, :] * (x * inv[:, None])).to(out_ptr.dtype.element_ty),
+             mask=m)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ONE_PASS: tl.constexpr,
                      PDL: tl.constexpr = False):
@@ -49,10 +57,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
     if ONE_PASS:            # the row in one tile, read once
         m = rmask[:, None] & (cols < D)[None, :]
         x = tl.load(x_ptr + r * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        inv = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-        tl.store(out_ptr + r * stride_o + cols[None, :], (w[None, :] * (x * inv[:, None])).to(out_ptr.dtype.element_ty),
-                 mask=m)
+        _norm_store(x, tl.rsqrt(tl.sum(x * x, axis=1) / D + eps), w_ptr, out_ptr, r, cols, m, D, stride_o)
     else:
         ss = tl.zeros([BLOCK_R], tl.float32)
         for d0 in range(0, D, BLOCK_D):
@@ -65,9 +70,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, D, eps, stride_x, stride_o,
             c = d0 + cols
             m = rmask[:, None] & (c < D)[None, :]
             x = tl.load(x_ptr + r * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
-            y = w[None, :] * (x * inv[:, None])
-            tl.store(out_ptr + r * stride_o + c[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+            _norm_store(x, inv, w_ptr, out_ptr, r, c, m, D, stride_o)
 
 
 @triton.jit
