@@ -99,7 +99,8 @@ def parse(argv=None):
                    help="a JSON list of knob dicts timed instead of the dense decode sweep, e.g. "
                         "'[{\"path\": \"gemv\", \"split_k\": 16}]'")
     p.add_argument("--slice-experts", action="store_true",
-                   help="flash-slice's expert paths at 1, 5, 6, 16 and 96 tokens and the 'tiles' path's sweep only")
+                   help="flash-slice's expert paths ('gemv', 'mma', 'tiles') at SLICE_WIDTHS and the 'tiles' "
+                        "path's sweep only (--no-sweep: the paths only)")
     return p.parse_args(argv)
 
 
@@ -118,7 +119,8 @@ def main(argv=None) -> dict:
     args = parse(argv)
     dev = device_for(args.dry_run)
     if args.slice_experts:
-        res = slice_experts_run(dev, checkpoint=None if args.dry_run else lambda out: emit(out, args))
+        res = slice_experts_run(dev, checkpoint=None if args.dry_run else lambda out: emit(out, args),
+                                sweep=not args.no_sweep)
         emit(res, args)
         return res
     decode = (1,) if args.one_row else (1, 3) if args.dry_run else DECODE
@@ -278,23 +280,23 @@ def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak, tiles_sw
             us = variant(timed, lambda: experts_call(x, ids, wts, *weights, o, **kw), 1)
             return {**case_row("experts_w4a8", T, 3 * I, D, us, hit * per_expert, copy_rate, fp8_peak,
                                flops=2 * 3 * T * k * D * I), "experts": E, "experts_hit": hit, "path": kw["path"]}
-        out["experts"] += [row(path=p) for p in ("gemv", "tiles")]
+        out["experts"] += [row(path=p) for p in ("gemv", "mma", "tiles")]
         out["sweep"] += [{**row(path="tiles", **kw), "knobs": {"path": "tiles", **kw}} for kw in tiles_sweep]
         if checkpoint:
             checkpoint(out)
 
 
-def slice_experts_run(dev, checkpoint=None) -> dict:
+def slice_experts_run(dev, checkpoint=None, sweep: bool = True) -> dict:
     """--slice-experts: the copy and read rates, then `slice_expert_rows` with SLICE_TILES_SWEEP
-    (--dry-run: tiny experts, its first two knobs)."""
+    (--dry-run: tiny experts, its first two knobs; --no-sweep: none)."""
     import torch
     timed = timer(dev)
     g = torch.Generator().manual_seed(0)
     copy_rate, read_rate = measure_copy(dev, timed), measure_read(dev, timed)
     out = {**header(dev, copy_rate, read_rate), "experts": [], "sweep": []}
     cpu = dev == "cpu"
-    slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if cpu else SLICE_EXPERTS, copy_rate, None,
-                      SLICE_TILES_SWEEP[:2] if cpu else SLICE_TILES_SWEEP, checkpoint)
+    knobs = (SLICE_TILES_SWEEP[:2] if cpu else SLICE_TILES_SWEEP) if sweep else ()
+    slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if cpu else SLICE_EXPERTS, copy_rate, None, knobs, checkpoint)
     read_shares(out, read_rate)
     return out
 
@@ -337,7 +339,7 @@ def variant(timed, fn, calls) -> float:
 
 
 def experts_call(x, ids, wts, w1, s1, w3, s3, w2, s2, out, *, path: str | None = None, **knobs) -> None:
-    """The op with knobs (its GEMVs), or with a path ("gemv", "tiles") that path whatever
+    """The op with knobs (its GEMVs), or with a path ("gemv", "mma", "tiles") that path whatever
     the width."""
     from custom_ops.triton import triton_moe_experts_w4a8
     triton_moe_experts_w4a8(x, ids, wts, w1, s1, w3, s3, w2, s2, 10.0, out, path=path, **knobs)

@@ -250,12 +250,17 @@ def test_e4m3_codes_keep_the_sign_of_zero():
     assert [B.zero_subtractions(k) for k in (act, norm, gemv)] == [0, 0, 0]
 
 
-def test_fp4_mma_probe_holds_one_element_a_lane():
-    """benchmarks/fp4_mma_probe.py's premise: a [32 · warps] tensor is laid out one element a
-    lane, so its inline mma.sync sees one lane's registers; its K loop issues the two MMAs a
-    group of 32 (eight a 128-wide block), without spills."""
-    from benchmarks import fp4_mma_probe as P
-    k = P.build()
-    assert P.layouts(k) == ["#ttg.blocked<{sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [4], "
-                            "order = [0]}>"]
-    assert B.loop_body(k).count("HMMA.16816.F32") == 8 and B.usage(k).get("STACK", 0) == 0
+def test_fp4_mma_gemvs_hold_one_element_a_lane():
+    """fp4_mma.py's premise: the [32 · warps] tensors its inline mma.sync takes are laid out one
+    element a lane, so the PTX sees one lane's registers; the K loop issues two MMAs a group of
+    32 and weight matrix (8 a 128-wide step down, 16 up), without spills, in fewer instructions
+    a weight than moe_gemv.py's GEMVs."""
+    one = "#ttg.blocked<{sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [4], order = [0]}>"
+    rows = B.fp4_mma_rows()
+    for which, mmas in (("up", 16), ("down", 8)):
+        k = B.fp4_mma(which)
+        assert B.asm_layouts(k) == {one}
+        assert B.loop_body(k).count("HMMA.16816.F32") == mmas and B.usage(k).get("STACK", 0) == 0
+        mma, gemv = (r["thread_instructions_per_weight"] for r in rows if r["kernel"] in
+                     (f"_fp4_mma_{which}", f"_fp4_{which}_gemv"))
+        assert mma < 0.75 * gemv, (which, mma, gemv)

@@ -1,4 +1,5 @@
-"""The W4A8 expert GEMMs (`v41::moe_experts_w4a8`: the FP4 GEMVs and the dequantizing MMA tiles)
+"""The W4A8 expert GEMMs (`v41::moe_experts_w4a8`: the FP4 GEMVs, on CUDA cores and on tensor cores,
+and the dequantizing MMA tiles)
 under the Triton interpreter against the reference on the same quantized inputs,
 outputs poisoned with NaN first. The bound is test_native_gemm.py's: every product of an FP8
 activation and an E2M1 weight times power-of-two scales is exact in FP32, so the kernel and a
@@ -90,7 +91,7 @@ else:
     @pytest.mark.parametrize("T,kw", [(1, {}), (6, {"block_m": 16, "block_n_up": 32, "block_n_down": 32}),
                                       (6, {"block_k": 32}), (16, {"block_k": 128}), (24, {"block_m": 64}),
                                       (6, {"block_k": 32, "splits": 2}), (9, {"block_k": 32, "splits": 2}),
-                                      (3, {"num_stages": 1})])
+                                      (3, {"num_stages": 1}), (1, {"mma": True}), (6, {"mma": True, "splits": 2})])
     def test_w4a8_down_gemm_bound(g, T, kw):
         """The down GEMM alone: each pair's y against its own h codes · w2[e] in float64 (split-K:
         the splits' FP32 sums added in order, within the same bound)."""
@@ -109,7 +110,8 @@ else:
         assert not y[valid].isnan().any()
         assert ((y[valid].double() - exact).abs() <= gamma(I) * S).all()
 
-    @pytest.mark.parametrize("kw", [{}, {"block_k": 32, "splits": 2}], ids=["one-split", "split-k"])
+    @pytest.mark.parametrize("kw", [{}, {"block_k": 32, "splits": 2}, {"mma": True}, {"mma": True, "splits": 2}],
+                             ids=["one-split", "split-k", "mma", "mma-split-k"])
     def test_w4a8_up_gemm_exact_inputs(g, kw):
         """Exactly summable inputs: the kernel's h (w2's quantized input) equals the reference's
         (fp8_qat of silu(g)·u·w with g, u exact), except where the pre-quant value sits within a
@@ -135,7 +137,8 @@ else:
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("T, path", [(1, None), (5, None), (5, "gemv"), (24, None), (12, "gemv"),
-                                         (256, None), (1, "tiles"), (24, "tiles"), (256, "tiles")])
+                                         (256, None), (1, "tiles"), (24, "tiles"), (256, "tiles"), (1, "mma"),
+                                         (12, "mma")])
     def test_moe_experts_w4a8(g, monkeypatch, dtype, T, path):
         """The whole op against the reference: token 0 all padding (its row exactly 0; not at
         T = 1), expert E-1 empty, ragged groups. An FP32 reordering can move w2's pre-quant input across an FP8
@@ -291,6 +294,64 @@ else:
         assert (row_err[1:] <= 1e-5).float().mean() >= 0.75
         assert float((out - r).double().norm() / r.double().norm()) < 2e-2
 
+    @pytest.mark.parametrize("D", [96, 2048])
+    def test_mma_act_is_fp8_qat_in_mma_form(g, D):
+        """`mma_act`: the values of v41.quant.fp8_qat exactly (groups of zeros, tiny and large ones
+        among them), each group of eight as the f16 pairs (0, 2), (1, 3), (4, 6), (5, 7) in int32
+        words, the group's scale as FP32 exponent bits (k + 6) << 23."""
+        from custom_ops.triton.fp4_mma import mma_act, mma_act_values
+        x = torch.randn(3, D, generator=g) * torch.pow(2.0, torch.randint(-30, 20, (3, D // 32, 1), generator=g)
+                                                       ).repeat_interleave(32, 2).reshape(3, D)
+        x[1, :32] = 0
+        a, o = mma_act(x)
+        want = quant.fp8_qat(x, 32)
+        assert torch.equal(mma_act_values(a, o), want)
+        k = (o >> 23) - 6
+        q = want.reshape(3, D // 32, 32) * torch.pow(2.0, -k.float())[..., None]
+        pairs = q.reshape(3, D // 8, 8)[..., [0, 2, 1, 3, 4, 6, 5, 7]].to(torch.float16)
+        assert torch.equal(a.view(torch.int32), pairs.reshape(3, D).contiguous().view(torch.int32))
+        assert (q.abs() <= 448).all() and k.min() >= -22
+
+    def test_fp4_mma_gemvs_split_k_with_scale_words(g, monkeypatch):
+        """The tensor-core GEMVs with K a multiple of 128 (the rows' scale codes read as int32 words
+        of four) and split in two: three launches (the activation to MMA form, up, down); each (row,
+        N block)'s last split sums the partials and finishes the row, every counter is back at
+        zero, a second call repeats the bits and the rows meet the CUDA-core GEMVs' and the
+        reference's."""
+        from custom_ops.triton import fp4_mma
+        from custom_ops.triton.fp8 import tile_counters
+        rne_bf16_casts(monkeypatch)
+        T, E, D, I, k = 3, 5, 256, 256, 3
+        args = w4a8_case(g, T, E, D, I, k, dtype=torch.float32)
+        r, gemv = torch.empty(T, D), torch.full((T, D), float("nan"))
+        ref.moe_experts_w4a8(*args, 1.5, r)
+        triton_moe_experts_w4a8(*args, 1.5, gemv, path="gemv", splits=2)
+        launched = []
+
+        class Recorded:
+            def __init__(self, name):
+                self.name, self.kernel = name, getattr(fp4_mma, name)
+
+            def __getitem__(self, grid):
+                def launch(*a, **kw):
+                    launched.append((self.name, grid[2] if len(grid) > 2 else None, kw.get("SCALE_WORDS")))
+                    return self.kernel[grid](*a, **kw)
+                return launch
+        for name in ("_mma_act_kernel", "_fp4_mma_up", "_fp4_mma_down"):
+            monkeypatch.setattr(fp4_mma, name, Recorded(name))
+        outs = []
+        for _ in range(2):
+            outs.append(torch.full((T, D), float("nan")))
+            triton_moe_experts_w4a8(*args, 1.5, outs[-1], path="mma", splits=2)
+        assert launched == [("_mma_act_kernel", None, None), ("_fp4_mma_up", 2, True), ("_fp4_mma_down", 2, True)] * 2
+        assert not tile_counters(r.device, T * k * D // 16).any()
+        out = outs[0]
+        assert torch.equal(outs[1], out) and not out.isnan().any() and (out[0] == 0).all()
+        for got in (out, gemv):
+            row_err = (got - r).double().norm(dim=1) / r.double().norm(dim=1).clamp(min=1e-30)
+            assert (row_err[1:] <= 1e-5).float().mean() >= 0.5
+            assert float((got - r).double().norm() / r.double().norm()) < 2e-2
+
     @pytest.mark.parametrize("T,kw", [(1, {}), (2, {"splits": 3, "block_k": 32}), (1, {"splits": 1, "block_k": 32})])
     def test_fp4_gemv_prefetch_changes_no_bit(g, T, kw):
         """The FP4 GEMVs' prefetch of the next K block moves loads, not sums: the same bits (one
@@ -356,7 +417,7 @@ else:
         args = w4a8_case(g, T, E, D, I, k, dtype=torch.float32)
         out, r = torch.full((T, D), float("nan")), torch.empty(T, D)
         triton_moe_experts_w4a8(*args, 1.5, out)
-        assert calls == [{"tiles": True, **knobs}]
+        assert calls == [{"tiles": True, "mma": False, **knobs}]
         ref.moe_experts_w4a8(*args, 1.5, r)
         assert not out.isnan().any() and float((out - r).double().norm() / r.double().norm()) < 2e-2
 

@@ -4,7 +4,7 @@ form instead (the interpreter executes no PTX), and the sm_90 build only shows t
 accepts it; this checks what the PTX computes: every E2M1 nibble, in every position of a word,
 decodes to its E4M3 value (2^-6 times the E2M1 value of v41.quant), and every E4M3 byte to its
 value, in element order. `run_warp` runs a block for a warp's 32 lanes in lockstep, with
-mma.sync's fragments as the PTX ISA lays them out (benchmarks/fp4_mma_probe.py's group step)."""
+mma.sync's fragments as the PTX ISA lays them out (custom_ops/triton/fp4_mma.py's group step)."""
 from __future__ import annotations
 
 import re
@@ -119,6 +119,14 @@ def nibble_value(c: int) -> float:
     return float(quant.e2m1_decode(torch.tensor([c], dtype=torch.uint8), torch.float32)) * 2.0**-6
 
 
+def mma_form(x: torch.Tensor) -> torch.Tensor:
+    """x [K] (values exact in f16) as fp4_mma.py's docstring lays out an activation: int32
+    [K / 32, 4, 4], group c's words for lane position t the f16 pairs (0, 2), (1, 3), (4, 6),
+    (5, 7) of elements 32c + 8t.., the first of a pair in the low half."""
+    pairs = x.to(torch.float16).reshape(-1, 4, 8)[..., [0, 2, 1, 3, 4, 6, 5, 7]].contiguous()
+    return pairs.view(torch.int32).reshape(-1, 4, 4)
+
+
 def words(bits: int):
     """32-bit words of 32 / bits fields: every field value in every place, random fields
     around it; yields (the fields, the word)."""
@@ -153,19 +161,19 @@ def test_emulator_rejects_what_it_does_not_know():
         run_ptx("{ add.u32 $0, $1, 1; }", {1: 0})
 
 
-def test_fp4_mma_probe_sums_each_rows_group():
-    """benchmarks/fp4_mma_probe.py's group step, run by a warp: lane 4g + t passes rows g and
-    g + 8's word t of a group of 32, its `lane_words` of the group's activations and the rows'
+def test_fp4_mma_group_step_sums_each_rows_group():
+    """fp4_mma.py's group step, run by a warp: lane 4g + t passes rows g and g + 8's word t of a
+    group of 32, its four words of the group's activations in MMA form (`mma_act`) and the rows'
     scales; every lane's two outputs are its rows' accumulators plus scale · Σ_k w[row, k]·x[k]
     (w the E2M1 values times 2^-6)."""
-    from benchmarks.fp4_mma_probe import GROUP_PTX, lane_words
+    from custom_ops.triton.fp4_mma import GROUP_PTX
     g = np.random.default_rng(0)
     codes = g.integers(0, 16, (16, 32))                          # E2M1 codes, rows x K
     x = g.integers(-8, 9, 32) * 2.0 ** g.integers(-6, 4, 32)    # exact in f16
     scale, acc = 2.0 ** g.integers(-4, 4, 16), g.standard_normal(16)
     w = np.array([[nibble_value(int(c)) for c in row] for row in codes])
     word = lambda r, t: sum(int(c) << (4 * i) for i, c in enumerate(codes[r, 8 * t:8 * t + 8]))  # noqa: E731
-    xw = lane_words(torch.tensor(x))[0].numpy().view(np.uint32)   # [t, 4] words of the one group
+    xw = mma_form(torch.tensor(x))[0].numpy().view(np.uint32)     # [t, 4] words of the one group
     inputs = []
     for lane in range(32):
         r, t = divmod(lane, 4)

@@ -35,7 +35,8 @@
 #   tools/gpu_checks.sh OUT formats   # weight_formats_bench: bf16 and native engines in one run, alternating;
 #                                     # then each engine's batch-1 decode step profiled, every kernel listed
 #   tools/gpu_checks.sh OUT slice-experts  # native_gemm_bench --slice-experts: flash-slice's expert paths,
-#                                     # the 'tiles' path split over K / unpipelined / other tiles (~4 min)
+#                                     # the 'tiles' path split over K / unpipelined / other tiles (~4 min;
+#                                     # NO_SWEEP=1: the paths only)
 #   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
 #   tools/gpu_checks.sh OUT serve     # flash-slice server + serve_bench on chat text prompts
 #
@@ -144,11 +145,11 @@ native)
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | cut -c1-200 | tail -12 ;;
 native-decode)
   # the kernels' GPU tests first (dependent launch, fused ops, native GEMMs, attention and index,
-  # the FP4 MMA probe; eight processes), then native decode steps only
+  # the FP4 MMA GEMVs; eight processes), then native decode steps only
   step "kernel GPU tests"
   timeout 200 $py -m pytest -q -n 8 -m gpu -p no:cacheprovider --timeout=190 tests/test_pdl_gpu.py \
     tests/test_fused_ops_gpu.py tests/test_native_gemm_gpu.py tests/test_kernels_gpu.py \
-    tests/test_fp4_mma_probe_gpu.py > "$OUT/fused-ops-gpu.log" 2>&1
+    tests/test_fp4_mma_gpu.py > "$OUT/fused-ops-gpu.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/fused-ops-gpu.log"
   step "step_bench --weight-format native --decode-only"
   timeout $(( ${LIMIT:-560} - SECONDS )) $py benchmarks/step_bench.py --weight-format native --variants full --no-agreement \
@@ -187,8 +188,8 @@ formats)
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/formats.log" | cut -c1-200 | tail -12 ;;
 slice-experts)
   step "native_gemm_bench --slice-experts"
-  timeout 450 $py benchmarks/native_gemm_bench.py --slice-experts --out "$OUT/experts-slice-tiles.json" \
-    > "$OUT/slice-experts.log" 2>&1
+  timeout ${LIMIT:-450} $py benchmarks/native_gemm_bench.py --slice-experts ${NO_SWEEP:+--no-sweep} \
+    --out "$OUT/experts-slice-tiles.json" > "$OUT/slice-experts.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/slice-experts.log" ;;
 gemv-chain)
   step "gemv_chain_bench"

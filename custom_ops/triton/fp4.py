@@ -88,6 +88,12 @@ def scale_words(K: int, block_k: int, k_split: int, block_m: int) -> int:
     return max(block_k // 128, 1) if block_m <= 16 and K % 128 == 0 and k_split % 128 == 0 else 0
 
 
+def word_aligned(*codes) -> bool:
+    """Whether each uint8 tensor of scale codes has an int32 view (rows of whole words)."""
+    return all(t.stride(-1) == 1 and t.storage_offset() % 4 == 0 and all(s % 4 == 0 for s in t.stride()[:-1])
+               for t in codes)
+
+
 @triton.jit
 def fp4_tile(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, OUT: tl.constexpr,
              ASM: tl.constexpr, SCALE_WORDS: tl.constexpr = 0, WGMMA: tl.constexpr = False):

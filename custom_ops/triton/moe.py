@@ -34,7 +34,8 @@ import triton.language as tl
 from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, pdl, pdl_wait
-from custom_ops.triton.fp4 import fp4_tile, scale_words
+from custom_ops.triton.fp4 import fp4_tile, scale_words, word_aligned
+from custom_ops.triton.fp4_mma import fp4_mma_gemvs, mma_act_values
 from custom_ops.triton.moe_gemv import FP4_STAGES, fp4_gemvs, k_split
 from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, swiglu_store, tile_rows
 
@@ -217,7 +218,7 @@ def fits(x, weights, I: int, out, knobs) -> bool:
 def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int | None = None,
                 block_n_up: int | None = None, block_n_down: int | None = None,
                 block_k: int | None = None, splits: int | None = None, num_warps: int = 4,
-                num_stages: int | None = None, tiles: bool = False, prefetch: bool = False,
+                num_stages: int | None = None, tiles: bool = False, prefetch: bool = False, mma: bool = False,
                 hidden: list | None = None) -> None:
     """Steps 0-3 on dequantized experts (`scales` None: the tile kernels) or packed FP4 ones
     (`scales` = their E8M0 scales as uint8, (s1, s3, s2): a GEMV per pair, both GEMMs split
@@ -225,7 +226,8 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
     order by each output block's last split, their loads pipelined `num_stages` deep (FP4_STAGES: 1,
     not pipelined); `tiles`: the tile kernels, each weight tile dequantized exactly to x's dtype
     in registers, `splits` (default 1) and `num_stages` (default Triton's) as `tile_gemms`).
-    `prefetch`: the FP4 GEMVs load each next K block during this one's products.
+    `prefetch`: the FP4 GEMVs load each next K block during this one's products. `mma`: the
+    GEMVs on tensor cores instead (fp4_mma.py; `splits` and `num_warps` apply, 4 warps its default).
     `hidden`, when given, receives (h, order, y): w2's input rows (row r: pair order[r]), the
     order, the per-pair outputs, for the tests."""
     T, D = x.shape
@@ -235,30 +237,28 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
         return
     dev = x.device
     x = x if x.stride(1) == 1 else x.contiguous()
-    xq = torch.empty_like(x)
-    fp8_qat(x, xq)
     bm = block_m or _block_m(T * k, E)
     wts = weights.reshape(-1).contiguous()
-    h = torch.empty(T * k, I, dtype=x.dtype, device=dev)
     y = torch.empty(T * k, D, dtype=x.dtype, device=dev)
-    if scales is None or tiles:
-        order, meta, n_tiles = expert_tiles(ids, E, bm)
-        tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, bm, k, block_n_up,
-                   block_n_down, block_k, splits or 1, num_warps, num_stages)
+    # one token's pairs are distinct experts: nothing to share, so the GEMVs skip the sort (a launch less)
+    order = expert_tiles(ids, E, bm)[0] if T > 1 and scales is not None and not tiles else None
+    if mma:             # fp4_mma.py takes x as it is; h comes back in its MMA form
+        h = fp4_mma_gemvs(x, ids, order, wts, w1, w3, w2, scales, limit, I, y, splits, num_warps)
     else:
-        # one token's pairs are distinct experts: nothing to share, so no sort (a launch less)
-        order = expert_tiles(ids, E, bm)[0] if T > 1 else None
-        fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, block_n_down, block_k, splits,
-                  num_warps, num_stages or FP4_STAGES, prefetch)
+        xq = torch.empty_like(x)
+        fp8_qat(x, xq)
+        h = torch.empty(T * k, I, dtype=x.dtype, device=dev)
+        if scales is None or tiles:
+            order, meta, n_tiles = expert_tiles(ids, E, bm)
+            tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, bm, k, block_n_up,
+                       block_n_down, block_k, splits or 1, num_warps, num_stages)
+        else:
+            fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, block_n_down, block_k,
+                      splits, num_warps, num_stages or FP4_STAGES, prefetch)
     if hidden is not None:
-        hidden.extend((h, order if order is not None else torch.arange(T * k, device=dev), y))
+        hidden.extend((mma_act_values(*h) if mma else h,
+                       order if order is not None else torch.arange(T * k, device=dev), y))
     reduce_pairs(y, ids, E, out)
-
-
-def _word_aligned(*codes) -> bool:
-    """Whether each uint8 tensor of scale codes has an int32 view (rows of whole words)."""
-    return all(t.stride(-1) == 1 and t.storage_offset() % 4 == 0 and all(s % 4 == 0 for s in t.stride()[:-1])
-               for t in codes)
 
 
 def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, bm, k, block_n_up, block_n_down,
@@ -279,8 +279,8 @@ def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, b
     bku, bkd = (math.gcd(bk, D), math.gcd(bk, I)) if fp4 else (bk, bk)      # FP4: dividing K
     ku, su = k_split(D, bku, splits)
     kd, sd = k_split(I, bkd, splits)
-    swu = scale_words(D, bku, ku, bm) if fp4 and _word_aligned(s1, s3) else 0
-    swd = scale_words(I, bkd, kd, bm) if fp4 and _word_aligned(s2) else 0
+    swu = scale_words(D, bku, ku, bm) if fp4 and word_aligned(s1, s3) else 0
+    swd = scale_words(I, bkd, kd, bm) if fp4 and word_aligned(s2) else 0
     if swu:             # the scale codes as int32 words of four (fp4.word_scale_codes)
         s1, s3 = s1.view(torch.int32), s3.view(torch.int32)
     if swd:

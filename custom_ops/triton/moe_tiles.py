@@ -7,7 +7,8 @@ of (token, slot) pairs into BLOCK_M-row tiles of one expert, and the final per-t
   by counting, no sort), where the torch ops it replaces are ~20 kernels of a few µs each;
   above, those torch ops (stable sort, searchsorted), whose cost prefill amortizes.
 - `tile_rows`: a GEMM program's view of its tile.
-- `swiglu_store`: the up GEMMs' epilogue (the tile kernels' and the GEMVs').
+- `swiglu_store`: the up GEMMs' epilogue (the tile kernels' and the GEMVs'; `swiglu_values` its
+  math, which fp4_mma.py's GEMVs store in their own form).
 - `reduce_pairs`: out[t] = Σ of the token's valid slots in ascending expert id, in FP32 from 0
   (the reference's order, so the result depends on neither the batch nor atomics); each
   program ranks its tokens' slots itself.
@@ -187,17 +188,22 @@ def reduce_pairs(y: torch.Tensor, ids: torch.Tensor, E: int, out: torch.Tensor) 
 
 
 @triton.jit
-def swiglu_store(acc_g, acc_u, wt, rows, rn, rmask, nmask, h_ptr, stride_h, limit,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The up GEMMs' epilogue: both sums rounded to the activation dtype (the reference's GEMM
-    outputs), clamp, silu, x routing weight, rounded, FP8 QAT per 32 along I -> h rows."""
-    act = h_ptr.dtype.element_ty
-    g = acc_g.to(act).to(tl.float32)
-    u = acc_u.to(act).to(tl.float32)
+def swiglu_values(acc_g, acc_u, wt, limit, ACT: tl.constexpr):
+    """The up GEMMs' SwiGLU on FP32 sums: both rounded to the activation dtype ACT (the
+    reference's GEMM outputs), clamp, silu, x routing weight wt, rounded to ACT; FP32."""
+    g = acc_g.to(ACT).to(tl.float32)
+    u = acc_u.to(ACT).to(tl.float32)
     u = tl.minimum(tl.maximum(u, -limit), limit)
     g = tl.minimum(g, limit)
-    h = (g / (1.0 + tl.exp(-g))) * u * wt[:, None]
-    h = h.to(act).to(tl.float32)
+    h = (g / (1.0 + tl.exp(-g))) * u * wt
+    return h.to(ACT).to(tl.float32)
+
+
+@triton.jit
+def swiglu_store(acc_g, acc_u, wt, rows, rn, rmask, nmask, h_ptr, stride_h, limit,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The up GEMMs' epilogue: `swiglu_values` in h's dtype, FP8 QAT per 32 along I -> h rows."""
+    h = swiglu_values(acc_g, acc_u, wt[:, None], limit, h_ptr.dtype.element_ty)
     hq = tl.reshape(fp8_qat_groups(tl.reshape(h, [BLOCK_M, BLOCK_N // 32, 32]), 2), [BLOCK_M, BLOCK_N])
-    tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_h + rn[None, :], hq.to(act),
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_h + rn[None, :], hq.to(h_ptr.dtype.element_ty),
              mask=rmask[:, None] & nmask[None, :])

@@ -50,7 +50,8 @@ def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out,
                             **knobs) -> None:
     """`v41::moe_experts_w4a8` (same signature). `path` (default `expert_path`; knobs without a
     path imply 'gemv', the tiles without knobs take `tile_knobs`): 'gemv', moe.py's tile
-    grouping with moe_gemv.py's FP4 GEMVs (`run_experts` with scales); 'tiles', moe.py's MMA
+    grouping with moe_gemv.py's FP4 GEMVs (`run_experts` with scales); 'mma', the same GEMVs on
+    tensor cores (fp4_mma.py: mma.sync on each group of 32); 'tiles', moe.py's MMA
     tile kernels with each FP4 weight tile dequantized exactly to x's dtype in registers (no
     per-32 scale promotion after the dots: the scales are in the tile). Every product is exact
     in FP32, so only the order of the FP32 sums differs from the reference. Knobs: run_experts'
@@ -63,10 +64,10 @@ def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out,
         path = path or expert_path(pairs, experts)
         knobs = tile_knobs(pairs, experts) if path == "tiles" else {}
     path = path or "gemv"
-    if path not in ("gemv", "tiles"):
-        raise ValueError(f"moe_experts_w4a8: path {path!r} is not 'gemv' or 'tiles'")
+    if path not in ("gemv", "mma", "tiles"):
+        raise ValueError(f"moe_experts_w4a8: path {path!r} is not 'gemv', 'mma' or 'tiles'")
     run_experts(x, ids, weights, w1, w3, w2, tuple(t.view(torch.uint8) for t in (s1, s3, s2)), limit, out,
-                tiles=path == "tiles", **knobs)
+                tiles=path == "tiles", mma=path == "mma", **knobs)
 
 
 register_impl("moe_experts_w4a8", "triton", triton_moe_experts_w4a8, device_type="cuda")
