@@ -281,6 +281,8 @@ def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak, tiles_sw
             return {**case_row("experts_w4a8", T, 3 * I, D, us, hit * per_expert, copy_rate, fp8_peak,
                                flops=2 * 3 * T * k * D * I), "experts": E, "experts_hit": hit, "path": kw["path"]}
         out["experts"] += [row(path=p) for p in ("gemv", "mma", "tiles")]
+        if T > 1:       # the tensor-core GEMVs a program a pair, as the CUDA-core ones
+            out["experts"].append({**row(path="mma", mma_cols=1), "mma_cols": 1})
         out["sweep"] += [{**row(path="tiles", **kw), "knobs": {"path": "tiles", **kw}} for kw in tiles_sweep]
         if checkpoint:
             checkpoint(out)

@@ -131,18 +131,18 @@ FP4_ALIGNED = ("I", "D", "k_split", "stride_x", "stride_h", "stride_we", "stride
                "stride_ps", "stride_pu", "stride_y")
 # fp4_mma.py's GEMVs: scale codes as int32 words of four (SCALE_WORDS: flash-slice's D and I are
 # multiples of 128), the activations in MMA form (f16 pairs as int32 words, exponent bits)
-FP4_MMA_UP_SIG = {"xa_ptr": "*i32", "xo_ptr": "*i32", "ids_ptr": "*i64", "order_ptr": "*i32", "wts_ptr": "*fp32",
-                  "w1_ptr": "*i32", "w3_ptr": "*i32", "s1_ptr": "*i32", "s3_ptr": "*i32", "part_ptr": "*fp32",
-                  "cnt_ptr": "*i32", "ha_ptr": "*fp16", "ho_ptr": "*i32",
-                  **dict.fromkeys(("I", "D", "k", "k_split"), "i32"), "limit": "fp32",
+FP4_MMA_UP_SIG = {"xa_ptr": "*i32", "xo_ptr": "*i32", "ids_ptr": "*i64", "order_ptr": "*i32", "meta_ptr": "*i32",
+                  "wts_ptr": "*fp32", "w1_ptr": "*i32", "w3_ptr": "*i32", "s1_ptr": "*i32", "s3_ptr": "*i32",
+                  "part_ptr": "*fp32", "cnt_ptr": "*i32", "ha_ptr": "*fp16", "ho_ptr": "*i32",
+                  **dict.fromkeys(("n_tiles", "I", "D", "k", "k_split"), "i32"), "limit": "fp32",
                   **dict.fromkeys(("stride_xa", "stride_xo", "stride_we", "stride_wn", "stride_se", "stride_sn",
                                    "stride_ps", "stride_pu", "stride_ha", "stride_ho"), "i32"),
-                  **dict.fromkeys(("ACT", "LANES", "BLOCK_K", "SCALE_WORDS", "ASM", "SORTED"), "constexpr")}
-FP4_MMA_DOWN_SIG = {"ha_ptr": "*i32", "ho_ptr": "*i32", "ids_ptr": "*i64", "order_ptr": "*i32", "w2_ptr": "*i32",
-                    "s2_ptr": "*i32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "y_ptr": "*bf16",
-                    **dict.fromkeys(("D", "I", "k_split", "stride_ha", "stride_ho", "stride_we", "stride_wn",
-                                     "stride_se", "stride_sn", "stride_ps", "stride_y"), "i32"),
-                    **dict.fromkeys(("LANES", "BLOCK_K", "SCALE_WORDS", "ASM", "SORTED"), "constexpr")}
+                  **dict.fromkeys(("ACT", "LANES", "COLS", "BLOCK_K", "SCALE_WORDS", "ASM"), "constexpr")}
+FP4_MMA_DOWN_SIG = {"ha_ptr": "*i32", "ho_ptr": "*i32", "ids_ptr": "*i64", "order_ptr": "*i32", "meta_ptr": "*i32",
+                    "w2_ptr": "*i32", "s2_ptr": "*i32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "y_ptr": "*bf16",
+                    **dict.fromkeys(("n_tiles", "D", "I", "k_split", "stride_ha", "stride_ho", "stride_we",
+                                     "stride_wn", "stride_se", "stride_sn", "stride_ps", "stride_y"), "i32"),
+                    **dict.fromkeys(("LANES", "COLS", "BLOCK_K", "SCALE_WORDS", "ASM"), "constexpr")}
 # flash-slice's: multiples of 16 (the scale and exponent rows, I / 128 and I / 32 words, are not)
 FP4_MMA_ALIGNED = ("I", "D", "k_split", "stride_xa", "stride_ha", "stride_we", "stride_wn", "stride_ps", "stride_pu",
                    "stride_y")
@@ -345,13 +345,14 @@ def fp4_gemv_row(which: str, block_n: int, block_k: int, warps: int, asm: bool =
             "loop_opcodes": dict(collections.Counter(body).most_common(8))}
 
 
-def fp4_mma(which: str, warps: int = 4):
-    """fp4_mma.py's GEMV `which` ('up' or 'down') built as flash-slice launches it."""
+def fp4_mma(which: str, cols: int = 1, warps: int = 4):
+    """fp4_mma.py's GEMV `which` ('up' or 'down') built as flash-slice launches it, `cols` pairs a
+    program."""
     import triton.language as tl
 
     from custom_ops.triton.fp4_mma import MMA_BLOCK_K, _fp4_mma_down, _fp4_mma_up
     fn, sig = (_fp4_mma_up, FP4_MMA_UP_SIG) if which == "up" else (_fp4_mma_down, FP4_MMA_DOWN_SIG)
-    consts = {"LANES": 32 * warps, "BLOCK_K": MMA_BLOCK_K, "SCALE_WORDS": True, "ASM": True, "SORTED": True,
+    consts = {"LANES": 32 * warps, "COLS": cols, "BLOCK_K": MMA_BLOCK_K, "SCALE_WORDS": True, "ASM": True,
               **({"ACT": tl.bfloat16} if which == "up" else {})}
     return build(fn, sig, consts, aligned=FP4_MMA_ALIGNED, num_warps=warps)
 
@@ -365,20 +366,22 @@ def asm_layouts(kernel) -> set[str]:
     return {defs[name] for name in used}
 
 
-def fp4_mma_row(which: str, warps: int = 4) -> dict:
+def fp4_mma_row(which: str, cols: int = 1, warps: int = 4) -> dict:
     from custom_ops.triton.fp4_mma import MMA_BLOCK_K
-    k = fp4_mma(which, warps)
+    k = fp4_mma(which, cols, warps)
     body = loop_body(k)
     weights = (2 if which == "up" else 1) * 16 * warps * MMA_BLOCK_K
-    return {"kernel": f"_fp4_mma_{which}", "tile": f"{16 * warps}x{MMA_BLOCK_K}", "num_warps": warps, **resources(k),
+    return {"kernel": f"_fp4_mma_{which}", "cols": cols, "tile": f"{16 * warps}x{MMA_BLOCK_K}", "num_warps": warps,
+            **resources(k),
             "loop_warp_instructions": len(body), "thread_instructions_per_weight": per_weight(body, warps, weights),
             "loop_mma": body.count("HMMA.16816.F32"), "asm_layouts": sorted(asm_layouts(k)),
             "loop_opcodes": dict(collections.Counter(body).most_common(10))}
 
 
 def fp4_mma_rows() -> list[dict]:
-    """The tensor-core GEMVs beside moe_gemv.py's defaults, up and down."""
-    return [row for w in ("up", "down") for row in (fp4_mma_row(w), fp4_gemv_row(w, 64, 128, 4))]
+    """The tensor-core GEMVs (one pair a program, and eight) beside moe_gemv.py's defaults, up and
+    down: instructions a weight read (a pass serves eight pairs at `cols` 8)."""
+    return [row for w in ("up", "down") for row in (fp4_mma_row(w), fp4_mma_row(w, 8), fp4_gemv_row(w, 64, 128, 4))]
 
 
 def main(argv=None) -> dict:

@@ -30,14 +30,15 @@ def cuda(args):
     return tuple(a.cuda() for a in args)
 
 
-@pytest.mark.parametrize("T", [1, 5])
-def test_fp4_mma_down_rows_within_bound(g, T):
-    """Each pair's y row against its own h (MMA form, read back) · w2[e] in float64."""
+@pytest.mark.parametrize("T,cols", [(1, None), (5, None), (5, 1)])
+def test_fp4_mma_down_rows_within_bound(g, T, cols):
+    """Each pair's y row against its own h (MMA form, read back) · w2[e] in float64: one pair a
+    program, and eight (tiles of one expert's pairs, each a column of the MMAs)."""
     args = cuda(w4a8_case(g, T, E, D, I, K_TOP, dtype=torch.bfloat16, pad_token=False))
     x, ids, wts, w1, s1, w3, s3, w2, s2 = args
     got: list = []
     run_experts(x, ids, wts, w1, w3, w2, tuple(s.view(torch.uint8) for s in (s1, s3, s2)), 1.0e4,
-                torch.empty(T, D, device="cuda"), mma=True, hidden=got)
+                torch.empty(T, D, device="cuda"), mma=True, mma_cols=cols, hidden=got)
     h, order, y = got
     pairs = ids.reshape(-1)[order.long()]
     valid = pairs >= 0

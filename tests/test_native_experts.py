@@ -91,7 +91,8 @@ else:
     @pytest.mark.parametrize("T,kw", [(1, {}), (6, {"block_m": 16, "block_n_up": 32, "block_n_down": 32}),
                                       (6, {"block_k": 32}), (16, {"block_k": 128}), (24, {"block_m": 64}),
                                       (6, {"block_k": 32, "splits": 2}), (9, {"block_k": 32, "splits": 2}),
-                                      (3, {"num_stages": 1}), (1, {"mma": True}), (6, {"mma": True, "splits": 2})])
+                                      (3, {"num_stages": 1}), (1, {"mma": True}), (6, {"mma": True, "splits": 2}),
+                                      (9, {"mma": True, "mma_cols": 1})])
     def test_w4a8_down_gemm_bound(g, T, kw):
         """The down GEMM alone: each pair's y against its own h codes · w2[e] in float64 (split-K:
         the splits' FP32 sums added in order, within the same bound)."""
@@ -110,8 +111,9 @@ else:
         assert not y[valid].isnan().any()
         assert ((y[valid].double() - exact).abs() <= gamma(I) * S).all()
 
-    @pytest.mark.parametrize("kw", [{}, {"block_k": 32, "splits": 2}, {"mma": True}, {"mma": True, "splits": 2}],
-                             ids=["one-split", "split-k", "mma", "mma-split-k"])
+    @pytest.mark.parametrize("kw", [{}, {"block_k": 32, "splits": 2}, {"mma": True}, {"mma": True, "splits": 2},
+                                    {"mma": True, "mma_cols": 1}],
+                             ids=["one-split", "split-k", "mma", "mma-split-k", "mma-one-col"])
     def test_w4a8_up_gemm_exact_inputs(g, kw):
         """Exactly summable inputs: the kernel's h (w2's quantized input) equals the reference's
         (fp8_qat of silu(g)·u·w with g, u exact), except where the pre-quant value sits within a
@@ -299,7 +301,8 @@ else:
         """`mma_act`: the values of v41.quant.fp8_qat exactly (groups of zeros, tiny and large ones
         among them), each group of eight as the f16 pairs (0, 2), (1, 3), (4, 6), (5, 7) in int32
         words, the group's scale as FP32 exponent bits (k + 6) << 23."""
-        from custom_ops.triton.fp4_mma import mma_act, mma_act_values
+        from custom_ops.triton.fp4_mma import mma_act
+        from custom_ops.triton.fp4_mma_lanes import mma_act_values
         x = torch.randn(3, D, generator=g) * torch.pow(2.0, torch.randint(-30, 20, (3, D // 32, 1), generator=g)
                                                        ).repeat_interleave(32, 2).reshape(3, D)
         x[1, :32] = 0

@@ -166,7 +166,7 @@ def test_fp4_mma_group_step_sums_each_rows_group():
     group of 32, its four words of the group's activations in MMA form (`mma_act`) and the rows'
     scales; every lane's two outputs are its rows' accumulators plus scale · Σ_k w[row, k]·x[k]
     (w the E2M1 values times 2^-6)."""
-    from custom_ops.triton.fp4_mma import GROUP_PTX
+    from custom_ops.triton.fp4_mma_lanes import GROUP_PTX
     g = np.random.default_rng(0)
     codes = g.integers(0, 16, (16, 32))                          # E2M1 codes, rows x K
     x = g.integers(-8, 9, 32) * 2.0 ** g.integers(-6, 4, 32)    # exact in f16
@@ -183,3 +183,29 @@ def test_fp4_mma_group_step_sums_each_rows_group():
     for lane, out in enumerate(run_warp(GROUP_PTX.value, inputs)):
         r = lane // 4
         assert (out[0], out[1]) == (want[r], want[r + 8]), lane
+
+
+def test_fp4_mma_group8_step_sums_each_row_and_column():
+    """fp4_mma.py's eight-column group step, run by a warp: lane 4g + t passes rows g and g + 8's
+    word t, column g's four activation words of position t, and the accumulators and scales of
+    its D entries (rows g, g + 8 at columns 2t, 2t + 1); each output is its accumulator plus its
+    scale · Σ_k w[row, k]·x[column, k]."""
+    from custom_ops.triton.fp4_mma_lanes import GROUP8_PTX
+    g = np.random.default_rng(1)
+    codes = g.integers(0, 16, (16, 32))
+    x = g.integers(-8, 9, (8, 32)) * 2.0 ** g.integers(-6, 4, (8, 32))          # columns x K, exact in f16
+    scale, acc = 2.0 ** g.integers(-4, 4, (16, 8)), g.standard_normal((16, 8))
+    w = np.array([[nibble_value(int(c)) for c in row] for row in codes])
+    word = lambda r, t: sum(int(c) << (4 * i) for i, c in enumerate(codes[r, 8 * t:8 * t + 8]))  # noqa: E731
+    xw = [mma_form(torch.tensor(col))[0].numpy().view(np.uint32) for col in x]
+    spots = lambda r, t: [(r, 2 * t), (r, 2 * t + 1), (r + 8, 2 * t), (r + 8, 2 * t + 1)]  # noqa: E731
+    inputs = []
+    for lane in range(32):
+        r, t = divmod(lane, 4)
+        inputs.append({4: word(r, t), 5: word(r + 8, t), **{6 + i: int(xw[r][t, i]) for i in range(4)},
+                       **{10 + i: acc[s] for i, s in enumerate(spots(r, t))},
+                       **{14 + i: scale[s] for i, s in enumerate(spots(r, t))}})
+    want = (acc + scale * (w @ x.T)).astype(np.float32)
+    for lane, out in enumerate(run_warp(GROUP8_PTX.value, inputs)):
+        r, t = divmod(lane, 4)
+        assert [out[i] for i in range(4)] == [want[s] for s in spots(r, t)], lane

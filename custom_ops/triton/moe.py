@@ -35,7 +35,8 @@ from custom_ops import moe as _ref
 from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, pdl, pdl_wait
 from custom_ops.triton.fp4 import fp4_tile, scale_words, word_aligned
-from custom_ops.triton.fp4_mma import fp4_mma_gemvs, mma_act_values
+from custom_ops.triton.fp4_mma import fp4_mma_gemvs
+from custom_ops.triton.fp4_mma_lanes import mma_act_values
 from custom_ops.triton.moe_gemv import FP4_STAGES, fp4_gemvs, k_split
 from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, swiglu_store, tile_rows
 
@@ -219,7 +220,7 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
                 block_n_up: int | None = None, block_n_down: int | None = None,
                 block_k: int | None = None, splits: int | None = None, num_warps: int = 4,
                 num_stages: int | None = None, tiles: bool = False, prefetch: bool = False, mma: bool = False,
-                hidden: list | None = None) -> None:
+                mma_cols: int | None = None, hidden: list | None = None) -> None:
     """Steps 0-3 on dequantized experts (`scales` None: the tile kernels) or packed FP4 ones
     (`scales` = their E8M0 scales as uint8, (s1, s3, s2): a GEMV per pair, both GEMMs split
     over K, `splits` or `fp4_splits` of each GEMM's K, their FP32 partials summed in split
@@ -227,7 +228,8 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
     not pipelined); `tiles`: the tile kernels, each weight tile dequantized exactly to x's dtype
     in registers, `splits` (default 1) and `num_stages` (default Triton's) as `tile_gemms`).
     `prefetch`: the FP4 GEMVs load each next K block during this one's products. `mma`: the
-    GEMVs on tensor cores instead (fp4_mma.py; `splits` and `num_warps` apply, 4 warps its default).
+    GEMVs on tensor cores instead (fp4_mma.py; `splits`, `num_warps` (4 its default) and
+    `mma_cols`, its pairs a program, apply).
     `hidden`, when given, receives (h, order, y): w2's input rows (row r: pair order[r]), the
     order, the per-pair outputs, for the tests."""
     T, D = x.shape
@@ -240,10 +242,9 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
     bm = block_m or _block_m(T * k, E)
     wts = weights.reshape(-1).contiguous()
     y = torch.empty(T * k, D, dtype=x.dtype, device=dev)
-    # one token's pairs are distinct experts: nothing to share, so the GEMVs skip the sort (a launch less)
-    order = expert_tiles(ids, E, bm)[0] if T > 1 and scales is not None and not tiles else None
     if mma:             # fp4_mma.py takes x as it is; h comes back in its MMA form
-        h = fp4_mma_gemvs(x, ids, order, wts, w1, w3, w2, scales, limit, I, y, splits, num_warps)
+        ha, ho, order = fp4_mma_gemvs(x, ids, wts, w1, w3, w2, scales, limit, y, splits, num_warps, mma_cols)
+        h = mma_act_values(ha, ho) if hidden is not None else None
     else:
         xq = torch.empty_like(x)
         fp8_qat(x, xq)
@@ -253,11 +254,12 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
             tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, bm, k, block_n_up,
                        block_n_down, block_k, splits or 1, num_warps, num_stages)
         else:
+            # one token's pairs are distinct experts: nothing to share, so no sort (a launch less)
+            order = expert_tiles(ids, E, bm)[0] if T > 1 else None
             fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, block_n_down, block_k,
                       splits, num_warps, num_stages or FP4_STAGES, prefetch)
     if hidden is not None:
-        hidden.extend((mma_act_values(*h) if mma else h,
-                       order if order is not None else torch.arange(T * k, device=dev), y))
+        hidden.extend((h, order if order is not None else torch.arange(T * k, device=dev), y))
     reduce_pairs(y, ids, E, out)
 
 
