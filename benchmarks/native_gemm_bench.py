@@ -267,8 +267,8 @@ def other_rows(out, dev, g, timed, decode, prefill, experts, sweep_m, expert_swe
 
 def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak, tiles_sweep=(), checkpoint=None) -> None:
     """flash-slice's experts (16, top-6) at SLICE_WIDTHS (the CPU's dry run: 1 and 6 tokens),
-    each path in turn at each width: with 16 experts a verify step's rows reach most of them;
-    `expert_path` sends 3 tokens on to the MMA tiles ('tiles', with `tile_knobs`). Rows in
+    each path in turn at each width ('gemv', 'mma', 'tiles' with `tile_knobs`, and past one token
+    'mma' a pair a program): with 16 experts a verify step's rows reach most of them. Rows in
     out["experts"] with "path" and "experts" set; the 'tiles' path with each of `tiles_sweep`'s
     knobs in out["sweep"]."""
     E, k, D, I = experts

@@ -394,22 +394,24 @@ else:
         assert not out.isnan().any()
         assert float((out - r).double().norm() / r.double().norm()) < 2e-2
 
-    def test_expert_path_by_pairs_per_expert():
-        """GEMVs while pairs are few per expert (flash-slice's 16 experts: up to 2 tokens of top-6;
-        Flash's 384: up to 64 tokens), the dequantizing MMA tiles beyond: 16 rows up to 32 pairs
-        an expert (flash-slice: 85 tokens), K split in two up to 8 (21 tokens), run_experts'
-        defaults past."""
+    def test_expert_path_by_tokens_and_pairs_per_expert():
+        """The CUDA-core GEMVs at one token, the tensor-core ones while pairs are at most 8 an
+        expert and DECODE_PAIRS (flash-slice's 16 experts: up to 21 tokens of top-6; Flash's
+        384: up to 64 tokens), the dequantizing MMA tiles beyond; asked for 'tiles', 16 rows up
+        to 32 pairs an expert (flash-slice: 85 tokens), K split in two up to 8 (21 tokens),
+        run_experts' defaults past."""
         from custom_ops.triton.moe_w4a8 import expert_path, tile_knobs
-        assert [expert_path(6 * t, 16) for t in (1, 2, 3, 64, 341)] == ["gemv"] * 2 + ["tiles"] * 3
-        assert [expert_path(6 * t, 384) for t in (1, 64, 65, 8191)] == ["gemv"] * 2 + ["tiles"] * 2
+        assert [expert_path(t, 6 * t, 16) for t in (1, 2, 3, 21, 22, 64, 341)] == \
+            ["gemv"] + ["mma"] * 3 + ["tiles"] * 3
+        assert [expert_path(t, 6 * t, 384) for t in (1, 2, 64, 65, 8191)] == ["gemv"] + ["mma"] * 2 + ["tiles"] * 2
         split, rows16 = {"block_m": 16, "splits": 2}, {"block_m": 16, "splits": 1}
         assert [tile_knobs(6 * t, 16) for t in (3, 16, 21, 22, 64, 85, 86, 2048)] == \
             [split] * 3 + [rows16] * 3 + [{}] * 2
 
-    @pytest.mark.parametrize("T,knobs", [(12, {"block_m": 16, "splits": 2}), (60, {})], ids=["split16", "plain"])
+    @pytest.mark.parametrize("T,knobs", [(13, {"block_m": 16, "splits": 1}), (60, {})], ids=["rows16", "plain"])
     def test_moe_experts_w4a8_default_tiles(g, monkeypatch, T, knobs):
-        """Past the GEMVs the op's default runs the 'tiles' path with `tile_knobs`' knobs (8
-        pairs an expert: 16-row tiles, K split in two; 40: none, run_experts' tiles) and gives
+        """Past the GEMVs the op's default runs the 'tiles' path with `tile_knobs`' knobs (8.7
+        pairs an expert: 16-row tiles; 40: none, run_experts' tiles) and gives
         the reference's output within its tolerance (as above). Tile shapes partition rows and
         columns only, so the output alone cannot tell the paths apart."""
         from custom_ops.triton import moe_w4a8

@@ -1,7 +1,8 @@
 """`v41::moe_experts_w4a8`: the routed experts read as stored, FP4 E2M1 packed two per byte with
 an E8M0 scale per 32 along K. `triton_moe_experts_w4a8` dispatches by `expert_path`: moe_gemv.py's
-FP4 GEMVs while the (token, slot) pairs are few, moe.py's MMA tiles on FP4 tiles dequantized to
-bf16 beyond ('tiles'). Both use moe.py's tile scheme (tokens sorted by expert, a static tile bound,
+FP4 GEMVs at one token, fp4_mma.py's tensor-core GEMVs on tiles of an expert's pairs while the
+(token, slot) pairs are few an expert, moe.py's MMA tiles on FP4 tiles dequantized to bf16 beyond
+('tiles'). All use moe.py's tile scheme (tokens sorted by expert, a static tile bound,
 a deterministic reduction in ascending expert id). FP64, out not FP32, or widths not a multiple
 of 32 run the reference.
 """
@@ -14,23 +15,24 @@ from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES
 from custom_ops.triton.moe import fits, run_experts
 
-DECODE_PAIRS = 384         # 64 tokens x top-6: up to here moe_gemv.py's FP4 GEMVs (H200: faster than the tiles at 1-64 tokens)
-GEMV_PAIRS_PER_EXPERT = 1  # a GEMV reads its expert's weights once per pair, an MMA tile once per tile
+DECODE_PAIRS = 384         # 64 tokens x top-6: up to here the GEMVs, whose FP32 partials grow with the pairs
+MMA_PAIRS_PER_EXPERT = 8   # fp4_mma.py's tiles hold eight pairs; past that an expert's weights are read once a tile
 SPLIT_TILE_PAIRS_PER_EXPERT = 8     # up to here the 16-row tiles split K in two (`tile_knobs`)
 SMALL_TILE_PAIRS_PER_EXPERT = 32    # up to here 16-row tiles
 
 
-def expert_path(pairs: int, experts: int) -> str:
-    """'gemv' (moe_gemv.py's FP4 GEMVs, a pass over an expert's weights per pair) while the (token,
-    slot) pairs are few, at most DECODE_PAIRS and GEMV_PAIRS_PER_EXPERT per expert on average;
-    'tiles' (moe.py's MMA tiles on FP4 weight tiles dequantized to bf16, one pass per tile)
-    beyond. H100, one run (experts-slice-h100.json): flash-slice's 16 experts at 1 / 2 / 3 / 5
-    tokens 82 / 112 / 176 / 209 µs as GEMVs against 118 / 133 / 169 / 189 µs as `tile_knobs`'
-    tiles. H200, one run (native-gemm-paths-h200.json): flash-slice's experts at 6 / 16 / 96
-    tokens 244.6 / 265.3 / 417.5 µs as 'tiles' against 346.5 / 357.2 / 826.6 µs on FP8-MMA tiles
-    with a per-32 scale promotion (deleted since; git history: `_w4a8_up_kernel`); Flash's 384 at
-    2,048 tokens 7,270 µs against 11,334."""
-    return "gemv" if pairs <= min(DECODE_PAIRS, GEMV_PAIRS_PER_EXPERT * experts) else "tiles"
+def expert_path(tokens: int, pairs: int, experts: int) -> str:
+    """'gemv' at one token (moe_gemv.py's FP4 GEMVs, a program a pair: its pairs are distinct
+    experts); 'mma' while the (token, slot) pairs are at most DECODE_PAIRS and MMA_PAIRS_PER_EXPERT
+    an expert on average (fp4_mma.py: a tile of up to eight of an expert's pairs a program, the
+    weights decoded once for them, on tensor cores); 'tiles' (moe.py's MMA tiles on FP4 weight
+    tiles dequantized to bf16, `tile_knobs`) beyond. H100, one run (experts-slice-mma-h100.json),
+    flash-slice's 16 experts, µs as 'gemv' / 'mma' / 'tiles' at 1 token: 81.8 / 93.8 / 118.0;
+    2: 111.4 / 103.8 / 133.8; 6: 292.1 / 174.0 / 186.9; 16: 751.3 / 226.3 / 237.5; 64 (24 pairs
+    an expert): 2934.8 / 583.9 / 411.0."""
+    if tokens == 1:
+        return "gemv"
+    return "mma" if pairs <= min(DECODE_PAIRS, MMA_PAIRS_PER_EXPERT * experts) else "tiles"
 
 
 def tile_knobs(pairs: int, experts: int) -> dict:
@@ -61,7 +63,7 @@ def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out,
         return _ref.moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
     pairs, experts = ids.numel(), w1.shape[0]
     if not knobs:
-        path = path or expert_path(pairs, experts)
+        path = path or expert_path(x.shape[0], pairs, experts)
         knobs = tile_knobs(pairs, experts) if path == "tiles" else {}
     path = path or "gemv"
     if path not in ("gemv", "mma", "tiles"):
