@@ -57,8 +57,9 @@ def test_fp4_mma_down_rows_within_bound(g, T, cols):
 def test_fp4_mma_path_meets_reference_and_gemvs(g, T):
     """The whole op on path 'mma' against the reference and the CUDA-core GEMVs ('gemv'): an
     FP32 reordering moves a rare element of h by one E4M3 step, so most rows match closely and
-    all of them within 2e-2."""
-    args = cuda(w4a8_case(g, T, E, D, I, K_TOP, dtype=torch.bfloat16))
+    all of them within 2e-2 (token 0 all padding past one token)."""
+    pad = T > 1                         # token 0 all padding, but not the only token
+    args = cuda(w4a8_case(g, T, E, D, I, K_TOP, dtype=torch.bfloat16, pad_token=pad))
     r = torch.empty(T, D, device="cuda")
     ref.moe_experts_w4a8(*args, 1.0e4, r)
     outs = {}
@@ -68,5 +69,5 @@ def test_fp4_mma_path_meets_reference_and_gemvs(g, T):
     for path, out in outs.items():
         assert not out.isnan().any(), path
         row_err = (out - r).double().norm(dim=1) / r.double().norm(dim=1).clamp(min=1e-30)
-        assert (row_err[1:] <= 1e-2).float().mean() >= 0.75, path
+        assert (row_err[int(pad):] <= 1e-2).float().mean() >= 0.75, path
         assert float((out - r).double().norm() / r.double().norm()) < 2e-2, path
