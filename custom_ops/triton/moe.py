@@ -17,7 +17,8 @@ moe_experts: tokens sorted by expert, grouped GEMM tiles, a deterministic reduct
   Asked for `splits`, steps 1-2 also split K over a third grid axis, their FP32 partials summed
   in split order by the GEMVs' tile-wise sum kernels (below), the epilogue after the sum.
   FP4 experts (`moe_experts_w4a8` up to its DECODE_PAIRS): steps 1-2 as a GEMV per pair, two
-     launches (moe_gemv.py).
+     launches (moe_gemv.py), or on tensor cores, a program per pair or per tile of up to eight
+     of an expert's pairs (fp4_mma.py, with x put in its MMA form first).
   3. Reduce (moe_tiles.reduce_pairs): out[t] = Σ of the token's valid slots in ascending
      expert id, in FP32 from 0 — the reference's accumulation order, so the result does not
      depend on the batch or on atomics.
