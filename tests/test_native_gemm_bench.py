@@ -25,6 +25,11 @@ def dry_run(tmp_path, script: str, *args) -> dict:
     return json.loads(r.stdout)
 
 
+# the experts' paths at each width, and past one token the tensor-core GEMVs a pair a program
+SLICE_ROWS = [(1, "gemv", None), (1, "mma", None), (1, "tiles", None),
+              (6, "gemv", None), (6, "mma", None), (6, "tiles", None), (6, "mma", 1)]
+
+
 def test_bench_dry_run(tmp_path):
     """benchmarks/native_gemm_bench.py --dry-run runs every timed path (both GEMMs, wo_a grouped
     and per group, cuBLAS bf16, _scaled_mm, the copy and read rates, the experts' 'tiles' path, a prefill tile) on
@@ -36,8 +41,7 @@ def test_bench_dry_run(tmp_path):
     assert [(row["gemm"], row["M"]) for row in res["dense"] if "groups" in row] == [
         ("wo_a_grouped", 1), ("wo_a_per_group", 1), ("wo_a_grouped", 3), ("wo_a_per_group", 3)]
     assert [row["M"] for row in res["experts"] if "path" not in row] == [1, 3, 40]
-    assert [(row["M"], row["path"]) for row in res["experts"] if "path" in row] == \
-        [(T, p) for T in (1, 6) for p in ("gemv", "tiles")]
+    assert [(row["M"], row["path"], row.get("mma_cols")) for row in res["experts"] if "path" in row] == SLICE_ROWS
     assert "scaled_mm_us" in plain[-1] and res["fp8_peak_TFLOPs"] > 0
     assert all(row["us"] > 0 and row["weight_bytes"] > 0 for row in res["dense"] + res["experts"] + res["sweep"])
     assert [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1), ("tiny", 40), ("experts_w4a8", 1),
@@ -74,11 +78,11 @@ def test_gemv_chain_dry_run(tmp_path):
 
 
 def test_bench_slice_experts(tmp_path):
-    """--slice-experts: flash-slice's expert paths at its widths (two on the CPU) and the 'tiles'
-    path with its sweep's knobs (two on the CPU), nothing else (a short device call)."""
+    """--slice-experts: flash-slice's expert paths at its widths (two on the CPU: 'gemv', 'mma',
+    'tiles', and 'mma' a pair a program past one token) and the 'tiles' path with its sweep's
+    knobs (two on the CPU), nothing else (a short device call)."""
     res = dry_run(tmp_path, "native_gemm_bench.py", "--slice-experts")
-    assert [(row["M"], row["path"]) for row in res["experts"]] == \
-        [(T, p) for T in (1, 6) for p in ("gemv", "tiles")]
+    assert [(row["M"], row["path"], row.get("mma_cols")) for row in res["experts"]] == SLICE_ROWS
     assert [(row["M"], row["knobs"]) for row in res["sweep"]] == \
         [(T, {"path": "tiles", **kw}) for T in (1, 6) for kw in ({"num_stages": 1}, {"num_stages": 2})]
     assert all(row["us"] > 0 and row["pct_read"] > 0 for row in res["experts"] + res["sweep"])

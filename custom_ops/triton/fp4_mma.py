@@ -298,15 +298,15 @@ def fp4_mma_gemvs(x, ids, wts, w1, w3, w2, scales, limit, y, splits=None, num_wa
     w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))     # eight E2M1 values a word
     pu = torch.empty(su, 2, P, I, dtype=torch.float32, device=dev)
     pd = torch.empty(sd, P, D, dtype=torch.float32, device=dev)
-    common = dict(LANES=lanes, COLS=cols, ASM=dev.type == "cuda", num_warps=warps, **pdl(dev))
+    common = dict(LANES=lanes, COLS=cols, ASM=dev.type == "cuda", num_warps=warps)
     grid_up, grid_down = (programs, triton.cdiv(I, rows), su), (programs, triton.cdiv(D, rows), sd)
     _fp4_mma_up[grid_up](
         xa.view(torch.int32), xo, flat, flat if order is None else order, meta, wts, w1, w3, s1, s3, pu, tile_counters(dev, programs * grid_up[1]),
         ha, ho, n_tiles, I, D, k, ku, limit, xa.stride(0) // 2, xo.stride(0), w1.stride(0), w1.stride(1),
         s1.stride(0), s1.stride(1), pu.stride(0), pu.stride(1), ha.stride(0), ho.stride(0), ACT=TL_DTYPES[y.dtype],
-        BLOCK_K=bku, SCALE_WORDS=swu, **common)
+        BLOCK_K=bku, SCALE_WORDS=swu, **common, **pdl(dev))
     _fp4_mma_down[grid_down](
         ha.view(torch.int32), ho, flat, flat if order is None else order, meta, w2, s2, pd, tile_counters(dev, programs * grid_down[1]), y,
         n_tiles, D, I, kd, ha.stride(0) // 2, ho.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        pd.stride(0), y.stride(0), BLOCK_K=bkd, SCALE_WORDS=swd, **common)
+        pd.stride(0), y.stride(0), BLOCK_K=bkd, SCALE_WORDS=swd, **common, **pdl(dev))
     return ha, ho, order
