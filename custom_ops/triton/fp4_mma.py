@@ -278,11 +278,12 @@ def fp4_mma_gemvs(x, ids, wts, w1, w3, w2, scales, limit, y, splits=None, num_wa
     if cols not in (1, MMA_COLS):
         raise ValueError(f"fp4_mma_gemvs: cols {cols} is not 1 or {MMA_COLS}")
     flat = ids.reshape(-1).contiguous()
-    if cols == 1:       # each program its own pair: no order or tiles to read
+    if cols == 1:       # each program its own pair: no order or tiles to read (flat stands in)
         order, meta, n_tiles, programs = None, flat, 0, P
     else:
         order, meta, n_tiles = expert_tiles(ids, E, cols)
         programs = n_tiles
+    rows_order = flat if order is None else order
     xa, xo = mma_act(x)
     ha = torch.empty(P, I, dtype=torch.float16, device=dev)
     ho = torch.empty(P, I // 32, dtype=torch.int32, device=dev)
@@ -301,12 +302,12 @@ def fp4_mma_gemvs(x, ids, wts, w1, w3, w2, scales, limit, y, splits=None, num_wa
     common = dict(LANES=lanes, COLS=cols, ASM=dev.type == "cuda", num_warps=warps)
     grid_up, grid_down = (programs, triton.cdiv(I, rows), su), (programs, triton.cdiv(D, rows), sd)
     _fp4_mma_up[grid_up](
-        xa.view(torch.int32), xo, flat, flat if order is None else order, meta, wts, w1, w3, s1, s3, pu, tile_counters(dev, programs * grid_up[1]),
-        ha, ho, n_tiles, I, D, k, ku, limit, xa.stride(0) // 2, xo.stride(0), w1.stride(0), w1.stride(1),
-        s1.stride(0), s1.stride(1), pu.stride(0), pu.stride(1), ha.stride(0), ho.stride(0), ACT=TL_DTYPES[y.dtype],
-        BLOCK_K=bku, SCALE_WORDS=swu, **common, **pdl(dev))
+        xa.view(torch.int32), xo, flat, rows_order, meta, wts, w1, w3, s1, s3, pu,
+        tile_counters(dev, programs * grid_up[1]), ha, ho, n_tiles, I, D, k, ku, limit, xa.stride(0) // 2,
+        xo.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), pu.stride(0), pu.stride(1),
+        ha.stride(0), ho.stride(0), ACT=TL_DTYPES[y.dtype], BLOCK_K=bku, SCALE_WORDS=swu, **common, **pdl(dev))
     _fp4_mma_down[grid_down](
-        ha.view(torch.int32), ho, flat, flat if order is None else order, meta, w2, s2, pd, tile_counters(dev, programs * grid_down[1]), y,
+        ha.view(torch.int32), ho, flat, rows_order, meta, w2, s2, pd, tile_counters(dev, programs * grid_down[1]), y,
         n_tiles, D, I, kd, ha.stride(0) // 2, ho.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         pd.stride(0), y.stride(0), BLOCK_K=bkd, SCALE_WORDS=swd, **common, **pdl(dev))
     return ha, ho, order

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.triton.common import group_exponent, pow2, round_e4m3
 from custom_ops.triton.fp4 import _HI_CODES, _LO_CODES, e2m1_word_values
+from custom_ops.triton.fp8 import fp8_quant_groups
 
 
 def _pairs(w: str, out: tuple[str, ...], p: str) -> str:
@@ -157,17 +157,16 @@ def mma_column(n):
 @triton.jit
 def store_mma_act(v, a_rows, o_rows, rmask, n0, N, BLOCK: tl.constexpr):
     """FP32 values v [M, BLOCK] of columns n0.. (n0 and BLOCK multiples of 32; those below N
-    stored) FP8-QAT'd per 32 (common.fp8_qat_groups) into M activation rows in MMA form (a_rows,
-    o_rows: [M, 1] row pointers; rmask [M, 1]): the E4M3 values as f16 at their columns, each
-    group's exponent bits at o_rows."""
+    stored) FP8-quantized per 32 (fp8.fp8_quant_groups: v41.quant.fp8_qat's values) into M
+    activation rows in MMA form (a_rows, o_rows: [M, 1] row pointers; rmask [M, 1]): the E4M3
+    values as f16 at their columns, each group's exponent bits at o_rows."""
     M: tl.constexpr = v.shape[0]
-    vg = tl.reshape(v, [M, BLOCK // 32, 32])
-    k = group_exponent(tl.max(tl.abs(vg), axis=2, keep_dims=True))
-    q = tl.reshape(round_e4m3(vg * pow2(-k)), [M, BLOCK])
+    q, s = fp8_quant_groups(tl.reshape(v, [M, BLOCK // 32, 32]), 2)
     rn = n0 + tl.arange(0, BLOCK)
-    tl.store(a_rows + mma_column(rn)[None, :], q.to(tl.float16), mask=rmask & (rn < N)[None, :])
+    tl.store(a_rows + mma_column(rn)[None, :], tl.reshape(q, [M, BLOCK]).to(tl.float16), mask=rmask & (rn < N)[None, :])
     grp = n0 // 32 + tl.arange(0, BLOCK // 32)
-    tl.store(o_rows + grp[None, :], tl.reshape((k + 6) << 23, [M, BLOCK // 32]), mask=rmask & (grp * 32 < N)[None, :])
+    bits = s.to(tl.int32, bitcast=True) - (121 << 23)          # 2^k's bits (k + 127) << 23 -> (k + 6) << 23
+    tl.store(o_rows + grp[None, :], tl.reshape(bits, [M, BLOCK // 32]), mask=rmask & (grp * 32 < N)[None, :])
 
 
 def mma_act_values(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
