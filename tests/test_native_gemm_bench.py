@@ -70,11 +70,13 @@ def test_gemv_chain_dry_run(tmp_path):
     res = dry_run(tmp_path, "gemv_chain_bench.py")
     assert [r["codes_from"] for r in res["chain"]] == ["norm", "quant", "epilogue"]
     chained = [r for r in res["rows"] if "knobs" in r]
-    assert [(r["knobs"], r["pdl"]) for r in chained] == [({}, True), ({"prefetch": True}, True),
-                                                         ({"prefetch": True, "num_warps": 8}, True),
-                                                         ({"num_warps": 8}, True), ({}, False)]
+    assert [(r["knobs"], r["pdl"]) for r in chained] == [({}, True), ({"l2_prefetch": True}, True),
+                                                         ({"prefetch": True}, True),
+                                                         ({"l2_prefetch": True, "prefetch": True}, True),
+                                                         ({"l2_prefetch": True, "num_warps": 8}, True), ({}, False)]
     assert all(r["us_a_layer"] > 0 and r["of_floor"] > 0 for r in chained)
-    assert [r["alone"] for r in res["rows"] if "alone" in r] == ["a", "o", "b"]
+    assert [(r["alone"], r["l2_prefetch"]) for r in res["rows"] if "alone" in r] == \
+        [(name, l2) for name in "aob" for l2 in (False, True)]
 
 
 def test_bench_slice_experts(tmp_path):

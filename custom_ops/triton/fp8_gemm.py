@@ -219,13 +219,15 @@ def gemm_path(M: int) -> str:
 def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | None = None,
           block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
           split_k: int | None = None, unroll: int | None = None, num_warps: int | None = None,
-          num_stages: int | None = None, prefetch: bool = False, scales=None, out_dtype=None) -> bool:
+          num_stages: int | None = None, prefetch: bool = False, l2_prefetch: bool = False, scales=None,
+          out_dtype=None) -> bool:
     """Launch the kernel of `path` (default `gemm_path`): `_fp8_gemv_kernel` or
     `_fp8_gemm_kernel`, or return False where it does not apply. Knobs: tile sizes (block_m: the
     GEMV's rows a program; block_k: the GEMV's K block), split-K count (None: `split_count`),
     pipeline stages, the MMA kernel's K blocks per iteration (None: `_tiles`, one
     block per iteration where its count does not divide K), warps, the GEMV's register prefetch
-    of the next K block (`_fp8_gemv_kernel` PREFETCH). Split-K sums FP32 partials in
+    of the next K block (`_fp8_gemv_kernel` PREFETCH), its L2 prefetch of the weight before the
+    dependent-launch wait (L2_PREFETCH; compute capability 9 or more). Split-K sums FP32 partials in
     a fixed order: deterministic, and only the order of the FP32 sums differs from one split.
     `scales`: out takes the E4M3 codes of the output rounded to `out_dtype`, `scales` their
     FP32 scales per 32 columns (QUANT_OUT)."""
@@ -271,7 +273,7 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
             x, xs, words, wsc, out, part, counters, os_, M, N, K, per * GROUP, R, x.stride(0), xs.stride(0),
             words.stride(0), wsc.stride(0), out.stride(0), part.stride(0), part.stride(-2), os_.stride(0), ROWS=bm,
             BLOCK_N=bn, BLOCK_K=unroll * GROUP, SPLIT_K=splits > 1, QUANT_X=quant_x, ASM=x.is_cuda,
-            STAGES=launch.pop("num_stages"), PREFETCH=prefetch, **epilogue, **launch, **pdl(out.device))
+            STAGES=launch.pop("num_stages"), PREFETCH=prefetch, L2_PREFETCH=l2_prefetch, **epilogue, **launch, **pdl(out.device))
         return True
     _fp8_gemm_kernel[(grid_m, grid_n, splits)](
         x, xs, w, wsc, out, part, counters, os_,
