@@ -41,12 +41,15 @@ def parse(argv=None):
     p.add_argument("--dry-run", action="store_true", help="CPU under the Triton interpreter, tiny shapes; prints only")
     p.add_argument("--out", default="benchmarks/results/gemv-chain-h100.json")
     p.add_argument("--layers", type=int, default=LAYERS)
+    p.add_argument("--rows", default="1", help="comma-separated row counts; past one (the MMA kernel) the chain "
+                   "is timed with and without the L2 prefetch only")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse(argv)
-    res = run(device_for(args.dry_run), TINY_CHAIN if args.dry_run else CHAIN, 1 if args.dry_run else args.layers)
+    res = run(device_for(args.dry_run), TINY_CHAIN if args.dry_run else CHAIN, 1 if args.dry_run else args.layers,
+              [int(r) for r in args.rows.split(",")])
     if not args.dry_run:
         for row in res["rows"]:
             print(json.dumps(row))
@@ -62,8 +65,9 @@ def layer_weights(dev, chain):
             for _, n, k, g, _ in chain]
 
 
-def make_layer(dev, chain, weights, knobs: dict):
-    """fn() launching one layer's chain: each GEMV's producer, then the GEMV on its codes."""
+def make_layer(dev, chain, weights, knobs: dict, rows: int = 1):
+    """fn() launching one layer's chain at `rows` rows: each GEMV's producer, then the GEMV on its
+    codes."""
     import torch
 
     from custom_ops.triton import triton_fp8_act_quant, triton_fp8_block_gemm, triton_fp8_block_gemm_act_quant
@@ -74,21 +78,21 @@ def make_layer(dev, chain, weights, knobs: dict):
         if src == "epilogue":              # the codes the GEMV before wrote
             q, s = codes
         else:
-            x, q, s = torch.randn(1, k, **bf), torch.empty(1, k, **fp8), torch.empty(1, k // 32, device=dev)
+            x, q, s = torch.randn(rows, k, **bf), torch.empty(rows, k, **fp8), torch.empty(rows, k // 32, device=dev)
             if src == "norm":
                 launches.append(partial(triton_rms_norm_act_quant, x, torch.ones(k, **bf), 1e-6, torch.empty_like(x),
                                         q, s))
             else:
                 launches.append(partial(triton_fp8_act_quant, x, q, s))
         if i + 1 < len(chain) and chain[i + 1][4] == "epilogue":     # wo_a's output leaves as wo_b's codes
-            codes = torch.empty(1, n, **fp8), torch.empty(1, n // 32, device=dev)
+            codes = torch.empty(rows, n, **fp8), torch.empty(rows, n // 32, device=dev)
             launches.append(partial(triton_fp8_block_gemm_act_quant, q, s, w, ws, torch.bfloat16, *codes, g, **knobs))
         else:
-            launches.append(partial(triton_fp8_block_gemm, q, s, w, ws, torch.empty(1, n, **bf), g, **knobs))
+            launches.append(partial(triton_fp8_block_gemm, q, s, w, ws, torch.empty(rows, n, **bf), g, **knobs))
     return lambda: [f() for f in launches]
 
 
-def run(dev, chain, layers: int) -> dict:
+def run(dev, chain, layers: int, rows: list[int] = (1,)) -> dict:
     import custom_ops  # noqa: F401
     import custom_ops.triton  # noqa: F401  (registers the CUDA impls)
 
@@ -100,11 +104,13 @@ def run(dev, chain, layers: int) -> dict:
            "chain": [{"gemm": name, "N": n, "K": k, "groups": g, "codes_from": src} for name, n, k, g, src in chain],
            "weight_bytes_a_layer": nbytes, "floor_us_a_layer": nbytes / read_rate * 1e6, "rows": []}
     saved = os.environ.get("V41_PDL")
-    for knobs, pdl_on in [(kw, True) for kw in VARIANTS] + [({}, False)]:
+    cases = [(m, kw, True) for m in rows for kw in (VARIANTS if m == 1 else ({}, {"l2_prefetch": True}))]
+    for m, knobs, pdl_on in cases + [(1, {}, False)]:
         os.environ["V41_PDL"] = "1" if pdl_on else "0"      # common.pdl reads it at every launch
-        fns = [make_layer(dev, chain, w, knobs) for w in weights]
+        fns = [make_layer(dev, chain, w, knobs, m) for w in weights]
         us = timed(lambda: [f() for f in fns], layers)
-        out["rows"].append({"knobs": knobs, "pdl": pdl_on, "us_a_layer": us, "of_floor": us / out["floor_us_a_layer"]})
+        out["rows"].append({"M": m, "knobs": knobs, "pdl": pdl_on, "us_a_layer": us,
+                            "of_floor": us / out["floor_us_a_layer"]})
     os.environ.pop("V41_PDL")
     if saved is not None:
         os.environ["V41_PDL"] = saved

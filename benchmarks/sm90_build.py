@@ -153,16 +153,18 @@ FP8_GEMM_INTS = ("M", "N", "KB", "KB_SPLIT", "ROWS_G", "stride_xm", "stride_sm",
 
 
 def fp8_gemm(block_m: int, block_n: int, unroll: int, stages: int, split_k: bool, quant_x: bool, warps: int = 4,
-             quant_out: bool = False):
+             quant_out: bool = False, l2_prefetch: bool = False):
     """The W8A8 GEMM (fp8_gemm.py) at a tile; quant_x: x in bf16, quantized in the GEMM;
-    quant_out: the output act-quantized in the epilogue (QUANT_OUT, from bf16)."""
+    quant_out: the output act-quantized in the epilogue (QUANT_OUT, from bf16); l2_prefetch: the
+    weight's L2 prefetch before the dependent-launch wait (L2_PREFETCH, with PDL)."""
     from custom_ops.triton.fp8_gemm import _fp8_gemm_kernel
     sig = {"x_ptr": "*bf16" if quant_x else "*fp8e4nv", "xs_ptr": "*bf16" if quant_x else "*fp32",
            "w_ptr": "*fp8e4nv", "ws_ptr": "*u8", "o_ptr": "*fp8e4nv" if quant_out else "*bf16", "p_ptr": "*fp32",
            "cnt_ptr": "*i32", "os_ptr": "*fp32", **dict.fromkeys(FP8_GEMM_INTS, "i32"),
            **dict.fromkeys(("BLOCK_M", "BLOCK_N", "UNROLL", "SPLIT_K", "QUANT_X", "QUANT_OUT"), "constexpr")}
     return build(_fp8_gemm_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": block_n, "UNROLL": unroll,
-                                         "SPLIT_K": split_k, "QUANT_X": quant_x, "QUANT_OUT": quant_out},
+                                         "SPLIT_K": split_k, "QUANT_X": quant_x, "QUANT_OUT": quant_out,
+                                         "L2_PREFETCH": l2_prefetch, "PDL": l2_prefetch},
                  aligned=("N", "ROWS_G", "stride_xm", "stride_wn", "stride_om", "stride_pm"),   # Flash's dense shapes
                  num_warps=warps, num_stages=stages)
 

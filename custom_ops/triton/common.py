@@ -74,7 +74,7 @@ def pdl_wait(PDL: tl.constexpr):
 
 
 @triton.jit
-def l2_prefetch(ptr, nbytes, ASM: tl.constexpr):
+def bulk_prefetch_l2(ptr, nbytes, ASM: tl.constexpr):
     """Start the L2's fetch of [ptr, ptr + nbytes) for each element (16-byte aligned, nbytes a
     multiple of 16) with Hopper's bulk prefetch: no register waits on it, so a kernel can issue it
     for constant weights before `pdl_wait` and stream them while the kernel before ends. A no-op
