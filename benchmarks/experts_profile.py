@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
                                         path=None if path == "auto" else path)
             call()                                          # compile and autotune outside the profile
             kernels = kernel_times(call, args.calls, dev)
-            res["widths"].append({"tokens": T, "path": path if path != "auto" else expert_path(T, T * k, E),
+            res["widths"].append({"tokens": T, "path": path if path != "auto" else expert_path(T, T * k),
                                   "kernels_us": {n: round(v, 2) for n, v in kernels.items()},
                                   "kernels_sum_us": round(sum(kernels.values()), 2),
                                   "graph_us": round(timed(call, 1), 2)})

@@ -16,23 +16,26 @@ from custom_ops.triton.common import TL_DTYPES
 from custom_ops.triton.moe import fits, run_experts
 
 DECODE_PAIRS = 384         # 64 tokens x top-6: up to here the GEMVs, whose FP32 partials grow with the pairs
-MMA_PAIRS_PER_EXPERT = 8   # fp4_mma.py's tiles hold eight pairs; past that an expert's weights are read once a tile
+MMA_TILE_PAIRS = 8         # fp4_mma.py's tiles hold eight of an expert's pairs
 SPLIT_TILE_PAIRS_PER_EXPERT = 8     # up to here the 16-row tiles split K in two (`tile_knobs`)
 SMALL_TILE_PAIRS_PER_EXPERT = 32    # up to here 16-row tiles
 
 
-def expert_path(tokens: int, pairs: int, experts: int) -> str:
+def expert_path(tokens: int, pairs: int) -> str:
     """'gemv' at one token (moe_gemv.py's FP4 GEMVs, a program a pair: its pairs are distinct
-    experts); 'mma' while the (token, slot) pairs are at most DECODE_PAIRS and MMA_PAIRS_PER_EXPERT
-    an expert on average (fp4_mma.py: a tile of up to eight of an expert's pairs a program, the
-    weights decoded once for them, on tensor cores); 'tiles' (moe.py's MMA tiles on FP4 weight
-    tiles dequantized to bf16, `tile_knobs`) beyond. H100, one run (experts-slice-mma-h100.json),
-    flash-slice's 16 experts, µs as 'gemv' / 'mma' / 'tiles' at 1 token: 81.8 / 93.8 / 118.0;
-    2: 111.4 / 103.8 / 133.8; 6: 292.1 / 174.0 / 186.9; 16: 751.3 / 226.3 / 237.5; 64 (24 pairs
-    an expert): 2934.8 / 583.9 / 411.0."""
+    experts); 'mma' up to MMA_TILE_PAIRS tokens (fp4_mma.py: a tile of up to eight of an expert's
+    pairs a program, the weights decoded once for them, on tensor cores; a token's top-k are
+    distinct experts, so up to eight tokens every expert's pairs fit one tile however the router
+    spreads them, and each expert's weights are read once); 'tiles' (moe.py's MMA tiles on FP4
+    weight tiles dequantized to bf16, `tile_knobs`) beyond, and past DECODE_PAIRS pairs.
+    H100, experts-slice-mma-h100.json (flash-slice's 16 experts, uniform random routing), µs as
+    'gemv' / 'mma' / 'tiles' at 1 token: 81.8 / 93.8 / 118.0; 2: 111.4 / 103.8 / 133.8;
+    6: 292.1 / 174.0 / 186.9; 16: 751.3 / 226.3 / 237.5. In the native decode step at 16
+    requests (the random model's own routing) 'mma' took 21.65 ms of device time against 21.15
+    with 'tiles' (native-decode-head-h100.json run j): past eight tokens 'tiles' stays."""
     if tokens == 1:
         return "gemv"
-    return "mma" if pairs <= min(DECODE_PAIRS, MMA_PAIRS_PER_EXPERT * experts) else "tiles"
+    return "mma" if tokens <= MMA_TILE_PAIRS and pairs <= DECODE_PAIRS else "tiles"
 
 
 def tile_knobs(pairs: int, experts: int) -> dict:
@@ -63,7 +66,7 @@ def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out,
         return _ref.moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
     pairs, experts = ids.numel(), w1.shape[0]
     if not knobs:
-        path = path or expert_path(x.shape[0], pairs, experts)
+        path = path or expert_path(x.shape[0], pairs)
         knobs = tile_knobs(pairs, experts) if path == "tiles" else {}
     path = path or "gemv"
     if path not in ("gemv", "mma", "tiles"):
