@@ -4,8 +4,8 @@ with the act quant, the act-quant kernel standing in for Inductor's pointwise pr
 epilogue for wo_b). Isolated, a GEMV's time includes its ramp and its first loads' latency; in the
 step the kernel before overlaps them, or does not. This times the chain per layer against its
 bytes at the read rate, with the GEMV's knobs varied (the register prefetch that loads a weight
-block before the dependent-launch wait, the L2 prefetch of all its weight rows before it, its
-warps) and with dependent launch off.
+block before the dependent-launch wait, its warps) and with dependent launch off; past one row
+(--rows: the FP8 MMA kernel's widths) at the defaults only.
 
     python benchmarks/gemv_chain_bench.py --out benchmarks/results/gemv-chain-h100.json
     python benchmarks/gemv_chain_bench.py --dry-run   # CPU, Triton interpreter, tiny shapes, prints only
@@ -32,8 +32,7 @@ CHAIN = (("wq_a_kv", 1792, 5120, 1, "norm"), ("wq_b", 32768, 1280, 1, "norm"), (
 TINY_CHAIN = (("a", 96, 128, 1, "norm"), ("o", 64, 64, 2, "quant"), ("b", 128, 64, 1, "epilogue"))
 LAYERS = 8
 # the GEMV's knobs timed (fp8_gemm._gemm's); {} is the step's default
-VARIANTS = ({}, {"l2_prefetch": True}, {"prefetch": True}, {"l2_prefetch": True, "prefetch": True},
-            {"l2_prefetch": True, "num_warps": 8})
+VARIANTS = ({}, {"prefetch": True}, {"prefetch": True, "num_warps": 8}, {"num_warps": 8})
 
 
 def parse(argv=None):
@@ -42,7 +41,7 @@ def parse(argv=None):
     p.add_argument("--out", default="benchmarks/results/gemv-chain-h100.json")
     p.add_argument("--layers", type=int, default=LAYERS)
     p.add_argument("--rows", default="1", help="comma-separated row counts; past one (the MMA kernel) the chain "
-                   "is timed with and without the L2 prefetch only")
+                   "at the defaults only")
     return p.parse_args(argv)
 
 
@@ -104,7 +103,7 @@ def run(dev, chain, layers: int, rows: list[int] = (1,)) -> dict:
            "chain": [{"gemm": name, "N": n, "K": k, "groups": g, "codes_from": src} for name, n, k, g, src in chain],
            "weight_bytes_a_layer": nbytes, "floor_us_a_layer": nbytes / read_rate * 1e6, "rows": []}
     saved = os.environ.get("V41_PDL")
-    cases = [(m, kw, True) for m in rows for kw in (VARIANTS if m == 1 else ({}, {"l2_prefetch": True}))]
+    cases = [(m, kw, True) for m in rows for kw in (VARIANTS if m == 1 else ({},))]
     for m, knobs, pdl_on in cases + [(1, {}, False)]:
         os.environ["V41_PDL"] = "1" if pdl_on else "0"      # common.pdl reads it at every launch
         fns = [make_layer(dev, chain, w, knobs, m) for w in weights]
@@ -115,11 +114,9 @@ def run(dev, chain, layers: int, rows: list[int] = (1,)) -> dict:
     if saved is not None:
         os.environ["V41_PDL"] = saved
     # each GEMV alone after an act-quant launch making its codes (wo_b's too), the step's knobs
-    # and with the L2 prefetch
     for i, (name, n, k, g, _) in enumerate(chain):
-        for l2 in (False, True):
-            fns = [make_layer(dev, [(name, n, k, g, "quant")], w[i:i + 1], {"l2_prefetch": l2}) for w in weights]
-            out["rows"].append({"alone": name, "l2_prefetch": l2, "us": timed(lambda: [f() for f in fns], layers)})
+        fns = [make_layer(dev, [(name, n, k, g, "quant")], w[i:i + 1], {}) for w in weights]
+        out["rows"].append({"alone": name, "us": timed(lambda: [f() for f in fns], layers)})
     return out
 
 

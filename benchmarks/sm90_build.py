@@ -153,18 +153,16 @@ FP8_GEMM_INTS = ("M", "N", "KB", "KB_SPLIT", "ROWS_G", "stride_xm", "stride_sm",
 
 
 def fp8_gemm(block_m: int, block_n: int, unroll: int, stages: int, split_k: bool, quant_x: bool, warps: int = 4,
-             quant_out: bool = False, l2_prefetch: bool = False):
+             quant_out: bool = False):
     """The W8A8 GEMM (fp8_gemm.py) at a tile; quant_x: x in bf16, quantized in the GEMM;
-    quant_out: the output act-quantized in the epilogue (QUANT_OUT, from bf16); l2_prefetch: the
-    weight's L2 prefetch before the dependent-launch wait (L2_PREFETCH, with PDL)."""
+    quant_out: the output act-quantized in the epilogue (QUANT_OUT, from bf16)."""
     from custom_ops.triton.fp8_gemm import _fp8_gemm_kernel
     sig = {"x_ptr": "*bf16" if quant_x else "*fp8e4nv", "xs_ptr": "*bf16" if quant_x else "*fp32",
            "w_ptr": "*fp8e4nv", "ws_ptr": "*u8", "o_ptr": "*fp8e4nv" if quant_out else "*bf16", "p_ptr": "*fp32",
            "cnt_ptr": "*i32", "os_ptr": "*fp32", **dict.fromkeys(FP8_GEMM_INTS, "i32"),
            **dict.fromkeys(("BLOCK_M", "BLOCK_N", "UNROLL", "SPLIT_K", "QUANT_X", "QUANT_OUT"), "constexpr")}
     return build(_fp8_gemm_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": block_n, "UNROLL": unroll,
-                                         "SPLIT_K": split_k, "QUANT_X": quant_x, "QUANT_OUT": quant_out,
-                                         "L2_PREFETCH": l2_prefetch, "PDL": l2_prefetch},
+                                         "SPLIT_K": split_k, "QUANT_X": quant_x, "QUANT_OUT": quant_out},
                  aligned=("N", "ROWS_G", "stride_xm", "stride_wn", "stride_om", "stride_pm"),   # Flash's dense shapes
                  num_warps=warps, num_stages=stages)
 
@@ -190,11 +188,10 @@ FP8_GEMV_INTS = ("M", "N", "K", "K_SPLIT", "ROWS_G", "stride_xm", "stride_sm", "
 
 
 def fp8_gemv(rows: int, block_n: int, block_k: int, quant_x: bool, warps: int = 4, asm: bool = True, stages: int = 3,
-             prefetch: bool = False, quant_out: bool = False, l2_prefetch: bool = False):
+             prefetch: bool = False, quant_out: bool = False):
     """The W8A8 GEMV (fp8_gemm.py `_fp8_gemv_kernel`) with split-K; quant_x: x in bf16; prefetch:
     the next K block's weights loaded during this one's products (PREFETCH, with PDL); quant_out:
-    the output act-quantized in the epilogue; l2_prefetch: the weight's L2 prefetch before the
-    dependent-launch wait (L2_PREFETCH, with PDL)."""
+    the output act-quantized in the epilogue."""
     from custom_ops.triton.fp8_gemv import _fp8_gemv_kernel
     sig = {"x_ptr": "*bf16" if quant_x else "*fp8e4nv", "xs_ptr": "*bf16" if quant_x else "*fp32", "w_ptr": "*i32",
            "ws_ptr": "*u8", "o_ptr": "*fp8e4nv" if quant_out else "*bf16", "p_ptr": "*fp32", "cnt_ptr": "*i32",
@@ -203,8 +200,7 @@ def fp8_gemv(rows: int, block_n: int, block_k: int, quant_x: bool, warps: int = 
                            "constexpr")}
     return build(_fp8_gemv_kernel, sig, {"ROWS": rows, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": True,
                                          "QUANT_X": quant_x, "ASM": asm, "STAGES": stages, "PREFETCH": prefetch,
-                                         "L2_PREFETCH": l2_prefetch, "PDL": prefetch or l2_prefetch,
-                                         "QUANT_OUT": quant_out},
+                                         "PDL": prefetch, "QUANT_OUT": quant_out},
                  aligned=("N", "K", "K_SPLIT", "ROWS_G", "stride_xm", "stride_wn", "stride_om", "stride_pm"),
                  num_warps=warps)
 

@@ -62,32 +62,6 @@ def test_fp8_gemv_prefetch_builds_for_hopper():
             assert "cp.async" not in k.asm["ptx"] and "griddepcontrol.wait" in k.asm["ptx"]
 
 
-def test_fp8_l2_prefetch_builds_for_hopper():
-    """The GEMV's L2 prefetch: bulk prefetches of the weight rows issued before the dependent-launch
-    wait (so they overlap the kernel before; ptxas loops a warp over its rows' addresses), none
-    without the knob, and the K loop's loads and arithmetic as without it (the MMA kernel's
-    loop differs by a few address moves)."""
-    from collections import Counter
-
-    def work(k):
-        return Counter(op for op in B.loop_body(k) if op.startswith(("LDG", "LDS", "HMMA", "HGMMA", "FFMA", "FMUL",
-                                                                       "F2FP", "I2F")))
-    from custom_ops.triton.fp8_gemm import GEMV_BLOCK_K, GEMV_BLOCK_N
-    for quant_x in (False, True):
-        plain = B.fp8_gemv(1, GEMV_BLOCK_N, GEMV_BLOCK_K, quant_x, stages=1)
-        l2 = B.fp8_gemv(1, GEMV_BLOCK_N, GEMV_BLOCK_K, quant_x, stages=1, l2_prefetch=True)
-        ptx = l2.asm["ptx"]
-        assert "cp.async.bulk.prefetch.L2.global" not in plain.asm["ptx"]
-        assert 0 < ptx.index("cp.async.bulk.prefetch.L2.global") < ptx.index("griddepcontrol.wait")
-        assert len(B.loop_body(l2)) == len(B.loop_body(plain)) and registers(l2) <= registers(plain)
-    # the MMA kernel's (its 16-row decode tile), issued by the first row of programs
-    plain, l2 = (B.fp8_gemm(16, 64, 4, 3, True, False, l2_prefetch=on) for on in (False, True))
-    ptx = l2.asm["ptx"]
-    assert "cp.async.bulk.prefetch.L2.global" not in plain.asm["ptx"]
-    assert 0 < ptx.index("cp.async.bulk.prefetch.L2.global") < ptx.index("griddepcontrol.wait")
-    assert work(l2) == work(plain) and work(plain)["HMMA.16816.F32"] > 0
-
-
 def test_fp8_prefill_kernel_builds_for_hopper():
     """The W8A8 GEMM's prefill kernel builds without spills and multiplies with warpgroup MMA;
     its K loop issues more cycles of instructions than its FP8 tensor work takes (the per-32

@@ -74,17 +74,6 @@ def pdl_wait(PDL: tl.constexpr):
 
 
 @triton.jit
-def bulk_prefetch_l2(ptr, nbytes, ASM: tl.constexpr):
-    """Start the L2's fetch of [ptr, ptr + nbytes) for each element (16-byte aligned, nbytes a
-    multiple of 16) with Hopper's bulk prefetch: no register waits on it, so a kernel can issue it
-    for constant weights before `pdl_wait` and stream them while the kernel before ends. A no-op
-    without ASM (the interpreter runs no PTX)."""
-    if ASM:
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [ptr.to(tl.int64), nbytes.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def next_block(k0, k_hi, BLOCK_K: tl.constexpr):
     """The K block a prefetching loop loads while it multiplies block k0: the next one, or past
     the split's last block that last block again (in bounds; the loop ends before using it)."""

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, bulk_prefetch_l2, pdl, pdl_wait, rows2d
+from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, rows2d
 from custom_ops.triton.fp8 import GROUP, GROUP_K, e8m0_to_f32, fp8_quant_groups, split_count, store_tile, \
     tile_counters
 from custom_ops.triton.fp8_gemv import _fp8_gemv_kernel
@@ -98,8 +98,8 @@ def triton_fp8_act_quant(x, q, s) -> None:
 def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr, M, N, KB, KB_SPLIT, ROWS_G,
                      stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm, stride_osm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
-                     SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, L2_PREFETCH: tl.constexpr = False,
-                     PDL: tl.constexpr = False, QUANT_OUT: tl.constexpr = False, OUT_DTYPE: tl.constexpr = tl.bfloat16):
+                     SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, PDL: tl.constexpr = False,
+                     QUANT_OUT: tl.constexpr = False, OUT_DTYPE: tl.constexpr = tl.bfloat16):
     """Program (m, n, s): K blocks [s·KB_SPLIT, (s+1)·KB_SPLIT) of one output tile. KB and
     KB_SPLIT are multiples of UNROLL. Grouped: the tile's weight rows belong to group
     n0 // ROWS_G (ROWS_G a multiple of BLOCK_N), which reads its own KB blocks of x.
@@ -109,8 +109,8 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr
     next call. QUANT_X: x is the activation itself, each 32-wide block quantized here as
     `_act_quant_kernel` would (the same codes and scales; xs unused). QUANT_OUT: the output
     rounded to OUT_DTYPE is act-quantized in the epilogue, codes into o, scales into os
-    (fp8.store_tile). L2_PREFETCH: the first row of programs hands its tile's weight rows to the
-    L2's bulk prefetch before the dependent-launch wait (as `_fp8_gemv_kernel`'s)."""
+    (fp8.store_tile)."""
+    pdl_wait(PDL)
     n0 = tl.program_id(1) * BLOCK_N
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
@@ -119,12 +119,6 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr
     mmask = rm < M
     nmask = rn < N
     kb_lo = split * KB_SPLIT
-    if L2_PREFETCH:
-        if tl.program_id(0) == 0:                       # rows past N fetch row N - 1 again
-            nbytes = tl.minimum(KB_SPLIT, KB - kb_lo) * GROUP_K
-            bulk_prefetch_l2(w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn + kb_lo * GROUP_K,
-                        tl.full([BLOCK_N], 1, tl.int32) * nbytes, True)
-    pdl_wait(PDL)                                       # what the kernel before writes is read below
     g_blocks = (n0 // ROWS_G).to(tl.int64) * KB + kb_lo        # the group's first K block of x, then the split's
     # the pointers start at the split's first K block and step by UNROLL blocks, rather than
     # offsets from kb each block (with `column_scales`, the sm_90 builds' 16-row tile: its K loop
@@ -225,15 +219,13 @@ def gemm_path(M: int) -> str:
 def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | None = None,
           block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
           split_k: int | None = None, unroll: int | None = None, num_warps: int | None = None,
-          num_stages: int | None = None, prefetch: bool = False, l2_prefetch: bool = False, scales=None,
-          out_dtype=None) -> bool:
+          num_stages: int | None = None, prefetch: bool = False, scales=None, out_dtype=None) -> bool:
     """Launch the kernel of `path` (default `gemm_path`): `_fp8_gemv_kernel` or
     `_fp8_gemm_kernel`, or return False where it does not apply. Knobs: tile sizes (block_m: the
     GEMV's rows a program; block_k: the GEMV's K block), split-K count (None: `split_count`),
     pipeline stages, the MMA kernel's K blocks per iteration (None: `_tiles`, one
     block per iteration where its count does not divide K), warps, the GEMV's register prefetch
-    of the next K block (`_fp8_gemv_kernel` PREFETCH), either kernel's L2 prefetch of the weight before
-    the dependent-launch wait (L2_PREFETCH; compute capability 9 or more). Split-K sums FP32 partials in
+    of the next K block (`_fp8_gemv_kernel` PREFETCH). Split-K sums FP32 partials in
     a fixed order: deterministic, and only the order of the FP32 sums differs from one split.
     `scales`: out takes the E4M3 codes of the output rounded to `out_dtype`, `scales` their
     FP32 scales per 32 columns (QUANT_OUT)."""
@@ -273,20 +265,19 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
     counters = tile_counters(out.device, grid_m * grid_n if splits > 1 else 0)
     os_ = scales if codes else part
     epilogue = dict(QUANT_OUT=codes, OUT_DTYPE=TL_DTYPES[out_dtype] if codes else tl.bfloat16)
-    l2 = l2_prefetch and out.is_cuda            # the interpreter runs no PTX
     if path == "gemv":
         words = w.view(torch.int32)
         _fp8_gemv_kernel[(grid_m, grid_n, splits)](
             x, xs, words, wsc, out, part, counters, os_, M, N, K, per * GROUP, R, x.stride(0), xs.stride(0),
             words.stride(0), wsc.stride(0), out.stride(0), part.stride(0), part.stride(-2), os_.stride(0), ROWS=bm,
             BLOCK_N=bn, BLOCK_K=unroll * GROUP, SPLIT_K=splits > 1, QUANT_X=quant_x, ASM=x.is_cuda,
-            STAGES=launch.pop("num_stages"), PREFETCH=prefetch, L2_PREFETCH=l2, **epilogue, **launch, **pdl(out.device))
+            STAGES=launch.pop("num_stages"), PREFETCH=prefetch, **epilogue, **launch, **pdl(out.device))
         return True
     _fp8_gemm_kernel[(grid_m, grid_n, splits)](
         x, xs, w, wsc, out, part, counters, os_,
         M, N, KB, per, R, x.stride(0), xs.stride(0), w.stride(0), wsc.stride(0), out.stride(0),
         part.stride(0), part.stride(-2), os_.stride(0), BLOCK_M=bm, BLOCK_N=bn, UNROLL=unroll, SPLIT_K=splits > 1,
-        QUANT_X=quant_x, L2_PREFETCH=l2, **epilogue, **launch, **pdl(out.device))
+        QUANT_X=quant_x, **epilogue, **launch, **pdl(out.device))
     return True
 
 

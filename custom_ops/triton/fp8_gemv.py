@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from custom_ops.triton.common import bulk_prefetch_l2, group_exponent, next_block, pdl_wait, pow2, round_e4m3
+from custom_ops.triton.common import group_exponent, next_block, pdl_wait, pow2, round_e4m3
 from custom_ops.triton.fp8 import GROUP_K, e4m3_word_values, e8m0_to_f32, store_tile
 
 
@@ -23,7 +23,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr
                      stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm, stride_osm,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
-                     PREFETCH: tl.constexpr = False, L2_PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
+                     PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
                      QUANT_OUT: tl.constexpr = False, OUT_DTYPE: tl.constexpr = tl.bfloat16):
     """The W8A8 GEMM on CUDA cores for a few rows of x, program (m, n, s): ROWS rows of x against
     BLOCK_N weight rows over K range [s·K_SPLIT, (s+1)·K_SPLIT) (multiples of BLOCK_K, itself a
@@ -34,10 +34,10 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr
     STAGES > 1 software-pipelines the K loop's loads (the weight words through shared memory).
     PREFETCH: the next K block's weight words and scales are loaded in registers while this one
     is multiplied, the first before `pdl_wait` (constant weights: they may stream while the
-    kernel before ends). L2_PREFETCH: before that wait, each row's K range of weight codes is
-    handed to the L2's bulk prefetch (`bulk_prefetch_l2`), so all of the program's weight bytes
-    may be in flight while the kernel before ends. Grouped, split-K and the output (QUANT_OUT
-    included) as in `_fp8_gemm_kernel`."""
+    kernel before ends). Grouped, split-K and the output (QUANT_OUT included) as in
+    `_fp8_gemm_kernel`."""
+    if not PREFETCH:
+        pdl_wait(PDL)
     W: tl.constexpr = BLOCK_K // 4                      # words a row a K block
     n0 = tl.program_id(1) * BLOCK_N
     rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -54,13 +54,10 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr
     acc = tl.zeros([ROWS, BLOCK_N, W], tl.float32)
     k_lo = split * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    if L2_PREFETCH:                                     # rows past N fetch row N - 1 again
-        row = tl.minimum(rn, N - 1).to(tl.int64)
-        bulk_prefetch_l2(w_ptr + row * stride_wn + k_lo // 4, tl.full([BLOCK_N], 1, tl.int32) * (k_hi - k_lo), ASM)
     if PREFETCH:
         w_next = tl.load(w_at + k_lo // 4, mask=nmask, other=0)
         s_next = tl.load(s_at + k_lo // GROUP_K, mask=nmask, other=127)
-    pdl_wait(PDL)                                       # what the kernel before writes is read below
+        pdl_wait(PDL)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         if PREFETCH:
             words, codes = w_next, s_next
