@@ -30,6 +30,7 @@ import custom_ops.triton  # noqa: F401  (registers the CUDA impls)
 from custom_ops.triton import triton_sparse_attn
 from custom_ops.triton.attention import _sparse_attn_kernel, split_for
 from tests.kernel_cases import index_plane, make_step, random_topk
+from v41 import quant
 
 H, D, W, K, PAGE, DI, HI = 64, 512, 128, 512, 128, 128, 32
 COPY_BW = 4.24e12   # measured device-to-device copy on this H200 (DESIGN.md §9)
@@ -348,7 +349,7 @@ def main():
                              page=PAGE, n_slots=(T if decode else 2) + 1, decode=decode,
                              new_tokens=None if decode else [2048, 2048], device="cuda")
             plane, scale = index_plane(gen, step.num_pages * PAGE, DI, fmt, device="cuda", ties=False)
-            q = torch.randn(step.T, HI, DI, device="cuda").to(torch.bfloat16)
+            q = quant.index_query_qat(torch.randn(step.T, HI, DI, device="cuda").to(torch.bfloat16), fmt)
             w = torch.randn(step.T, HI, device="cuda")
             topk = torch.empty(step.T, 512, dtype=torch.long, device="cuda")
             cand = torch.empty(step.T, 2048, dtype=torch.long, device="cuda")

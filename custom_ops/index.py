@@ -32,12 +32,6 @@ def dequant_plane(vals, scales, rows, fmt: str, dtype):
     return (k.unflatten(-1, (-1, 32)) * s[..., None]).flatten(-2)
 
 
-def round_query(q, fmt: str):
-    """The scorer's own rounding of the query: FP8 per (token, head) with a pow2 scale on the FP8
-    plane; FP4 group 32 on the FP4 plane (the published model's arithmetic)."""
-    return quant.fp8_row_qat(q) if fmt == "fp8" else quant.fp4_qat(q, 32)
-
-
 def exact_dots(q, k, eq: str):
     """The query-key dots in q's dtype, summed in float64 and rounded once. Queries and keys
     are FP8 or FP4 values with power-of-two scales, so each product has at most 8 significant
@@ -57,14 +51,16 @@ def _stable_topk(score, k: int):
         "int cand_block, Tensor(a!) topk, Tensor(b!)? cand_out) -> ()")
 def index_topk(q, w, plane, plane_scale, block_table, batch_ids, positions, ratio, rows_per_page,
                fmt, cand, cand_block, topk, cand_out) -> None:
-    """q [T, h, d] rotated index queries; w [T, h] head weights (already scaled).
+    """q [T, h, d] rotated index queries on the plane format's grid (`quant.index_query_qat`:
+    the model rounds them, so the compiled step fuses the rounding); w [T, h] head weights
+    (already scaled).
     topk [T, K] <- the selected rows of each token, ascending, -1 padded.
     cand: [T, C] candidate blocks, ascending, -1 padded (REINDEX: score only inside them; a
     producer's cand_out), or None (score every visible row). cand_out: [T, C] <- this layer's
     own candidate blocks (the producer), ascending, -1 padded."""
     T, K = topk.shape
     acc = w.dtype
-    qr = round_query(q, fmt).to(acc)
+    qr = q.to(acc)
     vis = torch.where(batch_ids >= 0, (positions + 1) // ratio, torch.zeros_like(positions))
     topk.fill_(-1)
     if cand_out is not None:

@@ -35,6 +35,7 @@ else:
                                    triton_sparse_attn)
     from tests.kernel_cases import (flash_width_case, index_plane, make_step, random_candidates,
                                     random_topk, rel, rne_bf16_casts)
+    from v41 import quant
 
     # ---- sparse_attn -----------------------------------------------------------------------
     def test_sparse_attn_split_choice(monkeypatch):
@@ -143,7 +144,7 @@ else:
                          pad_tokens=2, pad_reqs=1)
         T, rpp = step.T, page // ratio
         plane, pscale = index_plane(g, step.num_pages * rpp, d, fmt)
-        q = torch.randn(T, h, d, generator=g)
+        q = quant.index_query_qat(torch.randn(T, h, d, generator=g), fmt)      # as the model hands it over
         w = torch.randn(T, h, generator=g)
         cand = random_candidates(g, step, ratio, C, cb) if mode == "reindex" else None
         produce = mode == "full"
@@ -170,7 +171,7 @@ else:
         plane, pscale = index_plane(g, step.num_pages * page, d, "fp4")
         keep = torch.rand(plane.shape[0], generator=g) < 0.3
         plane[~keep] = 0                                    # code 0 = +0.0: score exactly 0
-        q = torch.randn(step.T, h, d, generator=g)
+        q = quant.index_query_qat(torch.randn(step.T, h, d, generator=g), "fp4")
         w = torch.randn(step.T, h, generator=g).abs()
         args = (q, w, plane, pscale, step.block_table, step.batch_ids, step.positions, 1, page,
                 "fp4", None, cb)

@@ -28,6 +28,7 @@ from custom_ops import compressor as ref_comp  # noqa: E402
 from custom_ops import index as ref_index  # noqa: E402
 from custom_ops import registry  # noqa: E402
 from custom_ops.triton.attention import triton_sparse_attn  # noqa: E402
+from v41 import quant  # noqa: E402
 from tests.kernel_cases import (device_generator, index_plane, make_step,  # noqa: E402
                                 random_candidates, random_topk, rel)
 
@@ -107,7 +108,7 @@ def test_sparse_attn_prefill(g, ratio):
 # ---- index_topk ----------------------------------------------------------------------------
 def _scores64(q, w, plane, pscale, step, ratio, rpp, fmt, rows):
     """FP64 score of owner rows `rows` [T, n] (-1 -> nan) of each token."""
-    qr = ref_index.round_query(q, fmt).double()
+    qr = q.double()
     out = torch.full(rows.shape, float("nan"), dtype=torch.float64, device=DEV)
     chunk = max(1, (1 << 25) // (rows.shape[1] * ID))
     for s in range(0, rows.shape[0], chunk):
@@ -147,7 +148,7 @@ def _index_case(g, T, ratio, fmt, decode):
     step = _step(g, T, decode)
     T, rpp = step.T, PAGE // ratio
     plane, pscale = index_plane(g, step.num_pages * rpp, ID, fmt, device=DEV, ties=False)
-    q = _rand(g, T, IH, ID)
+    q = quant.index_query_qat(_rand(g, T, IH, ID), fmt)         # as the model hands it to the op
     w = (torch.randn(T, IH, generator=g) / 64).to(DEV)
     return step, q, w, plane, pscale, rpp
 

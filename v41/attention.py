@@ -150,6 +150,7 @@ class Attention(nn.Module):
         spec, T = self.spec, x.shape[0]
         owner = cache.owner(spec.kv_owner)
         qi = self.rope(qi.view(T, self.i_heads, self.i_dim), batch.positions)
+        qi = quant.index_query_qat(qi, owner.index_fmt)        # as the scorer reads it
         w = self.i_wproj(x).to(acc_dtype(x.dtype)) * self.i_scale
         topk = torch.empty(T, self.topk, dtype=torch.long, device=x.device)
         produce = spec.produces_candidates

@@ -248,6 +248,13 @@ def fp8_row_qat(x: torch.Tensor) -> torch.Tensor:
     return fp8_qat(x, group=x.shape[-1])
 
 
+def index_query_qat(q: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The index query rounded as its scorer reads it against an index plane of format `fmt`:
+    FP8 per (token, head) row on an FP8 plane, FP4 per 32 dims on an FP4 one (the published
+    model's arithmetic, spec §3.3)."""
+    return fp8_row_qat(q) if fmt == "fp8" else fp4_qat(q, 32)
+
+
 # ---------------------------------------------------------------------------------------------
 # codes and storage
 

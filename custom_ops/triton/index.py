@@ -9,9 +9,9 @@ nothing. The program gathers the tile's key rows from the index plane in place, 
 block table (fp8: E4M3 x one FP32 row scale; fp4: packed E2M1 nibbles x E8M0 per 32 dims),
 decodes them exactly into the dot dtype (BF16 on GPU, which holds every FP8/FP4 grid value,
 FP32 under the interpreter), and scores score = Σ_h relu(q_h·k)·w_h in FP32 with the index
-heads as the N of `tl.dot`. The query is rounded first exactly as the reference rounds it
-(`round_query`); for fp4 its even and odd dims meet the low and high nibbles separately, so the
-packed bytes are never interleaved.
+heads as the N of `tl.dot`. The query arrives on the plane format's grid (the model rounds it,
+`quant.index_query_qat`; its values are exact in BF16); for fp4 its even and odd dims meet the
+low and high nibbles separately, so the packed bytes are never interleaved.
 
 Selection, on the tile's score buffer (bounded: query rows are processed in tiles of at most
 SCORE_BUDGET scores). Top-k with smaller-column-first ties and no sort of the row. Rows up to
@@ -369,9 +369,9 @@ def triton_index_topk(q, w, plane, plane_scale, block_table, batch_ids, position
         return
     if cand_out is not None:
         width = -(-width // cand_block) * cand_block
-    # the reference's query rounding; its grid values are exact in BF16 (the GPU dot dtype)
+    # the query's grid values are exact in BF16 (the GPU dot dtype)
     cdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    qr = _ref.round_query(q, fmt).to(cdt)
+    qr = q.to(cdt)
     if fmt == "fp4":
         qa, qb = qr[..., 0::2].contiguous(), qr[..., 1::2].contiguous()
     else:
