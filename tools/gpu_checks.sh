@@ -27,7 +27,8 @@
 #                                     # engine): native FULL decode at BATCHES (default 1), profiled
 #   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
 #   tools/gpu_checks.sh OUT gemv-chain  # gemv_chain_bench: a layer's dense GEMVs at one row back to back
-#                                     # in one graph, GEMV knobs varied, dependent launch on and off (~1 min)
+#                                     # in one graph, GEMV knobs varied, dependent launch on and off (~1 min;
+#                                     # ROWS=1,16: the chain at 16 rows too, the FP8 MMA kernel's width)
 #   tools/gpu_checks.sh OUT norm      # kernel_bench --norm: the norms in one pass (warps) against chunks (~1 min)
 #   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles;
 #                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm;
@@ -193,8 +194,9 @@ slice-experts)
   echo "rc=$?"; tail -2 "$OUT/slice-experts.log" ;;
 gemv-chain)
   step "gemv_chain_bench"
-  timeout 300 $py benchmarks/gemv_chain_bench.py --out "$OUT/gemv-chain.json" > "$OUT/gemv-chain.log" 2>&1
-  echo "rc=$?"; grep -E '^\{"(knobs|alone)|Error' "$OUT/gemv-chain.log" ;;
+  timeout 300 $py benchmarks/gemv_chain_bench.py ${ROWS:+--rows "$ROWS"} --out "$OUT/gemv-chain.json" \
+    > "$OUT/gemv-chain.log" 2>&1
+  echo "rc=$?"; grep -E '^\{"(M|alone)|Error' "$OUT/gemv-chain.log" ;;
 norm)
   step "kernel_bench --norm"
   timeout 240 $py benchmarks/kernel_bench.py --norm --out "$OUT/kernels-norm.json" > "$OUT/norm.log" 2>&1
