@@ -16,7 +16,8 @@ graphs captured at decode sizes 1-64; prefill runs compiled), tr_hybrid (a secon
 the splitting ops, its token pieces captured at buckets 1-512; the 1x512 prefill replays, larger
 steps run that compile without graphs). They alternate case by case.
 `--weight-format native` runs the same with the FP8/FP4 weights kept native. `--profile FILE`
-also appends torch.profiler tables of one decode step (batch 1 and 64) and one prefill step (1x4096),
+also appends torch.profiler tables of one decode step (batch 1 and 64; `--decode-only`: each of
+`--batches`) and one prefill step (1x4096),
 the engine's phases (schedule, prepare, run, sample, logprobs, postprocess) as named ranges,
 per variant: where the time goes.
 
@@ -160,7 +161,7 @@ def main():
     ap.add_argument("--agreement", action=argparse.BooleanOptionalAction, default=True,
                     help="check compiled pieces against eager first (minutes on flash-slice)")
     ap.add_argument("--decode-only", action="store_true",
-                    help="the decode cases alone, and of the profiles the batch-1 decode step's")
+                    help="the decode cases alone, and of the profiles each of their decode steps'")
     ap.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 16, 64],
                     help="decode batch sizes (comma-separated; default 1,16,64)")
     ap.add_argument("--dry-run", action="store_true", help="toy, CPU, eager, small cases: the code path only")
@@ -250,7 +251,7 @@ def main():
     if a.worker:
         return serve_cases(eng, variants, use, a.steps, res)
     cases = [("decode", bs, 1024) for bs in a.batches]
-    profiled = [("decode", 1)]
+    profiled = [("decode", bs) for bs in a.batches] if a.decode_only else [("decode", 1)]
     if not a.decode_only:
         cases += [("prefill", 1, 4096), ("prefill", 8, 1024)]
         if "tr_hybrid" in variants:

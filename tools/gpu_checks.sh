@@ -19,12 +19,12 @@
 #                                     # WEIGHTS=native: both variants native (dspark-native-flash-slice-h200.json)
 #   tools/gpu_checks.sh OUT native    # step_bench --weight-format native (FULL graphs), profiled
 #   tools/gpu_checks.sh OUT native-decode  # the kernels' GPU tests (eight processes), then
-#                                     # step_bench native FULL decode cases only, the batch-1 step profiled
+#                                     # step_bench native FULL decode cases only, each profiled
 #   tools/gpu_checks.sh OUT ab        # tree_ab_bench: this tree against base_tree/ (git archive REV, carried;
 #                                     # and mid_tree/ too where it is there), native FULL decode at 1 / 16 / 64
 #                                     # alternating, batch 1 profiled each
 #   tools/gpu_checks.sh OUT ab-seq    # base_tree/ then this tree, one after the other (an H100 holds one
-#                                     # engine): native FULL decode at BATCHES (default 1), profiled
+#                                     # engine): native FULL decode at BATCHES (default 1), each profiled
 #   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
 #   tools/gpu_checks.sh OUT gemv-chain  # gemv_chain_bench: a layer's dense GEMVs at one row back to back
 #                                     # in one graph, GEMV knobs varied, dependent launch on and off (~1 min;
