@@ -251,12 +251,13 @@ def main():
     if a.worker:
         return serve_cases(eng, variants, use, a.steps, res)
     cases = [("decode", bs, 1024) for bs in a.batches]
-    profiled = [("decode", bs) for bs in a.batches] if a.decode_only else [("decode", 1)]
-    if not a.decode_only:
+    if a.decode_only:
+        profiled = [("decode", bs) for bs in a.batches]
+    else:
         cases += [("prefill", 1, 4096), ("prefill", 8, 1024)]
         if "tr_hybrid" in variants:
             cases.append(("prefill", 1, 512))      # the largest token bucket: a prefill that replays
-        profiled += [("decode", 64), ("prefill", 1)]
+        profiled = [("decode", 1), ("decode", 64), ("prefill", 1)]
     run_cases(eng, cases, variants, use, a.steps, res, save)
     if a.profile:
         for v in variants:

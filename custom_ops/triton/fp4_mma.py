@@ -278,12 +278,11 @@ def fp4_mma_gemvs(x, ids, wts, w1, w3, w2, scales, limit, y, splits=None, num_wa
     if cols not in (1, MMA_COLS):
         raise ValueError(f"fp4_mma_gemvs: cols {cols} is not 1 or {MMA_COLS}")
     flat = ids.reshape(-1).contiguous()
-    if cols == 1:       # each program its own pair: no order or tiles to read (flat stands in)
-        order, meta, n_tiles, programs = None, flat, 0, P
+    if cols == 1:       # each program its own pair: no order or tiles to read (flat stands in for both)
+        order, rows_order, meta, n_tiles, programs = None, flat, flat, 0, P
     else:
         order, meta, n_tiles = expert_tiles(ids, E, cols)
-        programs = n_tiles
-    rows_order = flat if order is None else order
+        rows_order, programs = order, n_tiles
     xa, xo = mma_act(x)
     ha = torch.empty(P, I, dtype=torch.float16, device=dev)
     ho = torch.empty(P, I // 32, dtype=torch.int32, device=dev)
