@@ -3,7 +3,7 @@ layer split of a segment's Dynamo graph (passes/split.py)."""
 from __future__ import annotations
 
 PASS_NAMES = ("inv_rope_wo_a", "rope_qat", "mhc", "moe_route", "engram_gate", "rms_norm_quant",
-              "norm_rope", "native_act_quant", "backend_select")
+              "norm_rope", "native_act_quant", "moe_overlap", "backend_select")
 
 
 def build_passes(cfg, dtype, lowering: str = "auto", only=None) -> list:

@@ -28,7 +28,9 @@ Order (each pass's docstring shows its graph before and after):
     7 native_act_quant (native weights) a GEMM's A8 quant moved into the kernel making its
                        input (RMSNorm, with mHC's collapse before it; pointwise ATen ops; the
                        GEMM before it)
-    8 backend_select   keep each fused op (its dispatch runs the selected Triton/AITER/reference
+    8 moe_overlap      (native weights) the routed experts on a second stream beside the shared
+                       expert, up to a join before their sum
+    9 backend_select   keep each fused op (its dispatch runs the selected Triton/AITER/reference
                        impl) or lower it back to its reference composition for Inductor
 
 The CSE runs late on purpose: a pattern's inner nodes must have no users outside it, and

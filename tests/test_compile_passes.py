@@ -23,7 +23,7 @@ EXPECTED = {"inv_rope_wo_a": 3, "rope_qat": 9, "mhc": 19, "moe_route": 3, "engra
 # the passes a pass fuses the ops of: kv_norm's rms_norm and the window row's rope_fp8_qat
 PREREQUISITES = {"norm_rope": ("rope_qat", "rms_norm_quant")}
 # passes with nothing to match in a dequantized graph (test_native_act_quant_on_native_weights)
-NATIVE_ONLY = {"native_act_quant": 0}
+NATIVE_ONLY = {"native_act_quant": 0, "moe_overlap": 0}
 
 
 # ---- passes ---------------------------------------------------------------------------------
@@ -199,18 +199,28 @@ def _ops_in(graph, name: str) -> int:
     return sum(1 for n in graph.nodes if n.target in _AF and n.args[0] is op)
 
 
-def test_native_act_quant_on_native_weights(toy_cfg):
+NATIVE_PRODUCERS = ("rope_qat", "mhc", "rms_norm_quant")
+
+
+@pytest.fixture(scope="module")
+def native3(toy_cfg):
+    """The toy graph of layers 0-2 with native weights (wo_a FP8 too), compiled once through the
+    passes that make native_act_quant's inputs."""
+    from v41.loader import dummy_weights
+    prefix = toy_prefix(dummy_weights(toy_cfg, progress=False, wo_a="fp8"), 3, weight_format="native")
+    assert prefix.runner.model.native
+    return prefix, record_compile(prefix, NATIVE_PRODUCERS)
+
+
+def test_native_act_quant_on_native_weights(native3):
     """Native weights, wo_a FP8 too: each FP8 GEMM reading an RMSNorm takes the codes the norm's
     op writes beside the norm (mHC's collapse before it joining the op); each reading pointwise
     ATen ops takes codes quantized by ATen ops after them (Inductor's kernel for the producer);
     wo_b takes the codes wo_a's GEMM writes; bit for bit the graph before the pass, outputs and
     cache."""
     from passes.manager import PassManager
-    from v41.loader import dummy_weights
-    prefix = toy_prefix(dummy_weights(toy_cfg, progress=False, wo_a="fp8"), 3, weight_format="native")
-    assert prefix.runner.model.native
-    producers = ("rope_qat", "mhc", "rms_norm_quant")
-    compiled = record_compile(prefix, producers)
+    prefix, compiled = native3
+    producers = NATIVE_PRODUCERS
     before = [run_piece(p, PassManager(prefix.runner.cfg, torch.float32, only=producers)) for p in compiled.pieces]
     pm = PassManager(prefix.runner.cfg, torch.float32, only=(*producers, "native_act_quant"))
     got = [run_piece(p, pm) for p in compiled.pieces]
@@ -232,6 +242,45 @@ def test_native_act_quant_on_native_weights(toy_cfg):
     assert sum(_ops_in(g, "fp8_block_gemm") for g in graphs) == 5 * 3
     # still quantized by the GEMM op: Engram's projection (the piece's input) in layer 1
     assert sum(_ops_in(g, "fp8_linear") for g in graphs) == 1
+
+
+def test_moe_overlap_forks_the_experts_beside_the_shared_expert(native3):
+    """Each layer's routed experts become a fork whose `after` is the shared expert's input codes
+    (so the shared GEMM reads the fork's output of them: scheduled after it), and a join before
+    the sum reads the shared expert's output and the fork's inputs; bit for bit the graph
+    before the pass, outputs and cache."""
+    from passes.base import _AF
+    from passes.manager import PassManager
+    from passes.moe_overlap import _unconverted
+    prefix, compiled = native3
+    producers = (*NATIVE_PRODUCERS, "native_act_quant")
+    before = [run_piece(p, PassManager(prefix.runner.cfg, torch.float32, only=producers)) for p in compiled.pieces]
+    pm = PassManager(prefix.runner.cfg, torch.float32, only=(*producers, "moe_overlap"))
+    got = [run_piece(p, pm) for p in compiled.pieces]
+    assert_pieces_equal(got, before, exact=True)
+    assert pm.totals()["moe_overlap"] == 3
+    graphs = [passed(p, pm).graph for p in compiled.pieces]
+    assert sum(_ops_in(g, "moe_experts_w4a8") for g in graphs) == 0
+    fork_op, join_op = torch.ops.v41.moe_experts_w4a8_fork.default, torch.ops.v41.join.default
+    for g in graphs:
+        order = {n: i for i, n in enumerate(g.nodes)}
+        forks = [n for n in g.nodes if n.target in _AF and n.args[0] is fork_op]
+        joins = [n for n in g.nodes if n.target in _AF and n.args[0] is join_op]
+        assert len(forks) == len(joins) <= 1
+        for fork, join in zip(forks, joins):
+            after = fork.kwargs["after"]
+            assert after.args[0].args[0] is torch.ops.v41.hc_collapse_rms_norm_act_quant.default   # the FFN norm's codes
+            (after2,) = [u for u in fork.users if u.args[1] == 2]
+            (view,) = after2.users
+            (gemm,) = view.users
+            assert gemm.args[0] is torch.ops.v41.fp8_block_gemm.default and after.users.keys() == {fork}
+            y = join.kwargs["out"]
+            assert y.args[0] is fork and y.args[1] == 1
+            assert [k.name for k in join.kwargs["keep"][:3]] == [fork.kwargs[k].name for k in ("x", "ids", "weights")]
+            (total,) = [u for u in join.users][0].users
+            # the shared expert's output as its GEMM made it (f32 here; bf16 converts after the join)
+            assert total.target is torch.ops.aten.add.Tensor and _unconverted(total.args[1]) is join.kwargs["keep"][3]
+            assert order[fork] < order[gemm] < order[join] < order[total]
 
 
 def _registered_patterns(p):

@@ -376,7 +376,7 @@ else:
         first = fp8.tile_counters(dev, 10)
         big = fp8.tile_counters(dev, 98_304 + first.numel())
         assert big.numel() >= 98_304 + first.numel() and not big.any()
-        assert fp8.tile_counters(dev, 10) is big and any(b is first for b in fp8._COUNTERS[dev])
+        assert fp8.tile_counters(dev, 10) is big and any(b is first for b in fp8._COUNTERS[(dev, None)])
 
     def test_moe_experts_w4a8_splits_k_by_shape(g, monkeypatch):
         """The op's default split-K: about 4 K blocks of 128 a split, set by the GEMM's K alone (D =

@@ -14,7 +14,7 @@ from custom_ops.triton.common import group_exponent, pow2, round_e4m3
 GROUP = 32
 GROUP_K = tl.constexpr(GROUP)   # the same width inside kernels (compiled Triton reads only constexpr globals)
 SPLIT_TILES = 32768           # counters made at first use (the FP4 down GEMVs at 384 pairs: 384 x 80)
-_COUNTERS: dict = {}          # device -> its counter buffers, the largest last
+_COUNTERS: dict = {}          # (device, stream) -> its counter buffers, the largest last
 
 
 @triton.jit
@@ -145,8 +145,10 @@ def tile_counters(device, tiles: int) -> torch.Tensor:
     """The split-K kernels' per-tile arrival counters on `device`: a zeroed buffer of at least
     `tiles`, every counter back at zero when its tile's last split has summed. A call needing
     more than the largest buffer makes a larger one; none is freed, since a CUDA graph that
-    captured a kernel keeps its buffer's address."""
-    bufs = _COUNTERS.setdefault(device, [])
+    captured a kernel keeps its buffer's address. Each stream has its own: kernels on two
+    streams may run at once (custom_ops/triton/overlap.py)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if torch.device(device).type == "cuda" else None
+    bufs = _COUNTERS.setdefault((device, stream), [])
     if not bufs or bufs[-1].numel() < tiles:
         bufs.append(torch.zeros(max(SPLIT_TILES, triton.next_power_of_2(tiles)), dtype=torch.int32, device=device))
     return bufs[-1]
