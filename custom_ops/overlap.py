@@ -1,7 +1,8 @@
 """Ops that let the routed experts run beside the shared expert (passes/moe_overlap.py makes
-them from `moe_experts_w4a8` and the sum that meets the shared expert's output).
+them from the experts' op and the sum that meets the shared expert's output).
 
-- `moe_experts_w4a8_fork`: `moe_experts_w4a8`, which an impl may run on a second stream, beside
+- `moe_experts_w4a8_fork` / `moe_experts_fork`: `moe_experts_w4a8` / `moe_experts` (native /
+  dequantized experts), which an impl may run on a second stream, beside
   the work after it, up to the `join` of its out. `after` is left unchanged: it is the first
   tensor that work reads, declared written here so that the compiler schedules the work after
   the fork (a data dependency, which no reordering for memory or locality can undo).
@@ -10,11 +11,11 @@ them from `moe_experts_w4a8` and the sum that meets the shared expert's output).
   made (so the join comes after that work).
 
 The reference impls compute the experts at the fork and do nothing at the join, so the
-arithmetic is `moe_experts_w4a8`'s, bit for bit, on every device.
+arithmetic is the experts' op's, bit for bit, on every device.
 """
 from __future__ import annotations
 
-from custom_ops import gemm
+from custom_ops import gemm, moe
 from custom_ops.registry import define
 
 
@@ -23,6 +24,13 @@ from custom_ops.registry import define
 def moe_experts_w4a8_fork(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out, after) -> None:
     """`moe_experts_w4a8(x, ..., out)`; `after` unchanged."""
     gemm.moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
+
+
+@define("moe_experts_fork(Tensor x, Tensor ids, Tensor weights, Tensor w1, Tensor w3, Tensor w2, float limit, "
+        "Tensor(a!) out, Tensor(b!) after) -> ()")
+def moe_experts_fork(x, ids, weights, w1, w3, w2, limit, out, after) -> None:
+    """`moe_experts(x, ..., out)`; `after` unchanged."""
+    moe.moe_experts(x, ids, weights, w1, w3, w2, limit, out)
 
 
 @define("join(Tensor(a!) out, Tensor[] keep) -> ()")

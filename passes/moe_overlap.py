@@ -1,13 +1,13 @@
-"""The routed experts beside the shared expert, on a second stream (native weights).
+"""The routed experts beside the shared expert, on a second stream.
 
 An MoE layer's routed experts and its shared expert read the same normed input and meet only at
 their sum (v41.moe.MoE.forward). At decode both are GEMVs that leave part of the GPU idle: one
 token's FP4 expert GEMVs read their bytes at about half the copy rate (docs/kernels.md), and the
 shared expert's two FP8 GEMVs and its SwiGLU are three launches more in a row. This pass turns
-the experts' op into `v41::moe_experts_w4a8_fork`, whose CUDA impl enqueues them on a second
-stream, and puts a `v41::join` before the sum (custom_ops/overlap.py). The shared expert's
-first input is threaded through the fork (declared written, left unchanged) so that every
-schedule runs it after the fork; the join reads the shared expert's output and the fork's
+the experts' op (`v41::moe_experts_w4a8`, or `v41::moe_experts` on dequantized weights) into its
+fork, whose CUDA impl enqueues them on a second stream, and puts a `v41::join` before the sum
+(custom_ops/overlap.py). The shared expert's first input is threaded through the fork (declared
+written, left unchanged) so that every schedule runs it after the fork; the join reads the shared expert's output and the fork's
 inputs, so it comes after the one and keeps the others alive. Bit for bit the same arithmetic.
 f32 shown (a bf16 model converts the shared output before the sum):
 
@@ -27,6 +27,10 @@ f32 shown (a bf16 model converts the shared output before the sum):
         j = auto_functionalized(v41.join, out=y, keep=[h, ids, wts, shared])   # bf16: shared unconverted
         z = add(j[1], shared)
 
+On dequantized weights the shared expert's input is its own RMSNorm + QAT (`v41::rms_norm_fp8`,
+rms_norm_quant's, placed before the router): the fork declares that norm's fresh out buffer
+written, and the norm moves after the fork to write into the fork's output of it.
+
 A layer whose sum has no shared expert (a tensor-parallel rank without it), or whose shared
 expert reads no tensor made for it alone, is left as it is.
 """
@@ -40,7 +44,10 @@ from passes.base import V41Pass, add_node, calls_of, output_of
 
 aten = torch.ops.aten
 AF = torch.ops.higher_order.auto_functionalized
-EXPERT_ARGS = ("x", "ids", "weights", "w1", "s1", "w3", "s3", "w2", "s2", "limit")
+AF2 = torch.ops.higher_order.auto_functionalized_v2
+# the experts' op -> (its fork, the arguments they share: all but out)
+FORKS = {"moe_experts_w4a8": ("moe_experts_w4a8_fork", ("x", "ids", "weights", "w1", "s1", "w3", "s3", "w2", "s2", "limit")),
+         "moe_experts": ("moe_experts_fork", ("x", "ids", "weights", "w1", "w3", "w2", "limit"))}
 
 
 class MoeOverlap(V41Pass):
@@ -48,13 +55,14 @@ class MoeOverlap(V41Pass):
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         matched = 0
-        for experts in calls_of(graph, torch.ops.v41.moe_experts_w4a8.default):
-            matched += self._overlap(graph, experts)
+        for name, (fork, args) in FORKS.items():
+            for experts in calls_of(graph, getattr(torch.ops.v41, name).default):
+                matched += self._overlap(graph, experts, getattr(torch.ops.v41, fork).default, args)
         return matched
 
-    def _overlap(self, graph, experts) -> int:
+    def _overlap(self, graph, experts, fork_op, args) -> int:
         y = output_of(experts)
-        if y is None or len(y.users) != 1 or set(experts.kwargs) != {*EXPERT_ARGS, "_out_base_index", "_all_bases"}:
+        if y is None or len(y.users) != 1 or set(experts.kwargs) != {*args, "_out_base_index", "_all_bases"}:
             return 0
         total = next(iter(y.users))
         if total.target is not aten.add.Tensor or total.args[0] is not y or not isinstance(total.args[1], torch.fx.Node):
@@ -62,14 +70,19 @@ class MoeOverlap(V41Pass):
         shared = total.args[1]
         order = {n: i for i, n in enumerate(graph.nodes)}
         beside = _ancestors(shared) - _ancestors(experts) - {experts}
-        after = _first_input(beside, order, order[experts])
-        if after is None:
+        after = _first_buffer(beside, order)
+        moved = sorted(_descendants(after, beside) if after is not None else (), key=order.get)
+        moved = [n for n in moved if order[n] < order[experts]]
+        if after is None or any(order[u] < order[experts] and u not in moved for n in moved for u in n.users):
             return 0
         with graph.inserting_before(experts):
-            fork = add_node(graph, AF, torch.ops.v41.moe_experts_w4a8_fork.default,
-                            **{k: experts.kwargs[k] for k in EXPERT_ARGS}, out=experts.kwargs["_all_bases"][0],
-                            after=after)
+            fork = add_node(graph, AF, fork_op, **{k: experts.kwargs[k] for k in args},
+                            out=experts.kwargs["_all_bases"][0], after=after)
             y2, after2 = (add_node(graph, operator.getitem, fork, i) for i in (1, 2))
+        last = after2
+        for node in moved:          # the shared expert's nodes placed before the experts' op
+            last.append(node)
+            last = node
         for reader in list(after.users):
             if reader is not fork:
                 reader.replace_input_with(after, after2)
@@ -103,14 +116,26 @@ def _ancestors(node: torch.fx.Node) -> set:
     return seen
 
 
-def _first_input(beside: set, order: dict, fork_at: int):
-    """The first (in graph order) output of a mutating op made outside `beside` that only nodes
-    of `beside` after the fork's place read (a buffer the fork may declare written): the shared
-    expert's input codes. None if there is none."""
+def _descendants(node: torch.fx.Node, within: set) -> set:
+    seen, todo = set(), [node]
+    while todo:
+        for u in todo.pop().users:
+            if u in within and u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return seen
+
+
+def _first_buffer(beside: set, order: dict):
+    """The first (in graph order) buffer only `beside` reads, which the fork may declare
+    written: an output of a mutating op made outside `beside` (native weights: the FFN norm's
+    codes for the shared GEMM), or a fresh `empty` (dequantized: the out buffer of the shared
+    expert's own norm + QAT). None if there is none."""
     for node in sorted(beside, key=order.get):
         made_outside = node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and \
-            node.args[0].target in (AF, torch.ops.higher_order.auto_functionalized_v2) and node.args[0] not in beside
-        if made_outside and all(u in beside and order[u] > fork_at for u in node.users):
+            node.args[0].target in (AF, AF2) and node.args[0] not in beside
+        if (made_outside or node.target is aten.empty.memory_format) and node.users and \
+                all(u in beside for u in node.users):
             return node
     return None
 

@@ -17,13 +17,14 @@ from tests.compile_helpers import restore, snapshot, toy_prefix
 # QAT) and 3 more in a FULL layer (index query, index key, main row); mHC 6 (2 mixes, 2
 # collapses, 2 expands) + the final collapse; router 1; Engram gate in layer 1; RMSNorm 4 (attn,
 # q, kv, ffn) and 2 more in a FULL layer (compressor, index key) + the final norm; kv norm +
-# RoPE + QAT 1
+# RoPE + QAT 1; routed experts beside the shared expert 1
 EXPECTED = {"inv_rope_wo_a": 3, "rope_qat": 9, "mhc": 19, "moe_route": 3, "engram_gate": 1,
-            "rms_norm_quant": 15, "norm_rope": 3}
-# the passes a pass fuses the ops of: kv_norm's rms_norm and the window row's rope_fp8_qat
-PREREQUISITES = {"norm_rope": ("rope_qat", "rms_norm_quant")}
+            "rms_norm_quant": 15, "norm_rope": 3, "moe_overlap": 3}
+# the passes whose ops a pass rewrites: kv_norm's rms_norm and the window row's rope_fp8_qat; the
+# shared expert's own norm + QAT, whose out buffer moe_overlap threads through the fork
+PREREQUISITES = {"norm_rope": ("rope_qat", "rms_norm_quant"), "moe_overlap": ("rms_norm_quant",)}
 # passes with nothing to match in a dequantized graph (test_native_act_quant_on_native_weights)
-NATIVE_ONLY = {"native_act_quant": 0, "moe_overlap": 0}
+NATIVE_ONLY = {"native_act_quant": 0}
 
 
 # ---- passes ---------------------------------------------------------------------------------
@@ -244,14 +245,40 @@ def test_native_act_quant_on_native_weights(native3):
     assert sum(_ops_in(g, "fp8_linear") for g in graphs) == 1
 
 
-def test_moe_overlap_forks_the_experts_beside_the_shared_expert(native3):
-    """Each layer's routed experts become a fork whose `after` is the shared expert's input codes
-    (so the shared GEMM reads the fork's output of them: scheduled after it), and a join before
-    the sum reads the shared expert's output and the fork's inputs; bit for bit the graph
-    before the pass, outputs and cache."""
+def _forks_and_joins(graphs, fork_name: str) -> list:
+    """(fork, the first reader of its `after` output, join, sum) of each layer, checking what
+    every overlap shares: no experts' op left, the join reads the fork's out and keeps its x, ids
+    and weights and the shared expert's output as its GEMM made it (f32 here; bf16 converts
+    after the join), and fork < reader < join < sum in graph order."""
     from passes.base import _AF
-    from passes.manager import PassManager
     from passes.moe_overlap import _unconverted
+    fork_op, join_op = getattr(torch.ops.v41, fork_name).default, torch.ops.v41.join.default
+    out = []
+    for g in graphs:
+        order = {n: i for i, n in enumerate(g.nodes)}
+        forks = [n for n in g.nodes if n.target in _AF and n.args[0] is fork_op]
+        joins = [n for n in g.nodes if n.target in _AF and n.args[0] is join_op]
+        assert len(forks) == len(joins) <= 1
+        for fork, join in zip(forks, joins):
+            after = fork.kwargs["after"]
+            assert after.users.keys() == {fork}
+            (after2,) = [u for u in fork.users if u.args[1] == 2]
+            (reader,) = after2.users
+            y = join.kwargs["out"]
+            assert y.args[0] is fork and y.args[1] == 1
+            assert [k.name for k in join.kwargs["keep"][:3]] == [fork.kwargs[k].name for k in ("x", "ids", "weights")]
+            (total,) = [u for u in join.users][0].users
+            assert total.target is torch.ops.aten.add.Tensor and _unconverted(total.args[1]) is join.kwargs["keep"][3]
+            assert order[fork] < order[reader] < order[join] < order[total]
+            out.append((fork, reader, join, total))
+    return out
+
+
+def test_moe_overlap_forks_the_experts_beside_the_shared_expert(native3):
+    """Native weights: each layer's routed experts become a fork whose `after` is the shared
+    expert's input codes (so the shared GEMM reads the fork's output of them: scheduled after
+    it), and a join before the sum; bit for bit the graph before the pass, outputs and cache."""
+    from passes.manager import PassManager
     prefix, compiled = native3
     producers = (*NATIVE_PRODUCERS, "native_act_quant")
     before = [run_piece(p, PassManager(prefix.runner.cfg, torch.float32, only=producers)) for p in compiled.pieces]
@@ -261,26 +288,28 @@ def test_moe_overlap_forks_the_experts_beside_the_shared_expert(native3):
     assert pm.totals()["moe_overlap"] == 3
     graphs = [passed(p, pm).graph for p in compiled.pieces]
     assert sum(_ops_in(g, "moe_experts_w4a8") for g in graphs) == 0
-    fork_op, join_op = torch.ops.v41.moe_experts_w4a8_fork.default, torch.ops.v41.join.default
-    for g in graphs:
-        order = {n: i for i, n in enumerate(g.nodes)}
-        forks = [n for n in g.nodes if n.target in _AF and n.args[0] is fork_op]
-        joins = [n for n in g.nodes if n.target in _AF and n.args[0] is join_op]
-        assert len(forks) == len(joins) <= 1
-        for fork, join in zip(forks, joins):
-            after = fork.kwargs["after"]
-            assert after.args[0].args[0] is torch.ops.v41.hc_collapse_rms_norm_act_quant.default   # the FFN norm's codes
-            (after2,) = [u for u in fork.users if u.args[1] == 2]
-            (view,) = after2.users
-            (gemm,) = view.users
-            assert gemm.args[0] is torch.ops.v41.fp8_block_gemm.default and after.users.keys() == {fork}
-            y = join.kwargs["out"]
-            assert y.args[0] is fork and y.args[1] == 1
-            assert [k.name for k in join.kwargs["keep"][:3]] == [fork.kwargs[k].name for k in ("x", "ids", "weights")]
-            (total,) = [u for u in join.users][0].users
-            # the shared expert's output as its GEMM made it (f32 here; bf16 converts after the join)
-            assert total.target is torch.ops.aten.add.Tensor and _unconverted(total.args[1]) is join.kwargs["keep"][3]
-            assert order[fork] < order[gemm] < order[join] < order[total]
+    forked = _forks_and_joins(graphs, "moe_experts_w4a8_fork")
+    assert len(forked) == 3
+    for fork, view, _, _ in forked:
+        assert fork.kwargs["after"].args[0].args[0] is torch.ops.v41.hc_collapse_rms_norm_act_quant.default
+        (gemm,) = view.users
+        assert gemm.args[0] is torch.ops.v41.fp8_block_gemm.default
+
+
+def test_moe_overlap_on_dequantized_experts(toy3, toy3_compiled):
+    """Dequantized weights (outputs and match count: test_pass_matches_and_keeps_outputs): the
+    shared expert's input is its own RMSNorm + QAT (rms_norm_quant's `rms_norm_fp8`, placed
+    before the router), whose fresh out buffer the fork declares written: the norm moves after
+    the fork and writes into the fork's output of that buffer."""
+    from passes.manager import PassManager
+    pm = PassManager(toy3.runner.cfg, toy3.runner.dtype, lowering="op", only=("rms_norm_quant", "moe_overlap"))
+    graphs = [passed(p, pm).graph for p in toy3_compiled.pieces]
+    assert sum(_ops_in(g, "moe_experts") for g in graphs) == 0
+    forked = _forks_and_joins(graphs, "moe_experts_fork")
+    assert len(forked) == 3
+    for fork, norm, _, _ in forked:
+        assert fork.kwargs["after"].target is torch.ops.aten.empty.memory_format
+        assert norm.args[0] is torch.ops.v41.rms_norm_fp8.default
 
 
 def _registered_patterns(p):

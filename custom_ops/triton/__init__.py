@@ -19,5 +19,5 @@ from custom_ops.triton.moe_route import triton_moe_route  # noqa: F401
 from custom_ops.triton.moe_w4a8 import triton_moe_experts_w4a8  # noqa: F401
 from custom_ops.triton.norm import (triton_hc_collapse_rms_norm_act_quant, triton_rms_norm,  # noqa: F401
                                     triton_rms_norm_act_quant, triton_rms_norm_fp8)
-from custom_ops.triton.overlap import triton_join, triton_moe_experts_w4a8_fork  # noqa: F401
+from custom_ops.triton.overlap import triton_join, triton_moe_experts_fork, triton_moe_experts_w4a8_fork  # noqa: F401
 from custom_ops.triton.rope import triton_rms_norm_rope_fp8_qat, triton_rope, triton_rope_fp8_qat  # noqa: F401

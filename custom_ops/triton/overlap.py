@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from custom_ops.registry import register_impl
+from custom_ops.triton.moe import triton_moe_experts
 from custom_ops.triton.moe_w4a8 import triton_moe_experts_w4a8
 
 _SIDE: dict = {}              # device -> its second stream
@@ -21,12 +22,22 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE[device]
 
 
-def triton_moe_experts_w4a8_fork(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out, after) -> None:
-    """`v41::moe_experts_w4a8_fork` (same signature)."""
+def _beside(experts, x, *args) -> None:
+    """experts(x, *args) on x's device's second stream, after what its current stream holds."""
     side = side_stream(x.device)
     side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side):
-        triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
+        experts(x, *args)
+
+
+def triton_moe_experts_w4a8_fork(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out, after) -> None:
+    """`v41::moe_experts_w4a8_fork` (same signature)."""
+    _beside(triton_moe_experts_w4a8, x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
+
+
+def triton_moe_experts_fork(x, ids, weights, w1, w3, w2, limit, out, after) -> None:
+    """`v41::moe_experts_fork` (same signature)."""
+    _beside(triton_moe_experts, x, ids, weights, w1, w3, w2, limit, out)
 
 
 def triton_join(out, keep) -> None:
@@ -35,4 +46,5 @@ def triton_join(out, keep) -> None:
 
 
 register_impl("moe_experts_w4a8_fork", "triton", triton_moe_experts_w4a8_fork, device_type="cuda")
+register_impl("moe_experts_fork", "triton", triton_moe_experts_fork, device_type="cuda")
 register_impl("join", "triton", triton_join, device_type="cuda")
