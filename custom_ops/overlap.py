@@ -10,12 +10,13 @@ them from the experts' op and the sum that meets the shared expert's output).
   theirs until here, though the first stream may be done with them) and what the work beside it
   made (so the join comes after that work).
 
-The reference impls compute the experts at the fork and do nothing at the join, so the
-arithmetic is the experts' op's, bit for bit, on every device.
+The reference impls call the experts' op at the fork (its selected impl) and do nothing at the
+join, so the arithmetic is the experts' op's, bit for bit, on every device.
 """
 from __future__ import annotations
 
-from custom_ops import gemm, moe
+import torch
+
 from custom_ops.registry import define
 
 
@@ -23,14 +24,14 @@ from custom_ops.registry import define
         "Tensor s3, Tensor w2, Tensor s2, float limit, Tensor(a!) out, Tensor(b!) after) -> ()")
 def moe_experts_w4a8_fork(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out, after) -> None:
     """`moe_experts_w4a8(x, ..., out)`; `after` unchanged."""
-    gemm.moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
+    torch.ops.v41.moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
 
 
 @define("moe_experts_fork(Tensor x, Tensor ids, Tensor weights, Tensor w1, Tensor w3, Tensor w2, float limit, "
         "Tensor(a!) out, Tensor(b!) after) -> ()")
 def moe_experts_fork(x, ids, weights, w1, w3, w2, limit, out, after) -> None:
     """`moe_experts(x, ..., out)`; `after` unchanged."""
-    moe.moe_experts(x, ids, weights, w1, w3, w2, limit, out)
+    torch.ops.v41.moe_experts(x, ids, weights, w1, w3, w2, limit, out)
 
 
 @define("join(Tensor(a!) out, Tensor[] keep) -> ()")

@@ -10,8 +10,6 @@ from __future__ import annotations
 import torch
 
 from custom_ops.registry import register_impl
-from custom_ops.triton.moe import triton_moe_experts
-from custom_ops.triton.moe_w4a8 import triton_moe_experts_w4a8
 
 _SIDE: dict = {}              # device -> its second stream
 
@@ -23,7 +21,8 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _beside(experts, x, *args) -> None:
-    """experts(x, *args) on x's device's second stream, after what its current stream holds."""
+    """experts(x, *args) (the op: its selected impl) on x's device's second stream, after what
+    its current stream holds."""
     side = side_stream(x.device)
     side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side):
@@ -32,12 +31,12 @@ def _beside(experts, x, *args) -> None:
 
 def triton_moe_experts_w4a8_fork(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out, after) -> None:
     """`v41::moe_experts_w4a8_fork` (same signature)."""
-    _beside(triton_moe_experts_w4a8, x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
+    _beside(torch.ops.v41.moe_experts_w4a8, x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
 
 
 def triton_moe_experts_fork(x, ids, weights, w1, w3, w2, limit, out, after) -> None:
     """`v41::moe_experts_fork` (same signature)."""
-    _beside(triton_moe_experts, x, ids, weights, w1, w3, w2, limit, out)
+    _beside(torch.ops.v41.moe_experts, x, ids, weights, w1, w3, w2, limit, out)
 
 
 def triton_join(out, keep) -> None:
