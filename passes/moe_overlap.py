@@ -71,16 +71,19 @@ class MoeOverlap(V41Pass):
         order = {n: i for i, n in enumerate(graph.nodes)}
         beside = _ancestors(shared) - _ancestors(experts) - {experts}
         after = _first_buffer(beside, order)
-        moved = sorted(_descendants(after, beside) if after is not None else (), key=order.get)
-        moved = [n for n in moved if order[n] < order[experts]]
-        if after is None or any(order[u] < order[experts] and u not in moved for n in moved for u in n.users):
+        if after is None:
+            return 0
+        # what reads `after` must run after the fork: the shared expert's nodes placed before the
+        # experts' op move behind it, unless something else placed there reads them
+        moved = [n for n in sorted(_descendants(after, beside), key=order.get) if order[n] < order[experts]]
+        if any(order[u] < order[experts] and u not in moved for n in moved for u in n.users):
             return 0
         with graph.inserting_before(experts):
             fork = add_node(graph, AF, fork_op, **{k: experts.kwargs[k] for k in args},
                             out=experts.kwargs["_all_bases"][0], after=after)
             y2, after2 = (add_node(graph, operator.getitem, fork, i) for i in (1, 2))
         last = after2
-        for node in moved:          # the shared expert's nodes placed before the experts' op
+        for node in moved:
             last.append(node)
             last = node
         for reader in list(after.users):
