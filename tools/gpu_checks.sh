@@ -59,7 +59,7 @@ step() { echo "== $* ($(date +%T))"; }
 case $PART in
 tests)
   for m in tests/test_pdl_gpu.py tests/test_native_gemm_gpu.py tests/test_memory.py tests/test_compile_gpu.py \
-           tests/test_kernels_gpu.py tests/test_fused_ops_gpu.py; do
+           tests/test_kernels_gpu.py tests/test_fused_ops_gpu.py tests/test_fp4_mma_gpu.py tests/test_overlap_gpu.py; do
     step "$m"
     # -x: the first failure's traceback is printed before a time limit can cut the run. The kernel
     # modules' Triton compiles (most of a cold run: test_native_gemm_gpu.py and test_fused_ops_gpu.py
@@ -150,7 +150,7 @@ native-decode)
   step "kernel GPU tests"
   timeout 200 $py -m pytest -q -n 8 -m gpu -p no:cacheprovider --timeout=190 tests/test_pdl_gpu.py \
     tests/test_fused_ops_gpu.py tests/test_native_gemm_gpu.py tests/test_kernels_gpu.py \
-    tests/test_fp4_mma_gpu.py > "$OUT/fused-ops-gpu.log" 2>&1
+    tests/test_fp4_mma_gpu.py tests/test_overlap_gpu.py > "$OUT/fused-ops-gpu.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/fused-ops-gpu.log"
   step "step_bench --weight-format native --decode-only"
   timeout $(( ${LIMIT:-560} - SECONDS )) $py benchmarks/step_bench.py --weight-format native --variants full --no-agreement \
