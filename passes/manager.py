@@ -28,8 +28,8 @@ Order (each pass's docstring shows its graph before and after):
     7 native_act_quant (native weights) a GEMM's A8 quant moved into the kernel making its
                        input (RMSNorm, with mHC's collapse before it; pointwise ATen ops; the
                        GEMM before it)
-    8 moe_overlap      (native weights) the routed experts on a second stream beside the shared
-                       expert, up to a join before their sum
+    8 moe_overlap      the routed experts on a second stream beside the shared expert, up to a
+                       join before their sum
     9 backend_select   keep each fused op (its dispatch runs the selected Triton/AITER/reference
                        impl) or lower it back to its reference composition for Inductor
 

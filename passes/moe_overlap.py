@@ -7,8 +7,9 @@ shared expert's two FP8 GEMVs and its SwiGLU are three launches more in a row. T
 the experts' op (`v41::moe_experts_w4a8`, or `v41::moe_experts` on dequantized weights) into its
 fork, whose CUDA impl enqueues them on a second stream, and puts a `v41::join` before the sum
 (custom_ops/overlap.py). The shared expert's first input is threaded through the fork (declared
-written, left unchanged) so that every schedule runs it after the fork; the join reads the shared expert's output and the fork's
-inputs, so it comes after the one and keeps the others alive. Bit for bit the same arithmetic.
+written, left unchanged) so that every schedule runs it after the fork; the join reads the
+shared expert's output and the fork's inputs, so it comes after the one and keeps the others
+alive. Bit for bit the same arithmetic.
 f32 shown (a bf16 model converts the shared output before the sum):
 
     before:
@@ -40,11 +41,10 @@ import operator
 
 import torch
 
-from passes.base import V41Pass, add_node, calls_of, output_of
+from passes.base import _AF, V41Pass, add_node, calls_of, output_of
 
 aten = torch.ops.aten
 AF = torch.ops.higher_order.auto_functionalized
-AF2 = torch.ops.higher_order.auto_functionalized_v2
 # the experts' op -> (its fork, the arguments they share: all but out)
 FORKS = {"moe_experts_w4a8": ("moe_experts_w4a8_fork", ("x", "ids", "weights", "w1", "s1", "w3", "s3", "w2", "s2", "limit")),
          "moe_experts": ("moe_experts_fork", ("x", "ids", "weights", "w1", "w3", "w2", "limit"))}
@@ -75,7 +75,7 @@ class MoeOverlap(V41Pass):
             return 0
         # what reads `after` must run after the fork: the shared expert's nodes placed before the
         # experts' op move behind it, unless something else placed there reads them
-        moved = [n for n in sorted(_descendants(after, beside), key=order.get) if order[n] < order[experts]]
+        moved = [n for n in sorted(_reach(after, lambda n: n.users, beside), key=order.get) if order[n] < order[experts]]
         if any(order[u] < order[experts] and u not in moved for n in moved for u in n.users):
             return 0
         with graph.inserting_before(experts):
@@ -109,24 +109,20 @@ def _unconverted(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
+def _reach(node: torch.fx.Node, step, within: set | None = None) -> set:
+    """The nodes reached from `node` (not itself) by repeating `step` (a node's inputs or its
+    users), staying inside `within` if given."""
+    seen, todo = set(), [node]
+    while todo:
+        for n in step(todo.pop()):
+            if n not in seen and (within is None or n in within):
+                seen.add(n)
+                todo.append(n)
+    return seen
+
+
 def _ancestors(node: torch.fx.Node) -> set:
-    seen, todo = set(), [node]
-    while todo:
-        for a in todo.pop().all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                todo.append(a)
-    return seen
-
-
-def _descendants(node: torch.fx.Node, within: set) -> set:
-    seen, todo = set(), [node]
-    while todo:
-        for u in todo.pop().users:
-            if u in within and u not in seen:
-                seen.add(u)
-                todo.append(u)
-    return seen
+    return _reach(node, lambda n: n.all_input_nodes)
 
 
 def _first_buffer(beside: set, order: dict):
@@ -136,7 +132,7 @@ def _first_buffer(beside: set, order: dict):
     expert's own norm + QAT). None if there is none."""
     for node in sorted(beside, key=order.get):
         made_outside = node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and \
-            node.args[0].target in (AF, AF2) and node.args[0] not in beside
+            node.args[0].target in _AF and node.args[0] not in beside
         if (made_outside or node.target is aten.empty.memory_format) and node.users and \
                 all(u in beside for u in node.users):
             return node

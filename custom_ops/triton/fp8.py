@@ -147,7 +147,7 @@ def tile_counters(device, tiles: int) -> torch.Tensor:
     more than the largest buffer makes a larger one; none is freed, since a CUDA graph that
     captured a kernel keeps its buffer's address. Each stream has its own: kernels on two
     streams may run at once (custom_ops/triton/overlap.py)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if torch.device(device).type == "cuda" else None
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     bufs = _COUNTERS.setdefault((device, stream), [])
     if not bufs or bufs[-1].numel() < tiles:
         bufs.append(torch.zeros(max(SPLIT_TILES, triton.next_power_of_2(tiles)), dtype=torch.int32, device=device))
