@@ -97,7 +97,10 @@ def parse(argv=None):
                    help="the dense GEMMs at one row and their sweep only (no wo_a, experts or prefill: a short call)")
     p.add_argument("--knobs", type=json.loads, metavar="JSON",
                    help="a JSON list of knob dicts timed instead of the dense decode sweep, e.g. "
-                        "'[{\"path\": \"gemv\", \"split_k\": 16}]'")
+                        "'[{\"path\": \"gemv\", \"split_k\": 16}]'; with --slice-experts the experts' knobs "
+                        "instead of the 'tiles' sweep (a knob dict may name its path)")
+    p.add_argument("--widths", type=lambda v: tuple(int(w) for w in v.split(",")), default=SLICE_WIDTHS,
+                   help="--slice-experts' token counts (default: SLICE_WIDTHS)")
     p.add_argument("--slice-experts", action="store_true",
                    help="flash-slice's expert paths ('gemv', 'mma', 'tiles') at SLICE_WIDTHS and the 'tiles' "
                         "path's sweep only (--no-sweep: the paths only)")
@@ -120,7 +123,7 @@ def main(argv=None) -> dict:
     dev = device_for(args.dry_run)
     if args.slice_experts:
         res = slice_experts_run(dev, checkpoint=None if args.dry_run else lambda out: emit(out, args),
-                                sweep=not args.no_sweep)
+                                sweep=not args.no_sweep, knobs=args.knobs, widths=args.widths)
         emit(res, args)
         return res
     decode = (1,) if args.one_row else (1, 3) if args.dry_run else DECODE
@@ -265,15 +268,16 @@ def other_rows(out, dev, g, timed, decode, prefill, experts, sweep_m, expert_swe
     slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if dev == "cpu" else SLICE_EXPERTS, copy_rate, fp8_peak)
 
 
-def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak, tiles_sweep=(), checkpoint=None) -> None:
-    """flash-slice's experts (16, top-6) at SLICE_WIDTHS (the CPU's dry run: 1 and 6 tokens),
+def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak, tiles_sweep=(), checkpoint=None,
+                      widths=SLICE_WIDTHS) -> None:
+    """flash-slice's experts (16, top-6) at `widths` (the CPU's dry run: 1 and 6 tokens),
     each path in turn at each width ('gemv', 'mma', 'tiles' with `tile_knobs`, and past one token
     'mma' a pair a program): with 16 experts a verify step's rows reach most of them. Rows in
-    out["experts"] with "path" and "experts" set; the 'tiles' path with each of `tiles_sweep`'s
-    knobs in out["sweep"]."""
+    out["experts"] with "path" and "experts" set; each of `tiles_sweep`'s knobs (on the 'tiles'
+    path unless they name one) in out["sweep"]."""
     E, k, D, I = experts
     weights, per_expert = expert_weights(E, D, I, dev)
-    for T in ((1, 6) if dev == "cpu" else SLICE_WIDTHS):
+    for T in ((1, 6) if dev == "cpu" else widths):
         x, ids, wts, o, hit = expert_inputs(g, T, E, k, D, dev)
 
         def row(**kw):
@@ -283,22 +287,24 @@ def slice_expert_rows(out, dev, g, timed, experts, copy_rate, fp8_peak, tiles_sw
         out["experts"] += [row(path=p) for p in ("gemv", "mma", "tiles")]
         if T > 1:       # the tensor-core GEMVs a program a pair, as the CUDA-core ones
             out["experts"].append({**row(path="mma", mma_cols=1), "mma_cols": 1})
-        out["sweep"] += [{**row(path="tiles", **kw), "knobs": {"path": "tiles", **kw}} for kw in tiles_sweep]
+        out["sweep"] += [{**row(**{"path": "tiles", **kw}), "knobs": {"path": "tiles", **kw}} for kw in tiles_sweep]
         if checkpoint:
             checkpoint(out)
 
 
-def slice_experts_run(dev, checkpoint=None, sweep: bool = True) -> dict:
+def slice_experts_run(dev, checkpoint=None, sweep: bool = True, knobs=None, widths=SLICE_WIDTHS) -> dict:
     """--slice-experts: the copy and read rates, then `slice_expert_rows` with SLICE_TILES_SWEEP
-    (--dry-run: tiny experts, its first two knobs; --no-sweep: none)."""
+    or `knobs` (--dry-run: tiny experts, the first two; --no-sweep: none) at `widths`."""
     import torch
     timed = timer(dev)
     g = torch.Generator().manual_seed(0)
     copy_rate, read_rate = measure_copy(dev, timed), measure_read(dev, timed)
     out = {**header(dev, copy_rate, read_rate), "experts": [], "sweep": []}
     cpu = dev == "cpu"
-    knobs = (SLICE_TILES_SWEEP[:2] if cpu else SLICE_TILES_SWEEP) if sweep else ()
-    slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if cpu else SLICE_EXPERTS, copy_rate, None, knobs, checkpoint)
+    knobs = knobs if knobs is not None else SLICE_TILES_SWEEP
+    knobs = (knobs[:2] if cpu else knobs) if sweep else ()
+    slice_expert_rows(out, dev, g, timed, (4, 2, 64, 64) if cpu else SLICE_EXPERTS, copy_rate, None, knobs, checkpoint,
+                      widths)
     read_shares(out, read_rate)
     return out
 

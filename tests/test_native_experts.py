@@ -367,6 +367,21 @@ else:
             triton_moe_experts_w4a8(*args, 1.5, outs[-1], path="gemv", prefetch=prefetch, **kw)
         assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
 
+    @pytest.mark.parametrize("T,kw", [(1, {"num_stages": 2}), (4, {"splits": 3, "block_k": 32, "num_stages": 1}),
+                                      (1, {"block_n_up": 32, "block_n_down": 32, "num_stages": 3})])
+    def test_fp4_gemv_tma_loads(g, T, kw):
+        """The FP4 GEMVs with their weights loaded through tensor descriptors (bf16 activations):
+        on exactly summable inputs every FP32 order gives the same sums, so h (w2's input) and y
+        equal the plain loads' bit for bit; one token's unsorted pairs and several tokens'
+        sorted ones, one K block a split or many, output blocks past I (96 rows in 64-row
+        blocks: the descriptor reads the next expert's rows there, which no store keeps)."""
+        E, D, I, k = 7, 192, 96, 3
+        args = w4a8_case(g, T, E, D, I, k, exact=True, dtype=torch.bfloat16)
+        (h, y, order), (h2, y2, order2) = (w4a8_expert_gemms(*args, 1.0e4, **kw, tma=t) for t in (False, True))
+        live, valid = pair_experts(args[1], order) >= 0, args[1].reshape(-1) >= 0     # rows of real pairs
+        assert torch.equal(order, order2) and not y[valid].isnan().any()
+        assert torch.equal(h[live], h2[live]) and torch.equal(y[valid], y2[valid])
+
     def test_tile_counters_grow_and_keep_their_buffers():
         """A split-K call needing more counters than the largest buffer gets a larger one (the
         FP4 GEMVs forced at 2,048 tokens: 98,304 tiles); earlier buffers stay, as a captured CUDA

@@ -216,19 +216,32 @@ else:
 
     @pytest.mark.parametrize("M,kw", [(1, {"split_k": 3, "block_k": 64}), (2, {"block_k": 32}),
                                       (1, {"split_k": 5, "block_k": 64})])
-    def test_fp8_gemv_prefetch_changes_no_bit(g, M, kw):
-        """The GEMV's register prefetch of the next K block moves loads, not sums: the same bits
-        from codes and from x in bf16, one split or several, one K block a split or many."""
+    def test_fp8_gemv_load_forms_change_no_bit(g, M, kw):
+        """The GEMV's register prefetch of the next K block and its weight loads through a
+        tensor descriptor (TMA, pipelined) move loads, not sums: the same bits from codes and from
+        x in bf16, one split or several, one K block a split or many, N (96) not a multiple of
+        the 64-row tile (the descriptor's rows past N read as zeros)."""
         N, K = 96, 320
         xq, xs, w, ws = fp8_gemm_case(g, M, N, K)
         x = (xq.float() * xs.repeat_interleave(32, -1)).bfloat16()
         for run in (lambda o, **k: triton_fp8_block_gemm(xq, xs, w, ws, o, **k),
                     lambda o, **k: triton_fp8_linear(x, w, ws, o, **k)):
             outs = []
-            for prefetch in (False, True):
+            for form in ({}, {"prefetch": True}, {"tma": True, "num_stages": 3}):
                 outs.append(torch.full((M, N), float("nan"), dtype=torch.bfloat16))
-                run(outs[-1], path="gemv", prefetch=prefetch, **kw)
-            assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+                run(outs[-1], path="gemv", block_n=64, **form, **kw)
+            assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+    def test_fp8_gemv_tma_grouped(g):
+        """The TMA loads in a grouped GEMV (wo_a's form): each output tile's descriptor rows inside
+        its group, bitwise the plain loads' result."""
+        from tests.kernel_cases import fp8_grouped_case
+        xq, xs, w, ws = fp8_grouped_case(g, 1, 3, 64, 96)
+        outs = []
+        for form in ({}, {"tma": True, "num_stages": 2}):
+            outs.append(torch.full((1, 3 * 64), float("nan"), dtype=torch.bfloat16))
+            triton_fp8_block_gemm(xq, xs, w, ws, outs[-1], 3, path="gemv", split_k=2, **form)
+        assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
 
     def test_fp8_block_gemm_unknown_path(g):
         """An unknown path is refused by name (not run as another)."""

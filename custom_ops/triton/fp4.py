@@ -155,3 +155,31 @@ def fp4_words_dot(acc, a_ptr, w, codes, k0, BLOCK_K: tl.constexpr, ASM: tl.const
     part += v6 * tl.load(a + 6).to(tl.float32)[None, :]
     part += v7 * tl.load(a + 7).to(tl.float32)[None, :]
     return acc + part * e2m1_scale(codes.to(tl.int32))
+
+
+@triton.jit
+def bf16_pair_values(w):
+    """The two FP32 values of int32 words w of two bf16 (element 2p in the low half)."""
+    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp4_groups_dot(acc, a_words, w, codes, ASM: tl.constexpr):
+    """`fp4_words_dot` on a K block held as [BLOCK_N, groups, 4] int32 words of weights (four
+    words a group of 32) and their scale codes [BLOCK_N, groups, 1]; the activation as int32
+    words of bf16 pairs, `a_words` pointing at the block's [1, groups, 4, 4] (word, pair): loaded
+    16 bytes a word, one load per word for all rows, where `fp4_words_dot` loads element by
+    element. Each word's eight products summed, times its group's scale, into acc [BLOCK_N,
+    groups, 4]; the caller sums after its K loop."""
+    G: tl.constexpr = w.shape[1]
+    pairs = tl.reshape(tl.load(a_words), [1, G, 4, 2, 2])
+    even, odd = tl.split(pairs)                    # pairs (0, 2) and (1, 3)
+    p0, p2 = tl.split(even)
+    p1, p3 = tl.split(odd)
+    x0, x1 = bf16_pair_values(p0)
+    x2, x3 = bf16_pair_values(p1)
+    x4, x5 = bf16_pair_values(p2)
+    x6, x7 = bf16_pair_values(p3)
+    v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word_values(w, ASM)
+    part = v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3 + v4 * x4 + v5 * x5 + v6 * x6 + v7 * x7
+    return acc + part * e2m1_scale(codes.to(tl.int32))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
@@ -219,13 +220,15 @@ def gemm_path(M: int) -> str:
 def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | None = None,
           block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
           split_k: int | None = None, unroll: int | None = None, num_warps: int | None = None,
-          num_stages: int | None = None, prefetch: bool = False, scales=None, out_dtype=None) -> bool:
+          num_stages: int | None = None, prefetch: bool = False, tma: bool = False, scales=None,
+          out_dtype=None) -> bool:
     """Launch the kernel of `path` (default `gemm_path`): `_fp8_gemv_kernel` or
     `_fp8_gemm_kernel`, or return False where it does not apply. Knobs: tile sizes (block_m: the
     GEMV's rows a program; block_k: the GEMV's K block), split-K count (None: `split_count`),
     pipeline stages, the MMA kernel's K blocks per iteration (None: `_tiles`, one
     block per iteration where its count does not divide K), warps, the GEMV's register prefetch
-    of the next K block (`_fp8_gemv_kernel` PREFETCH). Split-K sums FP32 partials in
+    of the next K block (`_fp8_gemv_kernel` PREFETCH) or its weight loads through a tensor
+    descriptor (TMA; pipelined over `num_stages`). Split-K sums FP32 partials in
     a fixed order: deterministic, and only the order of the FP32 sums differs from one split.
     `scales`: out takes the E4M3 codes of the output rounded to `out_dtype`, `scales` their
     FP32 scales per 32 columns (QUANT_OUT)."""
@@ -267,11 +270,17 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
     epilogue = dict(QUANT_OUT=codes, OUT_DTYPE=TL_DTYPES[out_dtype] if codes else tl.bfloat16)
     if path == "gemv":
         words = w.view(torch.int32)
+        # x from codes only (the TMA loop reads x as words of codes); a descriptor needs 16-byte rows
+        tma = tma and not quant_x and w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0
+        if tma:
+            if prefetch:
+                raise ValueError("fp8_block_gemm: the GEMV's register prefetch and its TMA loads are exclusive")
+            words = TensorDescriptor.from_tensor(words, [bn, unroll * GROUP // 4])
         _fp8_gemv_kernel[(grid_m, grid_n, splits)](
             x, xs, words, wsc, out, part, counters, os_, M, N, K, per * GROUP, R, x.stride(0), xs.stride(0),
-            words.stride(0), wsc.stride(0), out.stride(0), part.stride(0), part.stride(-2), os_.stride(0), ROWS=bm,
+            w.stride(0) // 4, wsc.stride(0), out.stride(0), part.stride(0), part.stride(-2), os_.stride(0), ROWS=bm,
             BLOCK_N=bn, BLOCK_K=unroll * GROUP, SPLIT_K=splits > 1, QUANT_X=quant_x, ASM=x.is_cuda,
-            STAGES=launch.pop("num_stages"), PREFETCH=prefetch, **epilogue, **launch, **pdl(out.device))
+            STAGES=launch.pop("num_stages"), PREFETCH=prefetch, TMA=tma, **epilogue, **launch, **pdl(out.device))
         return True
     _fp8_gemm_kernel[(grid_m, grid_n, splits)](
         x, xs, w, wsc, out, part, counters, os_,

@@ -23,7 +23,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr
                      stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm, stride_osm,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
-                     PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
+                     PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False, TMA: tl.constexpr = False,
                      QUANT_OUT: tl.constexpr = False, OUT_DTYPE: tl.constexpr = tl.bfloat16):
     """The W8A8 GEMM on CUDA cores for a few rows of x, program (m, n, s): ROWS rows of x against
     BLOCK_N weight rows over K range [s·K_SPLIT, (s+1)·K_SPLIT) (multiples of BLOCK_K, itself a
@@ -34,8 +34,10 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr
     STAGES > 1 software-pipelines the K loop's loads (the weight words through shared memory).
     PREFETCH: the next K block's weight words and scales are loaded in registers while this one
     is multiplied, the first before `pdl_wait` (constant weights: they may stream while the
-    kernel before ends). Grouped, split-K and the output (QUANT_OUT included) as in
-    `_fp8_gemm_kernel`."""
+    kernel before ends). TMA: w_ptr is a tensor descriptor of the words [N, K / 4] in blocks
+    [BLOCK_N, BLOCK_K / 4], whose loads the hardware's copy engine makes into shared memory,
+    STAGES of them in flight, with no registers or address arithmetic spent on them. Grouped,
+    split-K and the output (QUANT_OUT included) as in `_fp8_gemm_kernel`."""
     if not PREFETCH:
         pdl_wait(PDL)
     W: tl.constexpr = BLOCK_K // 4                      # words a row a K block
@@ -49,9 +51,20 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr
     x_at = x_ptr + rm.to(tl.int64)[:, None, None] * stride_xm + (n0 // ROWS_G).to(tl.int64) * K + 4 * j
     xs_at = xs_ptr + rm.to(tl.int64)[:, None, None] * stride_sm + (n0 // ROWS_G).to(tl.int64) * (K // GROUP_K) + \
         j // (GROUP_K // 4)
-    w_at = w_ptr + rn.to(tl.int64)[None, :, None] * stride_wn + j
+    if TMA:   # [row, 32-row block, its rows, group, its words]; ROWS 1, rows past N zero in the tile
+        g5 = tl.arange(0, W // 8)[None, None, None, :, None]
+        x5 = (x_ptr + rm.to(tl.int64) * stride_xm + (n0 // ROWS_G).to(tl.int64) * K).to(
+            tl.pointer_type(tl.int32), bitcast=True) + 8 * g5 + tl.arange(0, 8)[None, None, None, None, :]
+        b5 = (n0 // GROUP_K + tl.arange(0, BLOCK_N // 32))[None, :, None, None, None]
+        s5 = ws_ptr + b5.to(tl.int64) * stride_wsn + g5
+        bmask = b5 < tl.cdiv(N, GROUP_K)
+        xs5 = xs_ptr + rm.to(tl.int64) * stride_sm + (n0 // ROWS_G).to(tl.int64) * (K // GROUP_K) + g5
+        acc = tl.zeros([1, BLOCK_N // 32, 32, W // 8, 8], tl.float32)
+    else:
+        w_at = w_ptr + rn.to(tl.int64)[None, :, None] * stride_wn + j
     s_at = ws_ptr + (rn // GROUP_K).to(tl.int64)[None, :, None] * stride_wsn + j // (GROUP_K // 4)
-    acc = tl.zeros([ROWS, BLOCK_N, W], tl.float32)
+    if not TMA:
+        acc = tl.zeros([ROWS, BLOCK_N, W], tl.float32)
     k_lo = split * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     if PREFETCH:
@@ -64,21 +77,34 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr
             k_next = next_block(k0, k_hi, BLOCK_K)
             w_next = tl.load(w_at + k_next // 4, mask=nmask, other=0)
             s_next = tl.load(s_at + k_next // GROUP_K, mask=nmask, other=127)
+        elif TMA:
+            words = tl.reshape(w_ptr.load([n0, k0 // 4]), [1, BLOCK_N // 32, 32, W // 8, 8])
+            codes = tl.load(s5 + k0 // GROUP_K, mask=bmask, other=127)
+            xw = tl.load(x5 + k0 // 4)
         else:
             words = tl.load(w_at + k0 // 4, mask=nmask, other=0)
             codes = tl.load(s_at + k0 // GROUP_K, mask=nmask, other=127)
         w0, w1, w2, w3 = e4m3_word_values(words, ASM)
         sw = e8m0_to_f32(codes.to(tl.int32))
-        x0 = tl.load(x_at + k0, mask=mmask, other=0.0).to(tl.float32)
-        x1 = tl.load(x_at + k0 + 1, mask=mmask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_at + k0 + 2, mask=mmask, other=0.0).to(tl.float32)
-        x3 = tl.load(x_at + k0 + 3, mask=mmask, other=0.0).to(tl.float32)
-        if QUANT_X:
+        if TMA:
+            x0, x1, x2, x3 = e4m3_word_values(xw, ASM)
+            sx = tl.load(xs5 + k0 // GROUP_K)
+            x0, x1, x2, x3 = x0 * sx, x1 * sx, x2 * sx, x3 * sx
+        else:
+            x0 = tl.load(x_at + k0, mask=mmask, other=0.0).to(tl.float32)
+            x1 = tl.load(x_at + k0 + 1, mask=mmask, other=0.0).to(tl.float32)
+            x2 = tl.load(x_at + k0 + 2, mask=mmask, other=0.0).to(tl.float32)
+            x3 = tl.load(x_at + k0 + 3, mask=mmask, other=0.0).to(tl.float32)
+        if TMA:
+            pass
+        elif QUANT_X:
             x0, x1, x2, x3 = fp8_qat_words(x0, x1, x2, x3, W)
         else:
             sx = tl.load(xs_at + k0 // GROUP_K, mask=mmask, other=0.0)
             x0, x1, x2, x3 = x0 * sx, x1 * sx, x2 * sx, x3 * sx
         acc += (w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3) * sw
+    if TMA:
+        acc = tl.reshape(tl.sum(tl.sum(acc, axis=4), axis=3), [1, BLOCK_N, 1])
     store_tile(tl.sum(acc, axis=2), rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, os_ptr,
                stride_osm, SPLIT_K, QUANT_OUT, OUT_DTYPE)
 

@@ -220,7 +220,8 @@ def fits(x, weights, I: int, out, knobs) -> bool:
 def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int | None = None,
                 block_n_up: int | None = None, block_n_down: int | None = None,
                 block_k: int | None = None, splits: int | None = None, num_warps: int = 4,
-                num_stages: int | None = None, tiles: bool = False, prefetch: bool = False, mma: bool = False,
+                num_stages: int | None = None, tiles: bool = False, prefetch: bool = False, tma: bool = False,
+                mma: bool = False,
                 mma_cols: int | None = None, hidden: list | None = None) -> None:
     """Steps 0-3 on dequantized experts (`scales` None: the tile kernels) or packed FP4 ones
     (`scales` = their E8M0 scales as uint8, (s1, s3, s2): a GEMV per pair, both GEMMs split
@@ -228,7 +229,8 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
     order by each output block's last split, their loads pipelined `num_stages` deep (FP4_STAGES: 1,
     not pipelined); `tiles`: the tile kernels, each weight tile dequantized exactly to x's dtype
     in registers, `splits` (default 1) and `num_stages` (default Triton's) as `tile_gemms`).
-    `prefetch`: the FP4 GEMVs load each next K block during this one's products. `mma`: the
+    `prefetch`: the FP4 GEMVs load each next K block during this one's products; `tma`: they
+    load their weights through tensor descriptors, `num_stages` deep. `mma`: the
     GEMVs on tensor cores instead (fp4_mma.py; `splits`, `num_warps` (4 its default) and
     `mma_cols`, its pairs a program, apply).
     `hidden`, when given, receives (h, order, y): w2's input rows (row r: pair order[r]), the
@@ -258,7 +260,7 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
             # one token's pairs are distinct experts: nothing to share, so no sort (a launch less)
             order = expert_tiles(ids, E, bm)[0] if T > 1 else None
             fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, block_n_down, block_k,
-                      splits, num_warps, num_stages or FP4_STAGES, prefetch)
+                      splits, num_warps, num_stages or FP4_STAGES, prefetch, tma)
     if hidden is not None:
         hidden.extend((h, order if order is not None else torch.arange(T * k, device=dev), y))
     reduce_pairs(y, ids, E, out)

@@ -17,9 +17,10 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from custom_ops.triton.common import next_block, pdl, pdl_wait
-from custom_ops.triton.fp4 import fp4_words_dot, fp4_words_load
+from custom_ops.triton.fp4 import fp4_groups_dot, fp4_words_dot, fp4_words_load
 from custom_ops.triton.fp8 import sum_splits, tile_counters
 from custom_ops.triton.moe_tiles import swiglu_store
 
@@ -40,15 +41,37 @@ def gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N: tl.constexpr, SORTED: tl.cons
 
 
 @triton.jit
+def tma_gemv_sums(desc, s_rows, row0, a_ptr, k_lo, k_hi, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  STAGES: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_N] FP32 sums over K range [k_lo, k_hi) of rows row0.. of packed FP4 weights (desc: a
+    tensor descriptor of their int32 words, [rows, K / 8] in blocks [BLOCK_N, BLOCK_K / 8], loads
+    pipelined STAGES deep; s_rows: the rows' scale codes) against the bf16 activation at a_ptr
+    (`fp4_groups_dot`)."""
+    G: tl.constexpr = BLOCK_K // 32
+    g3 = tl.arange(0, G)[None, :, None]
+    a_words = a_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + \
+        (16 * g3 + 4 * tl.arange(0, 4)[None, None, :])[:, :, :, None] + tl.arange(0, 4)[None, None, None, :]
+    acc = tl.zeros([BLOCK_N, G, 4], tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        words = tl.reshape(desc.load([row0, k0 // 8]), [BLOCK_N, G, 4])
+        codes = tl.load(s_rows[:, None, None] + k0 // 32 + g3, mask=nmask[:, None, None], other=127)
+        acc = fp4_groups_dot(acc, a_words + k0 // 2, words, codes, ASM)
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
 def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, wts_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, part_ptr, cnt_ptr, h_ptr,
                  I, D, k, k_split, limit, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_ps, stride_pu,
                  stride_h, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
-                 SORTED: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
+                 SORTED: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
+                 TMA: tl.constexpr = False):
     """FP4 up GEMMs at decode widths, grid (rows, I / BLOCK_N, K splits): one pair's
     token row against BLOCK_N rows of w1[e] and w3[e] (int32 words, strides in words), its FP32
     sums over the split's K range into the partials [splits, 2, rows, I]; the split that counts
     last at its (row, N block) sums them in split order and runs the epilogue into h's row.
-    PREFETCH: the next K block's words and scales load while this one is multiplied."""
+    PREFETCH: the next K block's words and scales load while this one is multiplied. TMA: w1_ptr
+    and w3_ptr are tensor descriptors of the words [E·I, D / 8] in blocks [BLOCK_N, BLOCK_K / 8],
+    loaded by the copy engine STAGES deep (`fp4_groups_dot`)."""
     pdl_wait(PDL)
     r, pair, e, rn, k_lo = gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N, SORTED)
     if e < 0:
@@ -57,26 +80,32 @@ def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, wts_ptr, w1_ptr, w3_ptr, s1_ptr, s3
     a = xq_ptr + (pair // k) * stride_x
     w_off = e * stride_we + rn.to(tl.int64) * stride_wn          # w1 and w3 share their strides
     s_off = e * stride_se + rn.to(tl.int64) * stride_sn
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
     k_hi = tl.minimum(D, k_lo + k_split)
-    if PREFETCH:
-        g_next, gs_next = fp4_words_load(w1_ptr + w_off, s1_ptr + s_off, k_lo, nmask, BLOCK_K)
-        u_next, us_next = fp4_words_load(w3_ptr + w_off, s3_ptr + s_off, k_lo, nmask, BLOCK_K)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+    if TMA:
+        row0 = (e * I + tl.program_id(1) * BLOCK_N).to(tl.int32)       # descriptor rows: int32
+        g_sum = tma_gemv_sums(w1_ptr, s1_ptr + s_off, row0, a, k_lo, k_hi, nmask, BLOCK_N, BLOCK_K, STAGES, ASM)
+        u_sum = tma_gemv_sums(w3_ptr, s3_ptr + s_off, row0, a, k_lo, k_hi, nmask, BLOCK_N, BLOCK_K, STAGES, ASM)
+    else:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
         if PREFETCH:
-            gw, gs, uw, us = g_next, gs_next, u_next, us_next
-            k_next = next_block(k0, k_hi, BLOCK_K)
-            g_next, gs_next = fp4_words_load(w1_ptr + w_off, s1_ptr + s_off, k_next, nmask, BLOCK_K)
-            u_next, us_next = fp4_words_load(w3_ptr + w_off, s3_ptr + s_off, k_next, nmask, BLOCK_K)
-        else:
-            gw, gs = fp4_words_load(w1_ptr + w_off, s1_ptr + s_off, k0, nmask, BLOCK_K)
-            uw, us = fp4_words_load(w3_ptr + w_off, s3_ptr + s_off, k0, nmask, BLOCK_K)
-        acc_g = fp4_words_dot(acc_g, a, gw, gs, k0, BLOCK_K, ASM)
-        acc_u = fp4_words_dot(acc_u, a, uw, us, k0, BLOCK_K, ASM)
+            g_next, gs_next = fp4_words_load(w1_ptr + w_off, s1_ptr + s_off, k_lo, nmask, BLOCK_K)
+            u_next, us_next = fp4_words_load(w3_ptr + w_off, s3_ptr + s_off, k_lo, nmask, BLOCK_K)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+            if PREFETCH:
+                gw, gs, uw, us = g_next, gs_next, u_next, us_next
+                k_next = next_block(k0, k_hi, BLOCK_K)
+                g_next, gs_next = fp4_words_load(w1_ptr + w_off, s1_ptr + s_off, k_next, nmask, BLOCK_K)
+                u_next, us_next = fp4_words_load(w3_ptr + w_off, s3_ptr + s_off, k_next, nmask, BLOCK_K)
+            else:
+                gw, gs = fp4_words_load(w1_ptr + w_off, s1_ptr + s_off, k0, nmask, BLOCK_K)
+                uw, us = fp4_words_load(w3_ptr + w_off, s3_ptr + s_off, k0, nmask, BLOCK_K)
+            acc_g = fp4_words_dot(acc_g, a, gw, gs, k0, BLOCK_K, ASM)
+            acc_u = fp4_words_dot(acc_u, a, uw, us, k0, BLOCK_K, ASM)
+        g_sum, u_sum = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
     at = part_ptr + r * I + rn
-    tl.store(at + tl.program_id(2) * stride_ps, tl.sum(acc_g, axis=1), mask=nmask)
-    tl.store(at + tl.program_id(2) * stride_ps + stride_pu, tl.sum(acc_u, axis=1), mask=nmask)
+    tl.store(at + tl.program_id(2) * stride_ps, g_sum, mask=nmask)
+    tl.store(at + tl.program_id(2) * stride_ps + stride_pu, u_sum, mask=nmask)
     counter = cnt_ptr + r * tl.num_programs(1) + tl.program_id(1)
     if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
         g = tl.zeros([1, BLOCK_N], tl.float32)
@@ -95,31 +124,37 @@ def _fp4_up_gemv(xq_ptr, ids_ptr, order_ptr, wts_ptr, w1_ptr, w3_ptr, s1_ptr, s3
 def _fp4_down_gemv(h_ptr, ids_ptr, order_ptr, w2_ptr, s2_ptr, part_ptr, cnt_ptr, y_ptr, D, I, k_split,
                    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_ps, stride_y,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
-                   SORTED: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
+                   SORTED: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
+                   TMA: tl.constexpr = False):
     """FP4 down GEMM at decode widths, grid (rows, D / BLOCK_N, K splits): one h row
     against BLOCK_N rows of w2[e] (int32 words), the FP32 sum over the split's K range into the
     partials [splits, pairs, D] at the pair's row, which the split that counts last at its (row,
     N block) sums in split order into the pair's row of y (fp8.sum_splits, as the FP8 split-K).
-    PREFETCH: as the up GEMV's."""
+    PREFETCH, TMA (w2_ptr a descriptor of [E·D, I / 8] words): as the up GEMV's."""
     pdl_wait(PDL)
     r, pair, e, rn, k_lo = gemv_row(order_ptr, ids_ptr, k_split, BLOCK_N, SORTED)
     if e < 0:
         return
     nmask = rn < D
-    w = w2_ptr + e * stride_we + rn.to(tl.int64) * stride_wn
     sc = s2_ptr + e * stride_se + rn.to(tl.int64) * stride_sn
-    acc = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
     k_hi = tl.minimum(I, k_lo + k_split)
-    if PREFETCH:
-        w_next, s_next = fp4_words_load(w, sc, k_lo, nmask, BLOCK_K)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+    if TMA:
+        row0 = (e * D + tl.program_id(1) * BLOCK_N).to(tl.int32)
+        total = tma_gemv_sums(w2_ptr, sc, row0, h_ptr + r * stride_h, k_lo, k_hi, nmask, BLOCK_N, BLOCK_K, STAGES, ASM)
+    else:
+        w = w2_ptr + e * stride_we + rn.to(tl.int64) * stride_wn
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
         if PREFETCH:
-            words, codes = w_next, s_next
-            w_next, s_next = fp4_words_load(w, sc, next_block(k0, k_hi, BLOCK_K), nmask, BLOCK_K)
-        else:
-            words, codes = fp4_words_load(w, sc, k0, nmask, BLOCK_K)
-        acc = fp4_words_dot(acc, h_ptr + r * stride_h, words, codes, k0, BLOCK_K, ASM)
-    sum_splits(tl.sum(acc, axis=1), y_ptr + pair * stride_y + rn, part_ptr + pair * D + rn, stride_ps,
+            w_next, s_next = fp4_words_load(w, sc, k_lo, nmask, BLOCK_K)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+            if PREFETCH:
+                words, codes = w_next, s_next
+                w_next, s_next = fp4_words_load(w, sc, next_block(k0, k_hi, BLOCK_K), nmask, BLOCK_K)
+            else:
+                words, codes = fp4_words_load(w, sc, k0, nmask, BLOCK_K)
+            acc = fp4_words_dot(acc, h_ptr + r * stride_h, words, codes, k0, BLOCK_K, ASM)
+        total = tl.sum(acc, axis=1)
+    sum_splits(total, y_ptr + pair * stride_y + rn, part_ptr + pair * D + rn, stride_ps,
                tl.program_id(2), tl.num_programs(2), cnt_ptr + r * tl.num_programs(1) + tl.program_id(1), nmask)
 
 
@@ -138,11 +173,12 @@ def k_split(K: int, block_k: int, splits: int) -> tuple[int, int]:
 
 
 def fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, block_n_down, block_k, splits,
-              num_warps, stages, prefetch: bool = False) -> None:
+              num_warps, stages, prefetch: bool = False, tma: bool = False) -> None:
     """Steps 1-2 on FP4 experts, two launches: the up GEMVs into partials, whose last split
     sums them and runs the epilogue -> h; the down GEMVs likewise -> y. `order` (the pairs
     sorted by expert: h's rows in that order) or None (h's rows are the pairs'). `prefetch`:
-    each GEMV loads its next K block during this one's products (PREFETCH)."""
+    each GEMV loads its next K block during this one's products (PREFETCH); `tma`: bf16
+    activations and contiguous weights, loaded through tensor descriptors (TMA), `stages` deep."""
     P, I = h.shape
     D = y.shape[1]
     k = ids.shape[1]
@@ -155,16 +191,24 @@ def fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, 
     pu = torch.empty(su, 2, P, I, dtype=torch.float32, device=h.device)
     pd = torch.empty(sd, P, D, dtype=torch.float32, device=h.device)
     w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))     # eight E2M1 values a word
+    if tma and prefetch:
+        raise ValueError("moe_experts_w4a8: the GEMVs' register prefetch and their TMA loads are exclusive")
+    tma = tma and xq.dtype == torch.bfloat16 and all(w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[-1] % 4 == 0 for w in (w1, w3, w2))
+    (we, wn), we2, wn2 = w1.stride()[:2], w2.stride(0), w2.stride(1)
+    if tma:      # descriptors of the experts' rows stacked: [E·rows, K / 8] words
+        w1, w3 = (TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [bnu, bku // 8]) for w in (w1, w3))
+        w2 = TensorDescriptor.from_tensor(w2.view(-1, w2.shape[-1]), [bnd, bkd // 8])
     asm = h.device.type == "cuda"
     grid_up, grid_down = (P, triton.cdiv(I, bnu), su), (P, triton.cdiv(D, bnd), sd)
     sorted_ = order is not None
     order = order if sorted_ else flat                 # unread unsorted
     _fp4_up_gemv[grid_up](
         xq, flat, order, wts, w1, w3, s1, s3, pu, tile_counters(h.device, P * grid_up[1]), h, I, D, k, ku, limit,
-        xq.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), pu.stride(0), pu.stride(1), h.stride(0),
-        BLOCK_N=bnu, BLOCK_K=bku, ASM=asm, STAGES=stages, SORTED=sorted_, PREFETCH=prefetch, num_warps=num_warps,
+        xq.stride(0), we, wn, s1.stride(0), s1.stride(1), pu.stride(0), pu.stride(1), h.stride(0),
+        BLOCK_N=bnu, BLOCK_K=bku, ASM=asm, STAGES=stages, SORTED=sorted_, PREFETCH=prefetch, TMA=tma,
+        num_warps=num_warps,
         **pdl(h.device))
     _fp4_down_gemv[grid_down](
-        h, flat, order, w2, s2, pd, tile_counters(h.device, P * grid_down[1]), y, D, I, kd, h.stride(0), w2.stride(0),
-        w2.stride(1), s2.stride(0), s2.stride(1), pd.stride(0), y.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, ASM=asm,
-        STAGES=stages, SORTED=sorted_, PREFETCH=prefetch, num_warps=num_warps, **pdl(h.device))
+        h, flat, order, w2, s2, pd, tile_counters(h.device, P * grid_down[1]), y, D, I, kd, h.stride(0), we2, wn2,
+        s2.stride(0), s2.stride(1), pd.stride(0), y.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, ASM=asm, STAGES=stages,
+        SORTED=sorted_, PREFETCH=prefetch, TMA=tma, num_warps=num_warps, **pdl(h.device))
