@@ -156,6 +156,41 @@ def test_fp8_gemm_paths(M, path):
     assert not want.isnan().any() and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("N,K,G", [(32768, 1280, 1), (5120, 8192, 1), (8192, 4096, 8)])
+def test_fp8_gemv_tma(N, K, G, stages):
+    """The one-row GEMV with its weights loaded through a tensor descriptor (TMA), unpipelined
+    and three deep, on Flash's wq_b, wo_b and grouped wo_a shapes: FP32 sums of exact products
+    within γ_K·S of the float64 product, every element written."""
+    from custom_ops.triton.fp8_gemm import triton_fp8_block_gemm
+    g = torch.Generator().manual_seed(N + stages)
+    if G == 1:
+        xq, xs, w, ws = fp8_gemm_case(g, 1, N, K, device=DEV)
+    else:
+        xq, xs, w, ws = fp8_grouped_case(g, 1, G, N // G, K, device=DEV)
+    Kg = w.shape[1]
+    x = (xq.double() * xs.double().repeat_interleave(32, -1)).reshape(G, Kg)
+    wd = quant.dequant_fp8_block(w, ws, torch.float64).reshape(G, N // G, Kg)
+    exact = torch.einsum("gk,gnk->gn", x, wd).reshape(1, N)
+    S = torch.einsum("gk,gnk->gn", x.abs(), wd.abs()).reshape(1, N)
+    out = torch.full((1, N), float("nan"), device=DEV)
+    triton_fp8_block_gemm(xq, xs, w, ws, out, G, path="gemv", tma=True, num_stages=stages)
+    err = (out.double() - exact).abs()
+    assert not out.isnan().any()
+    assert (err <= Kg * U * S).all(), float((err / (Kg * U * S).clamp(min=1e-300)).max())
+
+
+@pytest.mark.parametrize("T,kw", [(1, {"num_stages": 1}), (1, {"num_stages": 3}), (6, {"num_stages": 3}),
+                                  (1, {"num_stages": 3, "block_n_up": 128, "block_n_down": 128, "splits": 2})])
+def test_moe_experts_w4a8_gemv_tma(T, kw):
+    """The FP4 GEMVs with their weights loaded through tensor descriptors (TMA), compiled for
+    sm_90 with their PTX: within the experts' tolerance of the reference."""
+    from custom_ops.triton.moe_w4a8 import triton_moe_experts_w4a8
+    args, r, out = experts_case(T)
+    triton_moe_experts_w4a8(*args, 10.0, out, path="gemv", tma=True, **kw)
+    assert_experts_close(out, r, T)
+
+
 def experts_case(T):
     """(inputs, reference output, NaN-poisoned output) of a W4A8 expert case with D = 1024, I = 512."""
     g = torch.Generator().manual_seed(T)
