@@ -96,20 +96,24 @@ def per_weight(body: list[str], warps: int, weights: int) -> float:
     return round(len(body) * 32 * warps / weights, 2)
 
 
-def loop_body(kernel) -> list[str]:
+def loop_body(kernel, innermost: bool = False) -> list[str]:
     """The opcodes of the largest loop of the kernel's SASS (the instructions from a backward
-    branch's target to the branch)."""
+    branch's target to the branch); `innermost`: of the loops holding no other loop's backward
+    branch (a kernel whose TMA loads wait on barriers branches back from waits placed after its
+    K loops, a span that holds them all)."""
     ins = []
     for ln in _cuobjdump(kernel, "-sass").splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", ln)
         if m:
             ins.append((int(m.group(1), 16), m.group(2)))
-    best: list[str] = []
+    loops = []
     for addr, text in ins:
         m = re.search(r"BRA\s+(?:`?\()?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
-            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            best = max(best, body, key=len)
+            loops.append((int(m.group(1), 16), addr))
+    if innermost:
+        loops = [(t, a) for t, a in loops if not any(t <= a2 < a for t2, a2 in loops if (t2, a2) != (t, a))]
+    best = max(([t for a, t in ins if lo <= a <= hi] for lo, hi in loops), key=len, default=[])
     return [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in best]
 
 
@@ -188,19 +192,20 @@ FP8_GEMV_INTS = ("M", "N", "K", "K_SPLIT", "ROWS_G", "stride_xm", "stride_sm", "
 
 
 def fp8_gemv(rows: int, block_n: int, block_k: int, quant_x: bool, warps: int = 4, asm: bool = True, stages: int = 3,
-             prefetch: bool = False, quant_out: bool = False):
+             prefetch: bool = False, quant_out: bool = False, tma: bool = False):
     """The W8A8 GEMV (fp8_gemm.py `_fp8_gemv_kernel`) with split-K; quant_x: x in bf16; prefetch:
     the next K block's weights loaded during this one's products (PREFETCH, with PDL); quant_out:
-    the output act-quantized in the epilogue."""
+    the output act-quantized in the epilogue; tma: the weights through a tensor descriptor (TMA)."""
     from custom_ops.triton.fp8_gemv import _fp8_gemv_kernel
-    sig = {"x_ptr": "*bf16" if quant_x else "*fp8e4nv", "xs_ptr": "*bf16" if quant_x else "*fp32", "w_ptr": "*i32",
+    w_ty = f"tensordesc<i32[{block_n}, {block_k // 4}]>" if tma else "*i32"
+    sig = {"x_ptr": "*bf16" if quant_x else "*fp8e4nv", "xs_ptr": "*bf16" if quant_x else "*fp32", "w_ptr": w_ty,
            "ws_ptr": "*u8", "o_ptr": "*fp8e4nv" if quant_out else "*bf16", "p_ptr": "*fp32", "cnt_ptr": "*i32",
            "os_ptr": "*fp32", **dict.fromkeys(FP8_GEMV_INTS, "i32"),
            **dict.fromkeys(("ROWS", "BLOCK_N", "BLOCK_K", "SPLIT_K", "QUANT_X", "ASM", "STAGES", "QUANT_OUT"),
                            "constexpr")}
     return build(_fp8_gemv_kernel, sig, {"ROWS": rows, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": True,
                                          "QUANT_X": quant_x, "ASM": asm, "STAGES": stages, "PREFETCH": prefetch,
-                                         "PDL": prefetch, "QUANT_OUT": quant_out},
+                                         "PDL": prefetch, "QUANT_OUT": quant_out, "TMA": tma},
                  aligned=("N", "K", "K_SPLIT", "ROWS_G", "stride_xm", "stride_wn", "stride_om", "stride_pm"),
                  num_warps=warps)
 
@@ -324,22 +329,27 @@ def tile_row(which: str, per: int, block_m: int, block_n: int, block_k: int, war
 
 
 def fp4_gemv(which: str, block_n: int, block_k: int, warps: int, asm: bool = True, stages: int | None = None,
-             prefetch: bool = False):
-    """The decode FP4 expert GEMV `which` ('up' or 'down') built at a tile (prefetch: PREFETCH)."""
+             prefetch: bool = False, tma: bool = False):
+    """The decode FP4 expert GEMV `which` ('up' or 'down') built at a tile (prefetch: PREFETCH;
+    tma: the weights through tensor descriptors)."""
     from custom_ops.triton.moe_gemv import FP4_STAGES, _fp4_down_gemv, _fp4_up_gemv
-    fn, sig = (_fp4_up_gemv, FP4_UP_SIG) if which == "up" else (_fp4_down_gemv, FP4_DOWN_SIG)
+    fn, sig = (_fp4_up_gemv, dict(FP4_UP_SIG)) if which == "up" else (_fp4_down_gemv, dict(FP4_DOWN_SIG))
+    if tma:
+        sig.update({n: f"tensordesc<i32[{block_n}, {block_k // 8}]>" for n in ("w1_ptr", "w3_ptr", "w2_ptr") if n in sig})
     return build(fn, sig, {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": asm, "STAGES": stages or FP4_STAGES,
-                           "SORTED": True, "PREFETCH": prefetch}, aligned=FP4_ALIGNED, num_warps=warps)
+                           "SORTED": True, "PREFETCH": prefetch, "TMA": tma}, aligned=FP4_ALIGNED, num_warps=warps)
 
 
 def fp4_gemv_row(which: str, block_n: int, block_k: int, warps: int, asm: bool = True,
-                 stages: int | None = None, prefetch: bool = False) -> dict:
+                 stages: int | None = None, prefetch: bool = False, tma: bool = False) -> dict:
     from custom_ops.triton.moe_gemv import FP4_STAGES
-    k = fp4_gemv(which, block_n, block_k, warps, asm, stages, prefetch)
-    body = loop_body(k)
-    weights = (2 if which == "up" else 1) * block_n * block_k      # elements of w1 and w3, or of w2
+    k = fp4_gemv(which, block_n, block_k, warps, asm, stages, prefetch, tma)
+    body = loop_body(k, innermost=tma)
+    # elements of w1 and w3, or of w2 (with TMA the up GEMV walks w1, then w3: a loop each)
+    weights = (2 if which == "up" and not tma else 1) * block_n * block_k
     return {"kernel": f"_fp4_{which}_gemv", "tile": f"{block_n}x{block_k}", "num_warps": warps, "asm": asm,
-            "num_stages": stages or FP4_STAGES, **resources(k), "loop_warp_instructions": len(body),
+            "num_stages": stages or FP4_STAGES, **({"tma": True, "shared_bytes": k.metadata.shared} if tma else {}),
+            **resources(k), "loop_warp_instructions": len(body),
             "thread_instructions_per_weight": per_weight(body, warps, weights),
             "loop_async_copies": sum(op.startswith("LDGSTS") for op in body),
             "loop_opcodes": dict(collections.Counter(body).most_common(8))}
@@ -378,6 +388,26 @@ def fp4_mma_row(which: str, cols: int = 1, warps: int = 4) -> dict:
             "loop_opcodes": dict(collections.Counter(body).most_common(10))}
 
 
+def tma_rows() -> list[dict]:
+    """The one-row GEMVs with their weights through tensor descriptors beside their plain loads:
+    the FP8 GEMV at its default tile (128 x 128, from codes) unpipelined and 1-4 stages deep, the
+    FP4 GEMVs at 64 x 128 (the default) and 128 x 128."""
+    from custom_ops.triton.fp8_gemm import GEMV_BLOCK_K, GEMV_BLOCK_N
+    rows = []
+    for tma, stages in ((False, 1), (True, 1), (True, 3), (True, 4)):
+        k = fp8_gemv(1, GEMV_BLOCK_N, GEMV_BLOCK_K, False, stages=stages, tma=tma)
+        body = loop_body(k, innermost=True)
+        rows.append({"kernel": "_fp8_gemv_kernel", "tile": f"1 row x {GEMV_BLOCK_N}x{GEMV_BLOCK_K}, split-K",
+                     "quant_x": False, "num_warps": 4, "num_stages": stages, "tma": tma,
+                     "shared_bytes": k.metadata.shared, **resources(k),
+                     "thread_instructions_per_weight": per_weight(body, 4, GEMV_BLOCK_N * GEMV_BLOCK_K),
+                     "loop_opcodes": dict(collections.Counter(body).most_common(8))})
+    for w in ("up", "down"):
+        rows.append(fp4_gemv_row(w, 64, 128, 4, stages=1))
+        rows += [fp4_gemv_row(w, bn, 128, 4, stages=st, tma=True) for bn, st in ((64, 1), (64, 3), (128, 3))]
+    return rows
+
+
 def fp4_mma_rows() -> list[dict]:
     """The tensor-core GEMVs (one pair a program, and eight) beside moe_gemv.py's defaults, up and
     down: instructions a weight read (a pass serves eight pairs at `cols` 8)."""
@@ -388,9 +418,13 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--fp4-mma", action="store_true", help="only fp4_mma.py's GEMVs beside moe_gemv.py's")
+    ap.add_argument("--tma", action="store_true", help="only the one-row GEMVs' TMA loads beside their plain loads")
     a = ap.parse_args(argv)
     if not tools_present():
         ap.error(f"this Triton build ships no CUDA ptxas/cuobjdump in {NVIDIA_BIN}")
+    if a.tma:
+        return emit("sm90_build --tma", "the one-row GEMVs with TMA weight loads beside their plain loads, built "
+                    "for sm_90 on the CPU", tma_rows(), a.out)
     if a.fp4_mma:
         return emit("sm90_build --fp4-mma", "fp4_mma.py's FP4 expert GEMVs on tensor cores beside moe_gemv.py's, "
                     "built for sm_90 on the CPU", fp4_mma_rows(), a.out)
