@@ -5,7 +5,9 @@ benchmarks/native_gemm_bench.py (--one-row, --slice-experts).
 
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section SchedulerStats --section LaunchStats --section MemoryWorkloadAnalysis \
-        -k regex:'gemv' --launch-skip 2 --launch-count 8 python benchmarks/gemv_ncu.py
+        --section ComputeWorkloadAnalysis -k regex:gemv --launch-count 12 \
+        python benchmarks/gemv_ncu.py --calls 2                # gemv-ncu-h100.json
+    ... python benchmarks/gemv_ncu.py --knobs '{"tma": true, "num_stages": 3}'   # the FP8 GEMV's TMA loads
 """
 from __future__ import annotations
 

@@ -48,65 +48,73 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr
     j = tl.arange(0, W)[None, None, :]
     mmask = (rm < M)[:, None, None]
     nmask = (rn < N)[None, :, None]
-    x_at = x_ptr + rm.to(tl.int64)[:, None, None] * stride_xm + (n0 // ROWS_G).to(tl.int64) * K + 4 * j
-    xs_at = xs_ptr + rm.to(tl.int64)[:, None, None] * stride_sm + (n0 // ROWS_G).to(tl.int64) * (K // GROUP_K) + \
-        j // (GROUP_K // 4)
-    if TMA:   # [row, 32-row block, its rows, group, its words]; ROWS 1, rows past N zero in the tile
-        g5 = tl.arange(0, W // 8)[None, None, None, :, None]
-        x5 = (x_ptr + rm.to(tl.int64) * stride_xm + (n0 // ROWS_G).to(tl.int64) * K).to(
-            tl.pointer_type(tl.int32), bitcast=True) + 8 * g5 + tl.arange(0, 8)[None, None, None, None, :]
-        b5 = (n0 // GROUP_K + tl.arange(0, BLOCK_N // 32))[None, :, None, None, None]
-        s5 = ws_ptr + b5.to(tl.int64) * stride_wsn + g5
-        bmask = b5 < tl.cdiv(N, GROUP_K)
-        xs5 = xs_ptr + rm.to(tl.int64) * stride_sm + (n0 // ROWS_G).to(tl.int64) * (K // GROUP_K) + g5
-        acc = tl.zeros([1, BLOCK_N // 32, 32, W // 8, 8], tl.float32)
-    else:
-        w_at = w_ptr + rn.to(tl.int64)[None, :, None] * stride_wn + j
-    s_at = ws_ptr + (rn // GROUP_K).to(tl.int64)[None, :, None] * stride_wsn + j // (GROUP_K // 4)
-    if not TMA:
-        acc = tl.zeros([ROWS, BLOCK_N, W], tl.float32)
     k_lo = split * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    if PREFETCH:
-        w_next = tl.load(w_at + k_lo // 4, mask=nmask, other=0)
-        s_next = tl.load(s_at + k_lo // GROUP_K, mask=nmask, other=127)
-        pdl_wait(PDL)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+    x_row = rm.to(tl.int64) * stride_xm + (n0 // ROWS_G).to(tl.int64) * K       # x's columns for this tile
+    xs_row = rm.to(tl.int64) * stride_sm + (n0 // ROWS_G).to(tl.int64) * (K // GROUP_K)
+    if TMA:
+        sums = tma_word_sums(w_ptr, ws_ptr, x_ptr + x_row, xs_ptr + xs_row, n0, N, k_lo, k_hi, stride_wsn, BLOCK_N,
+                             BLOCK_K, STAGES, ASM)
+    else:
+        x_at = x_ptr + x_row[:, None, None] + 4 * j
+        xs_at = xs_ptr + xs_row[:, None, None] + j // (GROUP_K // 4)
+        w_at = w_ptr + rn.to(tl.int64)[None, :, None] * stride_wn + j
+        s_at = ws_ptr + (rn // GROUP_K).to(tl.int64)[None, :, None] * stride_wsn + j // (GROUP_K // 4)
+        acc = tl.zeros([ROWS, BLOCK_N, W], tl.float32)
         if PREFETCH:
-            words, codes = w_next, s_next
-            k_next = next_block(k0, k_hi, BLOCK_K)
-            w_next = tl.load(w_at + k_next // 4, mask=nmask, other=0)
-            s_next = tl.load(s_at + k_next // GROUP_K, mask=nmask, other=127)
-        elif TMA:
-            words = tl.reshape(w_ptr.load([n0, k0 // 4]), [1, BLOCK_N // 32, 32, W // 8, 8])
-            codes = tl.load(s5 + k0 // GROUP_K, mask=bmask, other=127)
-            xw = tl.load(x5 + k0 // 4)
-        else:
-            words = tl.load(w_at + k0 // 4, mask=nmask, other=0)
-            codes = tl.load(s_at + k0 // GROUP_K, mask=nmask, other=127)
-        w0, w1, w2, w3 = e4m3_word_values(words, ASM)
-        sw = e8m0_to_f32(codes.to(tl.int32))
-        if TMA:
-            x0, x1, x2, x3 = e4m3_word_values(xw, ASM)
-            sx = tl.load(xs5 + k0 // GROUP_K)
-            x0, x1, x2, x3 = x0 * sx, x1 * sx, x2 * sx, x3 * sx
-        else:
+            w_next = tl.load(w_at + k_lo // 4, mask=nmask, other=0)
+            s_next = tl.load(s_at + k_lo // GROUP_K, mask=nmask, other=127)
+            pdl_wait(PDL)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+            if PREFETCH:
+                words, codes = w_next, s_next
+                k_next = next_block(k0, k_hi, BLOCK_K)
+                w_next = tl.load(w_at + k_next // 4, mask=nmask, other=0)
+                s_next = tl.load(s_at + k_next // GROUP_K, mask=nmask, other=127)
+            else:
+                words = tl.load(w_at + k0 // 4, mask=nmask, other=0)
+                codes = tl.load(s_at + k0 // GROUP_K, mask=nmask, other=127)
+            w0, w1, w2, w3 = e4m3_word_values(words, ASM)
+            sw = e8m0_to_f32(codes.to(tl.int32))
             x0 = tl.load(x_at + k0, mask=mmask, other=0.0).to(tl.float32)
             x1 = tl.load(x_at + k0 + 1, mask=mmask, other=0.0).to(tl.float32)
             x2 = tl.load(x_at + k0 + 2, mask=mmask, other=0.0).to(tl.float32)
             x3 = tl.load(x_at + k0 + 3, mask=mmask, other=0.0).to(tl.float32)
-        if TMA:
-            pass
-        elif QUANT_X:
-            x0, x1, x2, x3 = fp8_qat_words(x0, x1, x2, x3, W)
-        else:
-            sx = tl.load(xs_at + k0 // GROUP_K, mask=mmask, other=0.0)
-            x0, x1, x2, x3 = x0 * sx, x1 * sx, x2 * sx, x3 * sx
-        acc += (w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3) * sw
-    if TMA:
-        acc = tl.reshape(tl.sum(tl.sum(acc, axis=4), axis=3), [1, BLOCK_N, 1])
-    store_tile(tl.sum(acc, axis=2), rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, os_ptr,
-               stride_osm, SPLIT_K, QUANT_OUT, OUT_DTYPE)
+            if QUANT_X:
+                x0, x1, x2, x3 = fp8_qat_words(x0, x1, x2, x3, W)
+            else:
+                sx = tl.load(xs_at + k0 // GROUP_K, mask=mmask, other=0.0)
+                x0, x1, x2, x3 = x0 * sx, x1 * sx, x2 * sx, x3 * sx
+            acc += (w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3) * sw
+        sums = tl.sum(acc, axis=2)
+    store_tile(sums, rm, rn, M, N, o_ptr, stride_om, p_ptr, stride_pm, stride_ps, cnt_ptr, os_ptr, stride_osm, SPLIT_K,
+               QUANT_OUT, OUT_DTYPE)
+
+
+@triton.jit
+def tma_word_sums(w_desc, ws_ptr, x_row, xs_row, n0, N, k_lo, k_hi, stride_wsn, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
+    """`_fp8_gemv_kernel`'s sums [1, BLOCK_N] for one row of x from codes (x_row, xs_row: its
+    codes and scales from this tile's first column) with the weight words through the tensor
+    descriptor w_desc, STAGES deep. The tile is held as [1, 32-row block, its rows, group of 32,
+    its words]: the scale codes load once a (row block, group), x as words of four codes, and
+    each word's products, scaled, accumulate per word as in the kernel's plain loop; rows past N
+    come as zeros."""
+    W: tl.constexpr = BLOCK_K // 4
+    g5 = tl.arange(0, W // 8)[None, None, None, :, None]
+    x5 = x_row.to(tl.pointer_type(tl.int32), bitcast=True) + 8 * g5 + tl.arange(0, 8)[None, None, None, None, :]
+    b5 = (n0 // GROUP_K + tl.arange(0, BLOCK_N // 32))[None, :, None, None, None]
+    s5 = ws_ptr + b5.to(tl.int64) * stride_wsn + g5
+    bmask = b5 < tl.cdiv(N, GROUP_K)
+    acc = tl.zeros([1, BLOCK_N // 32, 32, W // 8, 8], tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        words = tl.reshape(w_desc.load([n0, k0 // 4]), [1, BLOCK_N // 32, 32, W // 8, 8])
+        w0, w1, w2, w3 = e4m3_word_values(words, ASM)
+        sw = e8m0_to_f32(tl.load(s5 + k0 // GROUP_K, mask=bmask, other=127).to(tl.int32))
+        x0, x1, x2, x3 = e4m3_word_values(tl.load(x5 + k0 // 4), ASM)
+        sx = tl.load(xs_row + k0 // GROUP_K + g5)
+        acc += (w0 * (x0 * sx) + w1 * (x1 * sx) + w2 * (x2 * sx) + w3 * (x3 * sx)) * sw
+    return tl.reshape(tl.sum(tl.sum(acc, axis=4), axis=3), [1, BLOCK_N])
 
 
 @triton.jit
