@@ -44,13 +44,20 @@ def test_every_pdl_kernel_waits_first():
 
 def before_wait_with_prefetch(fn) -> list:
     """The statements a PREFETCH launch runs before `pdl_wait(PDL)`: the body's top level with
-    `if PREFETCH:` blocks inlined and `if not PREFETCH:` blocks dropped."""
-    flat = []
-    for st in ast.parse(textwrap.dedent(fn.src)).body[0].body:
-        if isinstance(st, ast.If) and ast.unparse(st.test) == "PREFETCH":
-            flat += st.body
-        elif not (isinstance(st, ast.If) and ast.unparse(st.test) == "not PREFETCH"):
-            flat.append(st)
+    `if PREFETCH:` blocks inlined, `if not PREFETCH:` blocks dropped and `if TMA:` blocks
+    replaced by their else branch (the launcher refuses TMA with PREFETCH), recursively."""
+    def flatten(body):
+        flat = []
+        for st in body:
+            test = ast.unparse(st.test) if isinstance(st, ast.If) else None
+            if test == "PREFETCH":
+                flat += flatten(st.body)
+            elif test == "TMA":
+                flat += flatten(st.orelse)
+            elif test != "not PREFETCH":
+                flat.append(st)
+        return flat
+    flat = flatten(ast.parse(textwrap.dedent(fn.src)).body[0].body)
     waits = [i for i, st in enumerate(flat) if ast.unparse(st) == "pdl_wait(PDL)"]
     assert waits, f"{fn.__name__}: no pdl_wait(PDL) on the PREFETCH path"
     return flat[:waits[0]]
