@@ -29,6 +29,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -78,6 +79,15 @@ def next_block(k0, k_hi, BLOCK_K: tl.constexpr):
     """The K block a prefetching loop loads while it multiplies block k0: the next one, or past
     the split's last block that last block again (in bounds; the loop ends before using it)."""
     return tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)
+
+
+def tma_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor | None:
+    """A tensor descriptor of the 2-D `t` read in `block`s (a kernel's TMA loads, captured by
+    value in a CUDA graph), or None where the copy engine cannot read it: rows not contiguous,
+    base or row stride not a multiple of 16 bytes."""
+    if t.dim() != 2 or t.stride(1) != 1 or t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16:
+        return None
+    return TensorDescriptor.from_tensor(t, block)
 
 
 def dot_precision(t: torch.Tensor) -> str:

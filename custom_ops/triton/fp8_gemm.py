@@ -32,11 +32,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, rows2d
+from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, rows2d, tma_descriptor
 from custom_ops.triton.fp8 import GROUP, GROUP_K, e8m0_to_f32, fp8_quant_groups, split_count, store_tile, \
     tile_counters
 from custom_ops.triton.fp8_gemv import _fp8_gemv_kernel
@@ -270,17 +269,16 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
     epilogue = dict(QUANT_OUT=codes, OUT_DTYPE=TL_DTYPES[out_dtype] if codes else tl.bfloat16)
     if path == "gemv":
         words = w.view(torch.int32)
-        # x from codes only (the TMA loop reads x as words of codes); a descriptor needs 16-byte rows
-        tma = tma and not quant_x and w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0
-        if tma:
-            if prefetch:
-                raise ValueError("fp8_block_gemm: the GEMV's register prefetch and its TMA loads are exclusive")
-            words = TensorDescriptor.from_tensor(words, [bn, unroll * GROUP // 4])
+        # x from codes only: the TMA loop reads x as words of codes
+        desc = tma_descriptor(words, [bn, unroll * GROUP // 4]) if tma and not quant_x else None
+        if desc is not None and prefetch:
+            raise ValueError("fp8_block_gemm: the GEMV's register prefetch and its TMA loads are exclusive")
         _fp8_gemv_kernel[(grid_m, grid_n, splits)](
-            x, xs, words, wsc, out, part, counters, os_, M, N, K, per * GROUP, R, x.stride(0), xs.stride(0),
-            w.stride(0) // 4, wsc.stride(0), out.stride(0), part.stride(0), part.stride(-2), os_.stride(0), ROWS=bm,
-            BLOCK_N=bn, BLOCK_K=unroll * GROUP, SPLIT_K=splits > 1, QUANT_X=quant_x, ASM=x.is_cuda,
-            STAGES=launch.pop("num_stages"), PREFETCH=prefetch, TMA=tma, **epilogue, **launch, **pdl(out.device))
+            x, xs, words if desc is None else desc, wsc, out, part, counters, os_, M, N, K, per * GROUP, R,
+            x.stride(0), xs.stride(0), words.stride(0), wsc.stride(0), out.stride(0), part.stride(0),
+            part.stride(-2), os_.stride(0), ROWS=bm, BLOCK_N=bn, BLOCK_K=unroll * GROUP, SPLIT_K=splits > 1,
+            QUANT_X=quant_x, ASM=x.is_cuda, STAGES=launch.pop("num_stages"), PREFETCH=prefetch,
+            TMA=desc is not None, **epilogue, **launch, **pdl(out.device))
         return True
     _fp8_gemm_kernel[(grid_m, grid_n, splits)](
         x, xs, w, wsc, out, part, counters, os_,

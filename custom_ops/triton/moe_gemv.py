@@ -17,9 +17,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from custom_ops.triton.common import next_block, pdl, pdl_wait
+from custom_ops.triton.common import next_block, pdl, pdl_wait, tma_descriptor
 from custom_ops.triton.fp4 import fp4_groups_dot, fp4_words_dot, fp4_words_load
 from custom_ops.triton.fp8 import sum_splits, tile_counters
 from custom_ops.triton.moe_tiles import swiglu_store
@@ -193,22 +192,23 @@ def fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, 
     w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))     # eight E2M1 values a word
     if tma and prefetch:
         raise ValueError("moe_experts_w4a8: the GEMVs' register prefetch and their TMA loads are exclusive")
-    tma = tma and xq.dtype == torch.bfloat16 and all(w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[-1] % 4 == 0 for w in (w1, w3, w2))
-    (we, wn), we2, wn2 = w1.stride()[:2], w2.stride(0), w2.stride(1)
-    if tma:      # descriptors of the experts' rows stacked: [E·rows, K / 8] words
-        w1, w3 = (TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [bnu, bku // 8]) for w in (w1, w3))
-        w2 = TensorDescriptor.from_tensor(w2.view(-1, w2.shape[-1]), [bnd, bkd // 8])
+    # descriptors of the experts' rows stacked, [E·rows, K / 8] words (bf16 activations only: the
+    # TMA loop reads them as words of bf16 pairs)
+    descs = [tma_descriptor(w.view(-1, w.shape[-1]), [bn, bk // 8]) for w, bn, bk in
+             ((w1, bnu, bku), (w3, bnu, bku), (w2, bnd, bkd))] \
+        if tma and xq.dtype == torch.bfloat16 and all(w.is_contiguous() for w in (w1, w3, w2)) else [None]
+    tma = None not in descs
+    d1, d3, d2 = descs if tma else (w1, w3, w2)
     asm = h.device.type == "cuda"
     grid_up, grid_down = (P, triton.cdiv(I, bnu), su), (P, triton.cdiv(D, bnd), sd)
     sorted_ = order is not None
     order = order if sorted_ else flat                 # unread unsorted
     _fp4_up_gemv[grid_up](
-        xq, flat, order, wts, w1, w3, s1, s3, pu, tile_counters(h.device, P * grid_up[1]), h, I, D, k, ku, limit,
-        xq.stride(0), we, wn, s1.stride(0), s1.stride(1), pu.stride(0), pu.stride(1), h.stride(0),
+        xq, flat, order, wts, d1, d3, s1, s3, pu, tile_counters(h.device, P * grid_up[1]), h, I, D, k, ku, limit,
+        xq.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), pu.stride(0), pu.stride(1), h.stride(0),
         BLOCK_N=bnu, BLOCK_K=bku, ASM=asm, STAGES=stages, SORTED=sorted_, PREFETCH=prefetch, TMA=tma,
-        num_warps=num_warps,
-        **pdl(h.device))
+        num_warps=num_warps, **pdl(h.device))
     _fp4_down_gemv[grid_down](
-        h, flat, order, w2, s2, pd, tile_counters(h.device, P * grid_down[1]), y, D, I, kd, h.stride(0), we2, wn2,
-        s2.stride(0), s2.stride(1), pd.stride(0), y.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, ASM=asm, STAGES=stages,
-        SORTED=sorted_, PREFETCH=prefetch, TMA=tma, num_warps=num_warps, **pdl(h.device))
+        h, flat, order, d2, s2, pd, tile_counters(h.device, P * grid_down[1]), y, D, I, kd, h.stride(0), w2.stride(0),
+        w2.stride(1), s2.stride(0), s2.stride(1), pd.stride(0), y.stride(0), BLOCK_N=bnd, BLOCK_K=bkd, ASM=asm,
+        STAGES=stages, SORTED=sorted_, PREFETCH=prefetch, TMA=tma, num_warps=num_warps, **pdl(h.device))
