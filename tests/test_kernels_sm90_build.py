@@ -10,16 +10,17 @@ triton = pytest.importorskip("triton", reason="builds Triton kernels: needs the 
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1 turns the kernels into interpreter functions, which Triton cannot "
                 "compile; this module runs in the suite's normal process", allow_module_level=True)
+from benchmarks import sass as S  # noqa: E402
 from benchmarks import sm90_build as B  # noqa: E402
 
-if not B.tools_present():
-    pytest.skip(f"this Triton build ships no CUDA ptxas/cuobjdump in {B.NVIDIA_BIN} (not a CUDA build)",
+if not S.tools_present():
+    pytest.skip(f"this Triton build ships no CUDA ptxas/cuobjdump in {S.NVIDIA_BIN} (not a CUDA build)",
                 allow_module_level=True)
 
 from custom_ops.triton.fp8_gemm import _tiles  # noqa: E402
 from custom_ops.triton.mhc import _mhc_coef_kernel  # noqa: E402
 
-build, registers = B.build, B.registers
+build, registers = S.build, S.registers
 
 
 @pytest.mark.parametrize("M", [1, 64, 2048])
@@ -114,12 +115,12 @@ def test_fp4_tile_kernels_build_for_hopper(block_m, block_n, block_k, warps, spl
         k = B.fp4_tiles(which, block_m, block_n, block_k, warps, split=split)
         assert 0 < registers(k) <= 255
         mma = "HGMMA" if block_m >= 64 else "HMMA"       # a 16-row tile: the warp-level MMA
-        body = B.loop_body(k)
+        body = S.loop_body(k)
         assert any(op.startswith(mma) for op in body)
         if split and block_m == 16:
             assert registers(k) <= 128
         if not split:
-            assert B.per_weight(body, warps, per * block_n * block_k) < 8
+            assert S.per_weight(body, warps, per * block_n * block_k) < 8
 
 
 def test_fp4_decode_tiles_read_scale_words_asynchronously():
@@ -210,7 +211,7 @@ def test_rms_norm_fp8_builds_for_hopper(codes, hc, one_pass):
     of 32 groups): the QAT values, or the E4M3 codes and scales beside the norm
     (`rms_norm_act_quant`), also of mHC's four streams collapsed first; without spills."""
     k = B.rms_norm_fp8(codes, hc, one_pass)
-    assert 0 < registers(k) <= 255 and B.usage(k).get("STACK", 0) == 0 and "griddepcontrol.wait" in k.asm["ptx"]
+    assert 0 < registers(k) <= 255 and S.usage(k).get("STACK", 0) == 0 and "griddepcontrol.wait" in k.asm["ptx"]
 
 
 @pytest.mark.parametrize("norm", [False, True])
@@ -223,7 +224,7 @@ def test_rope_fp8_builds_for_hopper(norm):
            **dict.fromkeys(("stride_xt", "stride_xr", "stride_ot", "stride_or", "stride_cos", "stride_sin"), "i32"),
            **dict.fromkeys(("INVERSE", "BLOCK_R", "BLOCK_G", "NORM", "PDL"), "constexpr")}
     k = build(_rope_fp8_kernel, sig, {"INVERSE": False, "BLOCK_R": 1, "BLOCK_G": 16, "NORM": norm, "PDL": True})
-    assert 0 < registers(k) <= 255 and B.usage(k).get("STACK", 0) == 0
+    assert 0 < registers(k) <= 255 and S.usage(k).get("STACK", 0) == 0
 
 
 def test_fp8_gemm_quant_out_builds_for_hopper():
@@ -233,7 +234,7 @@ def test_fp8_gemm_quant_out_builds_for_hopper():
     from custom_ops.triton.fp8_gemm import GEMV_BLOCK_K, GEMV_BLOCK_N
     for k in (B.fp8_gemv(1, GEMV_BLOCK_N, GEMV_BLOCK_K, False, stages=1, quant_out=True),
               B.fp8_gemm(16, 64, 4, 3, True, False, quant_out=True)):
-        assert 0 < registers(k) <= 255 and B.usage(k).get("STACK", 0) == 0
+        assert 0 < registers(k) <= 255 and S.usage(k).get("STACK", 0) == 0
 
 
 def test_e4m3_codes_keep_the_sign_of_zero():
@@ -247,7 +248,7 @@ def test_e4m3_codes_keep_the_sign_of_zero():
                 {"BLOCK_R": 2, "BLOCK_G": 32})
     norm = B.rms_norm_fp8(True, 0)
     gemv = B.fp8_gemv(1, GEMV_BLOCK_N, GEMV_BLOCK_K, False, stages=1, quant_out=True)
-    assert [B.zero_subtractions(k) for k in (act, norm, gemv)] == [0, 0, 0]
+    assert [S.zero_subtractions(k) for k in (act, norm, gemv)] == [0, 0, 0]
 
 
 def test_fp4_mma_gemvs_hold_one_element_a_lane():
@@ -263,8 +264,8 @@ def test_fp4_mma_gemvs_hold_one_element_a_lane():
         gemv = next(r["thread_instructions_per_weight"] for r in rows if r["kernel"] == f"_fp4_{which}_gemv")
         for cols in (1, 8):
             k = B.fp4_mma(which, cols)
-            assert B.asm_layouts(k) == {one}
-            body = B.loop_body(k)
+            assert S.asm_layouts(k) == {one}
+            body = S.loop_body(k)
             assert body.count("HMMA.16816.F32") == mmas and "STL" not in body and body.count("LDL") <= 1
             mma = next(r["thread_instructions_per_weight"] for r in rows
                        if r["kernel"] == f"_fp4_mma_{which}" and r["cols"] == cols)

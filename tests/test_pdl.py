@@ -130,15 +130,15 @@ def test_pdl_on_hopper_unless_switched_off(monkeypatch, capability, env, on):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="builds kernels: needs compiled Triton")
 def test_the_hopper_build_waits_before_its_first_load():
-    from benchmarks import sm90_build as B
-    if not B.tools_present():
-        pytest.skip(f"this Triton build ships no CUDA ptxas in {B.NVIDIA_BIN}")
+    from benchmarks import sass as S
+    if not S.tools_present():
+        pytest.skip(f"this Triton build ships no CUDA ptxas in {S.NVIDIA_BIN}")
     from custom_ops.triton.norm import _rms_norm_kernel
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "D": "i32", "eps": "fp32",
            "stride_x": "i32", "stride_o": "i32", "BLOCK_R": "constexpr", "BLOCK_D": "constexpr",
            "ONE_PASS": "constexpr"}
     for width, one_pass in ((8192, True), (1024, False)):
-        ptx = {on: B.build(_rms_norm_kernel, sig, {"BLOCK_R": 1, "BLOCK_D": width, "ONE_PASS": one_pass,
+        ptx = {on: S.build(_rms_norm_kernel, sig, {"BLOCK_R": 1, "BLOCK_D": width, "ONE_PASS": one_pass,
                                                    "PDL": on}).asm["ptx"] for on in (False, True)}
         assert "griddepcontrol" not in ptx[False]
         body = ptx[True]
