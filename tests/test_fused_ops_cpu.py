@@ -179,6 +179,24 @@ else:
         for o, r in zip(outs, refs):
             assert rel(o, r) < 1e-5
 
+    def test_mhc_mix_token_tiles(g):
+        """100 tokens: two 64-token tiles (the second part masked), each counted apart and its
+        coefficients run 16 tokens a pass by its last split; a second call (the counters back at
+        zero) gives the same values bit for bit."""
+        T, hc, D = 100, 4, 48
+        X = rnd(g, T, hc, D).to(torch.bfloat16)
+        fn, base, scale = rnd(g, 24, hc * D, scale=0.05), rnd(g, 24), rnd(g, 3).abs()
+        refs = [torch.empty(T, hc), torch.empty(T, hc), torch.empty(T, hc, hc)]
+        ref_mhc.mhc_mix(X, fn, base, scale, 20, 1e-6, 1e-20, *refs)
+        runs = []
+        for _ in range(2):
+            outs = [nan_like(r) for r in refs]
+            triton_mhc_mix(X, fn, base, scale, 20, 1e-6, 1e-20, *outs, split=3)
+            for o, r in zip(outs, refs):
+                assert rel(o, r) < 1e-5
+            runs.append(outs)
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+
     def test_skinny_gemm_split_weight_products_are_exact(g):
         """skinny_gemm with A in bf16 splits each FP32 weight into three bf16 parts whose sum is
         the weight exactly, so every product is exact. Weights of 22 significant bits against

@@ -18,7 +18,7 @@ if not S.tools_present():
                 allow_module_level=True)
 
 from custom_ops.triton.fp8_gemm import _tiles  # noqa: E402
-from custom_ops.triton.mhc import _mhc_coef_kernel  # noqa: E402
+from custom_ops.triton.mhc import _mhc_mix_kernel  # noqa: E402
 
 build, registers = S.build, S.registers
 
@@ -90,15 +90,20 @@ def test_bf16_head_builds_for_hopper():
     assert bf16["loop_mma"] > 0 and 3 * bf16["loop_mma"] == f32["loop_mma"], (bf16, f32)
 
 
-@pytest.mark.parametrize("block_t,block_s", [(1, 128), (16, 1), (8, 16)])
-def test_mhc_coef_builds_for_hopper(block_t, block_s):
-    sig = {**dict.fromkeys(("part_ptr", "sq_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr"),
-                           "*fp32"),
-           **dict.fromkeys(("T", "S", "K", "iters"), "i32"), "hc_eps": "fp32", "norm_eps": "fp32",
-           **dict.fromkeys(("stride_ps", "stride_pt", "stride_ss", "stride_pre", "stride_post", "stride_ct",
-                            "stride_ci"), "i32"),
-           **dict.fromkeys(("HC", "BLOCK_T", "BLOCK_S"), "constexpr")}
-    k = build(_mhc_coef_kernel, sig, {"HC": 4, "BLOCK_T": block_t, "BLOCK_S": block_s})
+@pytest.mark.parametrize("block_m,block_t,block_s", [(16, 1, 128), (16, 16, 1), (64, 16, 1)])
+def test_mhc_mix_builds_for_hopper(block_m, block_t, block_s):
+    """The one-launch mhc_mix (the split-K projection on tensor cores, the last split's
+    coefficients) at a decode token's tile and a prefill tile: no spills."""
+    sig = {"x_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32", "sq_ptr": "*fp32", "cnt_ptr": "*i32",
+           **dict.fromkeys(("base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr"), "*fp32"),
+           **dict.fromkeys(("T", "N", "K", "k_split", "iters"), "i32"), "hc_eps": "fp32", "norm_eps": "fp32",
+           **dict.fromkeys(("stride_xt", "stride_fn", "stride_ps", "stride_pt", "stride_ss", "stride_pre",
+                            "stride_post", "stride_ct", "stride_ci"), "i32"),
+           **dict.fromkeys(("HC", "BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_T", "BLOCK_S", "SPLIT_W", "DOT_F32"),
+                           "constexpr")}
+    k = build(_mhc_mix_kernel, sig, {"HC": 4, "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 64, "BLOCK_T": block_t,
+                                     "BLOCK_S": block_s, "SPLIT_W": True, "DOT_F32": False},
+              aligned=("K", "k_split", "stride_xt", "stride_fn"), num_stages=2 if block_m == 16 else 3)
     assert 0 < registers(k) <= 255
 
 
