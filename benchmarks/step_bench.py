@@ -15,20 +15,27 @@ an H200, not twice): eager, compiled (the compiled segments), full (compiled + t
 graphs captured at decode sizes 1-64; prefill runs compiled), tr_hybrid (a second compile cut at
 the splitting ops, its token pieces captured at buckets 1-512; the 1x512 prefill replays, larger
 steps run that compile without graphs). They alternate case by case.
-`--weight-format native` runs the same with the FP8/FP4 weights kept native. `--profile FILE`
+`--weight-format native` runs the same with the FP8/FP4 weights kept native. `--knob-variants`
+adds FULL-graph variants of the same compile, each captured with some kernel launchers' module
+constants set (a kernel default against its alternative in one engine: one compile, not one a
+tree). `--profile FILE`
 also appends torch.profiler tables of one decode step (batch 1 and 64; `--decode-only`: each of
 `--batches`) and one prefill step (1x4096),
 the engine's phases (schedule, prepare, run, sample, logprobs, postprocess) as named ranges,
 per variant: where the time goes.
 
     python benchmarks/step_bench.py --variants eager,compiled,full,tr_hybrid --out benchmarks/results/graphs-flash-slice-h200.json
+    python benchmarks/step_bench.py --weight-format native --variants full --decode-only --no-agreement \
+        --knob-variants '{"tma": {"custom_ops.triton.fp8_gemm.GEMV_TMA": true}}'
 """
 from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import dataclasses
 import datetime
+import importlib
 import json
 import logging
 import statistics
@@ -164,6 +171,9 @@ def main():
                     help="the decode cases alone, and of the profiles each of their decode steps'")
     ap.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 16, 64],
                     help="decode batch sizes (comma-separated; default 1,16,64)")
+    ap.add_argument("--knob-variants", type=json.loads, default={}, metavar="JSON",
+                    help='{name: {"package.module.CONSTANT": value, ...}}: FULL graphs of the compiled forward '
+                         'captured again with those constants set, run as variant `name` beside the others')
     ap.add_argument("--dry-run", action="store_true", help="toy, CPU, eager, small cases: the code path only")
     ap.add_argument("--worker", action="store_true",
                     help="after setup print READY, then run the cases given as JSON lines on stdin "
@@ -198,7 +208,8 @@ def main():
     graphs = {}
 
     def use(v):
-        runner.use_forward(forwards["compiled" if v == "full" else v], static_shapes=v != "eager")
+        graphed = v == "full" or v in a.knob_variants
+        runner.use_forward(forwards["compiled" if graphed else v], static_shapes=v != "eager")
         runner.graphs = graphs.get(v)
 
     if a.profile:
@@ -237,6 +248,16 @@ def main():
         res["graphs"] = graphs["full"].capture()
         print(f"graphs: {json.dumps(res['graphs'])}", flush=True)
         save()
+    for name, constants in a.knob_variants.items():
+        if "compiled" not in forwards:
+            ap.error("--knob-variants: its graphs capture the compiled forward (add full or compiled to --variants)")
+        use("compiled")
+        with module_constants(constants):
+            graphs[name] = CUDAGraphRunner(runner, (1, 2, 4, 8, 16, 32, 64))
+            res.setdefault("graphs_knob_variants", {})[name] = {"constants": constants, **graphs[name].capture()}
+        variants.append(name)
+        print(f"graphs ({name}): {json.dumps(res['graphs_knob_variants'][name])}", flush=True)
+        save()
     if "tr_hybrid" in variants:
         from runtime.compile import CompileConfig, compile_runner
         from runtime.token_graphs import TokenGraphRunner, token_buckets
@@ -265,6 +286,25 @@ def main():
             for kind, n in profiled:
                 if (v, kind) != ("eager", "decode"):
                     profile(eng, kind, a.profile, f"{v} {kind}, {n} request(s)", n, order=120)
+
+
+@contextlib.contextmanager
+def module_constants(constants: dict):
+    """Set each "package.module.NAME" to its value inside the block (the module must already
+    have NAME), restoring them after."""
+    saved = []
+    try:
+        for path, value in constants.items():
+            mod, _, name = path.rpartition(".")
+            m = importlib.import_module(mod)
+            if not hasattr(m, name):
+                raise ValueError(f"--knob-variants: {mod} has no {name}")
+            saved.append((m, name, getattr(m, name)))
+            setattr(m, name, value)
+        yield
+    finally:
+        for m, name, value in reversed(saved):
+            setattr(m, name, value)
 
 
 def run_cases(eng, cases, variants, use, steps: int, res: dict, save) -> None:

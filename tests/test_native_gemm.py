@@ -243,6 +243,35 @@ else:
             triton_fp8_block_gemm(xq, xs, w, ws, outs[-1], 3, path="gemv", split_k=2, **form)
         assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
 
+    def test_tma_defaults_choose_the_loads(g, monkeypatch):
+        """GEMV_TMA and FP4_TMA, the one-row GEMVs' defaults (step_bench --knob-variants sets them):
+        on, the FP8 GEMV from codes and the FP4 GEMVs on bf16 activations get tensor descriptors,
+        while fp8_linear's GEMV (x quantized inside) and a register-prefetch knob keep the plain
+        loads; off, none is made."""
+        from custom_ops.triton import fp8_gemm, moe_gemv
+        from custom_ops.triton.moe_w4a8 import triton_moe_experts_w4a8
+        from tests.kernel_cases import w4a8_case
+        made = []
+        for mod in (fp8_gemm, moe_gemv):
+            real = mod.tma_descriptor
+            monkeypatch.setattr(mod, "tma_descriptor", lambda t, block, real=real: made.append(block) or real(t, block))
+        xq, xs, w, ws = fp8_gemm_case(g, 1, 96, 320)
+        x = (xq.float() * xs.repeat_interleave(32, -1)).bfloat16()
+        moe = w4a8_case(g, 1, 7, 192, 96, 3, dtype=torch.bfloat16, pad_token=False)
+
+        def run():
+            out = torch.empty(1, 96, dtype=torch.bfloat16)
+            triton_fp8_block_gemm(xq, xs, w, ws, out)
+            triton_fp8_linear(x, w, ws, out)
+            triton_fp8_block_gemm(xq, xs, w, ws, out, prefetch=True)
+            triton_moe_experts_w4a8(*moe, 1.0e4, torch.empty(1, 192), path="gemv")
+            n, made[:] = len(made), []
+            return n
+        assert run() == 0
+        monkeypatch.setattr(fp8_gemm, "GEMV_TMA", True)
+        monkeypatch.setattr(moe_gemv, "FP4_TMA", True)
+        assert run() == 1 + 3          # the GEMV from codes; w1, w3 and w2
+
     def test_fp8_block_gemm_unknown_path(g):
         """An unknown path is refused by name (not run as another)."""
         xq, xs, w, ws = fp8_gemm_case(g, 2, 64, 64)

@@ -25,6 +25,9 @@
 #                                     # alternating, batch 1 profiled each
 #   tools/gpu_checks.sh OUT ab-seq    # base_tree/ then this tree, one after the other (an H100 holds one
 #                                     # engine): native FULL decode at BATCHES (default 1), each profiled
+#   tools/gpu_checks.sh OUT knobs     # step_bench native FULL decode at BATCHES (default 1), one compile, its
+#                                     # graphs captured again per kernel-default variant (KNOBS, default: the
+#                                     # one-row GEMVs' TMA loads, FP8 and FP4 together and apart), each profiled
 #   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
 #   tools/gpu_checks.sh OUT gemv-chain  # gemv_chain_bench: a layer's dense GEMVs at one row back to back
 #                                     # in one graph, GEMV knobs varied, dependent launch on and off (~1 min;
@@ -181,6 +184,14 @@ ab-seq)
       --out "$OUT/ab-seq-$name.json" > "$OUT/ab-seq-$name.log" 2>&1)
     echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/ab-seq-$name.log" | cut -c1-200
   done ;;
+knobs)
+  f8=custom_ops.triton.fp8_gemm.GEMV_TMA f4=custom_ops.triton.moe_gemv.FP4_TMA
+  knobs=${KNOBS:-"{\"tma\": {\"$f8\": true, \"$f4\": true}, \"tma_fp8\": {\"$f8\": true}, \"tma_fp4\": {\"$f4\": true}}"}
+  step "step_bench native decode, knob variants $knobs"
+  timeout $(( ${LIMIT:-585} - SECONDS )) $py benchmarks/step_bench.py --weight-format native --variants full \
+    --no-agreement --decode-only --batches "${BATCHES:-1}" --knob-variants "$knobs" --profile "$OUT/knobs-profiles.txt" \
+    --out "$OUT/knobs.json" > "$OUT/knobs.log" 2>&1
+  echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/knobs.log" | cut -c1-200 ;;
 formats)
   # bf16 and native engines side by side, alternating cases; both compile at once (2026-12-05, a cold bf16 compile
   # beside a warm native one: 248 s, the whole part 392 s; native-weights-flash-slice-h200.json `setup`)

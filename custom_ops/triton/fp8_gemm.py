@@ -48,6 +48,9 @@ FUSED_QUANT_WORK = 1 << 17
 GEMV_M = 1                    # up to this many rows the CUDA-core GEMV runs (native-gemm-paths-h200.json)
 # the GEMV's weight rows a program (128: native-gemm-one-row-h200.json), K block, pipeline stages
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_STAGES = 128, 128, 1
+# whether the GEMV from codes loads its weight tiles through a tensor descriptor (TMA), and how
+# many in flight; off until timed against the plain loads (benchmarks/step_bench.py --knob-variants)
+GEMV_TMA, GEMV_TMA_STAGES = False, 3
 
 
 def _tiles(M: int) -> tuple[int, int, int]:
@@ -219,7 +222,7 @@ def gemm_path(M: int) -> str:
 def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | None = None,
           block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
           split_k: int | None = None, unroll: int | None = None, num_warps: int | None = None,
-          num_stages: int | None = None, prefetch: bool = False, tma: bool = False, scales=None,
+          num_stages: int | None = None, prefetch: bool = False, tma: bool | None = None, scales=None,
           out_dtype=None) -> bool:
     """Launch the kernel of `path` (default `gemm_path`): `_fp8_gemv_kernel` or
     `_fp8_gemm_kernel`, or return False where it does not apply. Knobs: tile sizes (block_m: the
@@ -227,7 +230,7 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
     pipeline stages, the MMA kernel's K blocks per iteration (None: `_tiles`, one
     block per iteration where its count does not divide K), warps, the GEMV's register prefetch
     of the next K block (`_fp8_gemv_kernel` PREFETCH) or its weight loads through a tensor
-    descriptor (TMA; pipelined over `num_stages`). Split-K sums FP32 partials in
+    descriptor (TMA, default GEMV_TMA; pipelined over `num_stages`, default GEMV_TMA_STAGES). Split-K sums FP32 partials in
     a fixed order: deterministic, and only the order of the FP32 sums differs from one split.
     `scales`: out takes the E4M3 codes of the output rounded to `out_dtype`, `scales` their
     FP32 scales per 32 columns (QUANT_OUT)."""
@@ -259,7 +262,12 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
         raise ValueError(f"unroll={unroll} does not divide the {KB} K blocks of 32")
     grid_m, grid_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
     wsc = ws.view(torch.uint8)
-    launch = dict(num_warps=num_warps or 4, num_stages=num_stages or stages)
+    # x from codes only: the GEMV's TMA loop reads x as words of codes (and a prefetch knob asks
+    # for the plain loads)
+    tma = GEMV_TMA and not prefetch if tma is None else tma
+    desc = tma_descriptor(w.view(torch.int32), [bn, unroll * GROUP // 4]) if path == "gemv" and tma and not quant_x \
+        else None
+    launch = dict(num_warps=num_warps or 4, num_stages=num_stages or (GEMV_TMA_STAGES if desc is not None else stages))
     splits = min(KB // unroll, split_k or split_count(grid_m * grid_n, KB, M, K, out.device))
     per = triton.cdiv(KB // unroll, splits) * unroll
     splits = triton.cdiv(KB, per)                   # no empty split
@@ -269,8 +277,6 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
     epilogue = dict(QUANT_OUT=codes, OUT_DTYPE=TL_DTYPES[out_dtype] if codes else tl.bfloat16)
     if path == "gemv":
         words = w.view(torch.int32)
-        # x from codes only: the TMA loop reads x as words of codes
-        desc = tma_descriptor(words, [bn, unroll * GROUP // 4]) if tma and not quant_x else None
         if desc is not None and prefetch:
             raise ValueError("fp8_block_gemm: the GEMV's register prefetch and its TMA loads are exclusive")
         _fp8_gemv_kernel[(grid_m, grid_n, splits)](

@@ -38,7 +38,7 @@ from custom_ops.triton.common import TL_DTYPES, dot_precision, fp8_qat, pdl, pdl
 from custom_ops.triton.fp4 import fp4_tile, scale_words, word_aligned
 from custom_ops.triton.fp4_mma import fp4_mma_gemvs
 from custom_ops.triton.fp4_mma_lanes import mma_act_values
-from custom_ops.triton.moe_gemv import FP4_STAGES, fp4_gemvs, k_split
+from custom_ops.triton.moe_gemv import fp4_gemvs, k_split
 from custom_ops.triton.moe_tiles import expert_tiles, reduce_pairs, swiglu_store, tile_rows
 
 BLOCK_N_UP = 64
@@ -220,7 +220,7 @@ def fits(x, weights, I: int, out, knobs) -> bool:
 def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int | None = None,
                 block_n_up: int | None = None, block_n_down: int | None = None,
                 block_k: int | None = None, splits: int | None = None, num_warps: int = 4,
-                num_stages: int | None = None, tiles: bool = False, prefetch: bool = False, tma: bool = False,
+                num_stages: int | None = None, tiles: bool = False, prefetch: bool = False, tma: bool | None = None,
                 mma: bool = False,
                 mma_cols: int | None = None, hidden: list | None = None) -> None:
     """Steps 0-3 on dequantized experts (`scales` None: the tile kernels) or packed FP4 ones
@@ -229,8 +229,9 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
     order by each output block's last split, their loads pipelined `num_stages` deep (FP4_STAGES: 1,
     not pipelined); `tiles`: the tile kernels, each weight tile dequantized exactly to x's dtype
     in registers, `splits` (default 1) and `num_stages` (default Triton's) as `tile_gemms`).
-    `prefetch`: the FP4 GEMVs load each next K block during this one's products; `tma`: they
-    load their weights through tensor descriptors, `num_stages` deep. `mma`: the
+    `prefetch`: the FP4 GEMVs load each next K block during this one's products; `tma` (default
+    FP4_TMA): they load their weights through tensor descriptors, `num_stages` deep
+    (FP4_TMA_STAGES). `mma`: the
     GEMVs on tensor cores instead (fp4_mma.py; `splits`, `num_warps` (4 its default) and
     `mma_cols`, its pairs a program, apply).
     `hidden`, when given, receives (h, order, y): w2's input rows (row r: pair order[r]), the
@@ -260,7 +261,7 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
             # one token's pairs are distinct experts: nothing to share, so no sort (a launch less)
             order = expert_tiles(ids, E, bm)[0] if T > 1 else None
             fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, block_n_down, block_k,
-                      splits, num_warps, num_stages or FP4_STAGES, prefetch, tma)
+                      splits, num_warps, num_stages, prefetch, tma)
     if hidden is not None:
         hidden.extend((h, order if order is not None else torch.arange(T * k, device=dev), y))
     reduce_pairs(y, ids, E, out)

@@ -26,6 +26,9 @@ from custom_ops.triton.moe_tiles import swiglu_store
 FP4_BLOCK_K = 128        # the FP4 GEMVs (H200, one token: 64 x 128 and 32 x 256 blocks fastest)
 FP4_BLOCK_N = 64
 FP4_STAGES = 1           # the GEMVs' loads unpipelined: 3 stages took 1.38-1.54x (native-gemm-paths-h200.json)
+# whether the GEMVs on bf16 activations load their weight tiles through tensor descriptors (TMA),
+# and how many in flight; off until timed against the plain loads (step_bench.py --knob-variants)
+FP4_TMA, FP4_TMA_STAGES = False, 3
 
 
 @triton.jit
@@ -172,12 +175,13 @@ def k_split(K: int, block_k: int, splits: int) -> tuple[int, int]:
 
 
 def fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, block_n_down, block_k, splits,
-              num_warps, stages, prefetch: bool = False, tma: bool = False) -> None:
+              num_warps, stages: int | None = None, prefetch: bool = False, tma: bool | None = None) -> None:
     """Steps 1-2 on FP4 experts, two launches: the up GEMVs into partials, whose last split
     sums them and runs the epilogue -> h; the down GEMVs likewise -> y. `order` (the pairs
     sorted by expert: h's rows in that order) or None (h's rows are the pairs'). `prefetch`:
-    each GEMV loads its next K block during this one's products (PREFETCH); `tma`: bf16
-    activations and contiguous weights, loaded through tensor descriptors (TMA), `stages` deep."""
+    each GEMV loads its next K block during this one's products (PREFETCH); `tma` (default
+    FP4_TMA): bf16 activations and contiguous weights, loaded through tensor descriptors (TMA),
+    `stages` deep (default FP4_TMA_STAGES; plain loads FP4_STAGES)."""
     P, I = h.shape
     D = y.shape[1]
     k = ids.shape[1]
@@ -190,6 +194,7 @@ def fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, 
     pu = torch.empty(su, 2, P, I, dtype=torch.float32, device=h.device)
     pd = torch.empty(sd, P, D, dtype=torch.float32, device=h.device)
     w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))     # eight E2M1 values a word
+    tma = FP4_TMA and not prefetch if tma is None else tma
     if tma and prefetch:
         raise ValueError("moe_experts_w4a8: the GEMVs' register prefetch and their TMA loads are exclusive")
     # descriptors of the experts' rows stacked, [E·rows, K / 8] words (bf16 activations only: the
@@ -198,6 +203,7 @@ def fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, 
              ((w1, bnu, bku), (w3, bnu, bku), (w2, bnd, bkd))] \
         if tma and xq.dtype == torch.bfloat16 and all(w.is_contiguous() for w in (w1, w3, w2)) else [None]
     tma = None not in descs
+    stages = stages or (FP4_TMA_STAGES if tma else FP4_STAGES)
     d1, d3, d2 = descs if tma else (w1, w3, w2)
     asm = h.device.type == "cuda"
     grid_up, grid_down = (P, triton.cdiv(I, bnu), su), (P, triton.cdiv(D, bnd), sd)
