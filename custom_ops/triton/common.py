@@ -273,7 +273,16 @@ def skinny_grid(a: torch.Tensor, N: int, block_m: int | None, block_n: int | Non
     return bm, bn, k_split, triton.cdiv(K, k_split)
 
 
-def skinny_stages(a: torch.Tensor, w: torch.Tensor, split_w: bool, bm: int) -> int:
+def skinny_split_w(a: torch.Tensor, split_w: bool | None, op: str) -> bool:
+    """Whether the skinny GEMM splits its weight into bf16 parts (default: A in bf16, which the
+    split needs)."""
+    split_w = a.dtype == torch.bfloat16 if split_w is None else split_w
+    if split_w and a.dtype != torch.bfloat16:
+        raise ValueError(f"{op}: the split weight needs its input in bf16, got {a.dtype}")
+    return split_w
+
+
+def skinny_stages(w: torch.Tensor, split_w: bool, bm: int) -> int:
     """The skinny GEMM's pipeline depth: the FP32 split's 16-row tile spills 16 bytes a thread at 3
     stages (sm_90 build)."""
     return 2 if split_w and bm == 16 and w.dtype == torch.float32 else 3
@@ -291,9 +300,7 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor, sumsq: bool, *, block_m: int |
     N = w.shape[0]
     if w.stride(-1) != 1:
         w = w.contiguous()
-    split_w = a.dtype == torch.bfloat16 if split_w is None else split_w
-    if split_w and a.dtype != torch.bfloat16:
-        raise ValueError(f"skinny_gemm: the split weight needs A in bf16, got {a.dtype}")
+    split_w = skinny_split_w(a, split_w, "skinny_gemm")
     bm, bn, k_split, S = skinny_grid(a, N, block_m, block_n, block_k, split)
     if out is not None and S != 1:
         raise ValueError(f"skinny_gemm: an out tensor takes one split, not {S}")
@@ -304,5 +311,5 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor, sumsq: bool, *, block_m: int |
                              part.stride(0), part.stride(1), sq.stride(0),
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SUMSQ=sumsq,
                              SPLIT_W=split_w, DOT_F32=not a.is_cuda, num_warps=4,
-                             num_stages=num_stages or skinny_stages(a, w, split_w, bm), **pdl(a.device))
+                             num_stages=num_stages or skinny_stages(w, split_w, bm), **pdl(a.device))
     return part, (sq if sumsq else None)

@@ -30,7 +30,8 @@ import triton.language as tl
 
 from custom_ops import mhc as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, skinny_grid, skinny_stages, skinny_tile
+from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, skinny_grid, skinny_split_w, skinny_stages, \
+    skinny_tile
 from custom_ops.triton.fp8 import tile_counters
 
 MIX_COLS = 64                 # the projection's columns a program: every one of hc·(hc+2) (hc up to 4 here)
@@ -204,9 +205,7 @@ def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb,
         return
     xf = X.reshape(T, hc * D)
     xf, fn = (t if t.stride(-1) == 1 else t.contiguous() for t in (xf, fn))
-    split_w = xf.dtype == torch.bfloat16 if split_w is None else split_w
-    if split_w and xf.dtype != torch.bfloat16:
-        raise ValueError(f"mhc_mix: the split weight needs X in bf16, got {xf.dtype}")
+    split_w = skinny_split_w(xf, split_w, "mhc_mix")
     bm, bn, k_split, S = skinny_grid(xf, N, None, None, MIX_BLOCK_K, split)     # bn >= N: one column tile
     part = torch.empty(S, T, N, dtype=torch.float32, device=X.device)
     sq = torch.empty(S, T, dtype=torch.float32, device=X.device)
@@ -223,7 +222,7 @@ def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb,
         k_split, iters, hc_eps, norm_eps, xf.stride(0), fn.stride(0), part.stride(0), part.stride(1), sq.stride(0),
         outs[0].stride(0), outs[1].stride(0), outs[2].stride(0), outs[2].stride(1), HC=hc, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=MIX_BLOCK_K, BLOCK_T=bt, BLOCK_S=bs, SPLIT_W=split_w, DOT_F32=not X.is_cuda, num_warps=4,
-        num_stages=skinny_stages(xf, fn, split_w, bm), **pdl(X.device))
+        num_stages=skinny_stages(fn, split_w, bm), **pdl(X.device))
     for o, t in zip(outs, (pre, post, comb)):
         if o is not t:
             t.copy_(o)
