@@ -173,7 +173,8 @@ def main():
                     help="decode batch sizes (comma-separated; default 1,16,64)")
     ap.add_argument("--knob-variants", type=json.loads, default={}, metavar="JSON",
                     help='{name: {"package.module.CONSTANT": value, ...}}: FULL graphs of the compiled forward '
-                         'captured again with those constants set, run as variant `name` beside the others')
+                         'captured again with those constants set, run as variant `name` beside the others '
+                         '(one whose capture fails is recorded with its error and left out)')
     ap.add_argument("--dry-run", action="store_true", help="toy, CPU, eager, small cases: the code path only")
     ap.add_argument("--worker", action="store_true",
                     help="after setup print READY, then run the cases given as JSON lines on stdin "
@@ -252,11 +253,16 @@ def main():
         if "compiled" not in forwards:
             ap.error("--knob-variants: its graphs capture the compiled forward (add full or compiled to --variants)")
         use("compiled")
-        with module_constants(constants):
-            graphs[name] = CUDAGraphRunner(runner, (1, 2, 4, 8, 16, 32, 64))
-            res.setdefault("graphs_knob_variants", {})[name] = {"constants": constants, **graphs[name].capture()}
-        variants.append(name)
-        print(f"graphs ({name}): {json.dumps(res['graphs_knob_variants'][name])}", flush=True)
+        entry = res.setdefault("graphs_knob_variants", {})[name] = {"constants": constants}
+        try:
+            with module_constants(constants):
+                graphs[name] = CUDAGraphRunner(runner, (1, 2, 4, 8, 16, 32, 64))
+                entry.update(graphs[name].capture())
+            variants.append(name)
+        except Exception as e:     # noqa: BLE001 - a knob's kernels failing leaves the other variants' timings
+            graphs.pop(name, None)
+            entry["error"] = f"{type(e).__name__}: {e}"[:2000]
+        print(f"graphs ({name}): {json.dumps(entry)}", flush=True)
         save()
     if "tr_hybrid" in variants:
         from runtime.compile import CompileConfig, compile_runner
