@@ -227,7 +227,7 @@ else:
         for run in (lambda o, **k: triton_fp8_block_gemm(xq, xs, w, ws, o, **k),
                     lambda o, **k: triton_fp8_linear(x, w, ws, o, **k)):
             outs = []
-            for form in ({}, {"prefetch": True}, {"tma": True, "num_stages": 3}):
+            for form in ({"tma": False}, {"prefetch": True}, {"tma": True, "num_stages": 3}):
                 outs.append(torch.full((M, N), float("nan"), dtype=torch.bfloat16))
                 run(outs[-1], path="gemv", block_n=64, **form, **kw)
             assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
@@ -238,7 +238,7 @@ else:
         from tests.kernel_cases import fp8_grouped_case
         xq, xs, w, ws = fp8_grouped_case(g, 1, 3, 64, 96)
         outs = []
-        for form in ({}, {"tma": True, "num_stages": 2}):
+        for form in ({"tma": False}, {"tma": True, "num_stages": 2}):
             outs.append(torch.full((1, 3 * 64), float("nan"), dtype=torch.bfloat16))
             triton_fp8_block_gemm(xq, xs, w, ws, outs[-1], 3, path="gemv", split_k=2, **form)
         assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
@@ -267,10 +267,17 @@ else:
             triton_moe_experts_w4a8(*moe, 1.0e4, torch.empty(1, 192), path="gemv")
             n, made[:] = len(made), []
             return n
-        assert run() == 0
-        monkeypatch.setattr(fp8_gemm, "GEMV_TMA", True)
-        monkeypatch.setattr(moe_gemv, "FP4_TMA", True)
-        assert run() == 1 + 3          # the GEMV from codes; w1, w3 and w2
+        for on in (False, True):
+            monkeypatch.setattr(fp8_gemm, "GEMV_TMA", on)
+            monkeypatch.setattr(moe_gemv, "FP4_TMA", on)
+            assert run() == (1 + 3 if on else 0)        # the GEMV from codes; w1, w3 and w2
+
+    def test_fp8_gemv_tma_takes_one_row(g):
+        """The GEMV's TMA loop reads one row of x a program: asked for at four rows a program it
+        is refused by name, while the default there keeps the plain loads."""
+        xq, xs, w, ws = fp8_gemm_case(g, 7, 64, 64)
+        with pytest.raises(ValueError, match="one row a program, not block_m=4"):
+            triton_fp8_block_gemm(xq, xs, w, ws, torch.empty(7, 64), path="gemv", block_m=4, tma=True)
 
     def test_fp8_block_gemm_unknown_path(g):
         """An unknown path is refused by name (not run as another)."""

@@ -49,8 +49,9 @@ GEMV_M = 1                    # up to this many rows the CUDA-core GEMV runs (na
 # the GEMV's weight rows a program (128: native-gemm-one-row-h200.json), K block, pipeline stages
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_STAGES = 128, 128, 1
 # whether the GEMV from codes loads its weight tiles through a tensor descriptor (TMA), and how
-# many in flight; off until timed against the plain loads (benchmarks/step_bench.py --knob-variants)
-GEMV_TMA, GEMV_TMA_STAGES = False, 3
+# many in flight: flash-slice's batch-1 FULL decode step on the H200, 10.10 ms of device time with
+# the plain loads, 9.66 with this one's TMA, 9.16 with the FP4 GEMVs' too (tma-knobs-h200.json)
+GEMV_TMA, GEMV_TMA_STAGES = True, 3
 
 
 def _tiles(M: int) -> tuple[int, int, int]:
@@ -262,9 +263,11 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
         raise ValueError(f"unroll={unroll} does not divide the {KB} K blocks of 32")
     grid_m, grid_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
     wsc = ws.view(torch.uint8)
-    # x from codes only: the GEMV's TMA loop reads x as words of codes (and a prefetch knob asks
-    # for the plain loads)
-    tma = GEMV_TMA and not prefetch if tma is None else tma
+    # x from codes only, one row a program: the GEMV's TMA loop reads one row of x as words of
+    # codes (and a prefetch knob asks for the plain loads)
+    tma = GEMV_TMA and not prefetch and bm == 1 if tma is None else tma
+    if tma and path == "gemv" and bm > 1:
+        raise ValueError(f"fp8_block_gemm: the GEMV's TMA loads take one row a program, not block_m={bm}")
     desc = tma_descriptor(w.view(torch.int32), [bn, unroll * GROUP // 4]) if path == "gemv" and tma and not quant_x \
         else None
     launch = dict(num_warps=num_warps or 4, num_stages=num_stages or (GEMV_TMA_STAGES if desc is not None else stages))
