@@ -18,7 +18,7 @@ if not S.tools_present():
                 allow_module_level=True)
 
 from custom_ops.triton.fp8_gemm import _tiles  # noqa: E402
-from custom_ops.triton.mhc import _mhc_mix_kernel  # noqa: E402
+from custom_ops.triton.mhc import _mhc_coef_kernel  # noqa: E402
 
 build, registers = S.build, S.registers
 
@@ -52,12 +52,12 @@ def test_fp8_gemv_builds_for_hopper():
 
 def test_fp8_gemv_prefetch_builds_for_hopper():
     """The GEMV with the next K block's weights loaded during this one's products, at the tiles
-    native_gemm_bench sweeps it (the default 128-row tile at 8 warps, a 64-row tile at 4): no
-    spills, from codes and from bf16 x; the words stay in registers (no cp.async). At the
-    default tile and 4 warps, x quantized inside, it spills (16 bytes a thread)."""
-    from custom_ops.triton.fp8_gemm import GEMV_BLOCK_K, GEMV_BLOCK_N
+    native_gemm_bench sweeps it (a 128-row tile at 8 warps, a 64-row tile at 4): no spills, from
+    codes and from bf16 x; the words stay in registers (no cp.async). At the 128-row tile and 4
+    warps, x quantized inside, it spills (16 bytes a thread)."""
+    from custom_ops.triton.fp8_gemm import GEMV_BLOCK_K
     for quant_x in (False, True):
-        for block_n, warps in ((GEMV_BLOCK_N, 8), (64, 4)):
+        for block_n, warps in ((128, 8), (64, 4)):
             k = B.fp8_gemv(1, block_n, GEMV_BLOCK_K, quant_x, warps=warps, stages=1, prefetch=True)
             assert 0 < registers(k) <= 255
             assert "cp.async" not in k.asm["ptx"] and "griddepcontrol.wait" in k.asm["ptx"]
@@ -90,20 +90,15 @@ def test_bf16_head_builds_for_hopper():
     assert bf16["loop_mma"] > 0 and 3 * bf16["loop_mma"] == f32["loop_mma"], (bf16, f32)
 
 
-@pytest.mark.parametrize("block_m,block_t,block_s", [(16, 1, 128), (16, 16, 1), (64, 16, 1)])
-def test_mhc_mix_builds_for_hopper(block_m, block_t, block_s):
-    """The one-launch mhc_mix (the split-K projection on tensor cores, the last split's
-    coefficients) at a decode token's tile and a prefill tile: no spills."""
-    sig = {"x_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32", "sq_ptr": "*fp32", "cnt_ptr": "*i32",
-           **dict.fromkeys(("base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr"), "*fp32"),
-           **dict.fromkeys(("T", "N", "K", "k_split", "iters"), "i32"), "hc_eps": "fp32", "norm_eps": "fp32",
-           **dict.fromkeys(("stride_xt", "stride_fn", "stride_ps", "stride_pt", "stride_ss", "stride_pre",
-                            "stride_post", "stride_ct", "stride_ci"), "i32"),
-           **dict.fromkeys(("HC", "BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_T", "BLOCK_S", "SPLIT_W", "DOT_F32"),
-                           "constexpr")}
-    k = build(_mhc_mix_kernel, sig, {"HC": 4, "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 64, "BLOCK_T": block_t,
-                                     "BLOCK_S": block_s, "SPLIT_W": True, "DOT_F32": False},
-              aligned=("K", "k_split", "stride_xt", "stride_fn"), num_stages=2 if block_m == 16 else 3)
+@pytest.mark.parametrize("block_t,block_s", [(1, 128), (16, 1), (8, 16)])
+def test_mhc_coef_builds_for_hopper(block_t, block_s):
+    sig = {**dict.fromkeys(("part_ptr", "sq_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr"),
+                           "*fp32"),
+           **dict.fromkeys(("T", "S", "K", "iters"), "i32"), "hc_eps": "fp32", "norm_eps": "fp32",
+           **dict.fromkeys(("stride_ps", "stride_pt", "stride_ss", "stride_pre", "stride_post", "stride_ct",
+                            "stride_ci"), "i32"),
+           **dict.fromkeys(("HC", "BLOCK_T", "BLOCK_S"), "constexpr")}
+    k = build(_mhc_coef_kernel, sig, {"HC": 4, "BLOCK_T": block_t, "BLOCK_S": block_s})
     assert 0 < registers(k) <= 255
 
 
@@ -160,6 +155,19 @@ def test_fp4_gemvs_prefetch_build_for_hopper():
     from custom_ops.triton.moe_gemv import FP4_BLOCK_K, FP4_BLOCK_N
     for which in ("up", "down"):
         assert 0 < registers(B.fp4_gemv(which, FP4_BLOCK_N, FP4_BLOCK_K, 4, prefetch=True)) <= 255
+
+
+def test_tma_gemvs_build_for_hopper():
+    """The one-row GEMVs as they run by default, their weights through tensor descriptors at the
+    default tiles and stages (the FP8 GEMV from codes; the FP4 up and down GEMVs): no spills,
+    the weight tiles loaded by the copy engine (bulk tensor copies)."""
+    from custom_ops.triton.fp8_gemm import GEMV_BLOCK_K, GEMV_BLOCK_N, GEMV_TMA_STAGES
+    from custom_ops.triton.moe_gemv import FP4_BLOCK_N, FP4_TMA_BLOCK_K, FP4_TMA_STAGES
+    kernels = [B.fp8_gemv(1, GEMV_BLOCK_N, GEMV_BLOCK_K, False, stages=GEMV_TMA_STAGES, tma=True)]
+    kernels += [B.fp4_gemv(w, FP4_BLOCK_N, FP4_TMA_BLOCK_K, 4, stages=FP4_TMA_STAGES, tma=True) for w in ("up", "down")]
+    for k in kernels:
+        assert 0 < registers(k) <= 255
+        assert "cp.async.bulk.tensor" in k.asm["ptx"]
 
 
 @pytest.mark.parametrize("map_cand", [False, True])

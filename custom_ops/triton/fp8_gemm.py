@@ -46,8 +46,11 @@ PREFILL_M = 1024
 # elements of x in all (`quantizes_inside`)
 FUSED_QUANT_WORK = 1 << 17
 GEMV_M = 1                    # up to this many rows the CUDA-core GEMV runs (native-gemm-paths-h200.json)
-# the GEMV's weight rows a program (128: native-gemm-one-row-h200.json), K block, pipeline stages
-GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_STAGES = 128, 128, 1
+# the GEMV's weight rows a program, K block, pipeline stages of its plain loads. With the TMA
+# loads, 64 rows: flash-slice's batch-1 FULL decode on an H100, 9.97 against 10.09 ms of device
+# time at 128 (128 was fastest with the plain loads, native-gemm-one-row-h200.json); 256-wide K
+# blocks took 10.61 against 10.18 (tma-knobs-h100.json)
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_STAGES = 64, 128, 1
 # whether the GEMV from codes loads its weight tiles through a tensor descriptor (TMA), and how
 # many in flight: flash-slice's batch-1 FULL decode step on the H200, 10.10 ms of device time with
 # the plain loads, 9.66 with this one's TMA, 9.16 with the FP4 GEMVs' too (tma-knobs-h200.json)
@@ -191,9 +194,10 @@ def quantizes_inside(M: int, N: int, K: int) -> bool:
     """Whether `fp8_linear` leaves x's quantization to the GEMV (no act-quant launch, no FP8 copy
     of x): one row, and its N / GEMV_BLOCK_N column tiles, each quantizing all K of x again,
     quantize at most FUSED_QUANT_WORK elements. H200, Flash's dense shapes from bf16 x, the
-    quantization inside against the act-quant kernel first (same run each): one row, wq_a (10
-    tiles x 5,120) 8.8 against 9.5 µs, shared_w1 (18 x 5,120) 11.7 against 11.6, wo_b (40 x
-    8,192) 28.2 against 25.4, wq_b (256 x 1,280) 24.4 against 21.0 (native-gemm-one-row-h200.json);
+    quantization inside against the act-quant kernel first (same run each, 128-row tiles then):
+    one row, wq_a (10 tiles x 5,120) 8.8 against 9.5 µs, shared_w1 (18 x 5,120) 11.7 against
+    11.6, wo_b (40 x 8,192) 28.2 against 25.4, wq_b (256 x 1,280) 24.4 against 21.0
+    (native-gemm-one-row-h200.json);
     at 4-16 rows the MMA tiles quantizing inside took 1.0-1.4x the time of the act quant first on
     every shape (native-gemm-h200.json)."""
     return M <= GEMV_M and triton.cdiv(N, GEMV_BLOCK_N) * K <= FUSED_QUANT_WORK

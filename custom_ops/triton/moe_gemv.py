@@ -23,7 +23,10 @@ from custom_ops.triton.fp4 import fp4_groups_dot, fp4_words_dot, fp4_words_load
 from custom_ops.triton.fp8 import sum_splits, tile_counters
 from custom_ops.triton.moe_tiles import swiglu_store
 
-FP4_BLOCK_K = 128        # the FP4 GEMVs (H200, one token: 64 x 128 and 32 x 256 blocks fastest)
+# the FP4 GEMVs' K block and weight rows a program: with the plain loads 64 x 128 (and 32 x 256)
+# fastest at one token (H200); with the TMA loads 256-wide K blocks, flash-slice's batch-1 FULL
+# decode on an H100 9.96 against 10.09 ms of device time at 128 (tma-knobs-h100.json)
+FP4_BLOCK_K, FP4_TMA_BLOCK_K = 128, 256
 FP4_BLOCK_N = 64
 FP4_STAGES = 1           # the GEMVs' loads unpipelined: 3 stages took 1.38-1.54x (native-gemm-paths-h200.json)
 # whether the GEMVs on bf16 activations load their weight tiles through tensor descriptors (TMA),
@@ -182,27 +185,29 @@ def fp4_gemvs(xq, ids, order, wts, w1, w3, w2, scales, limit, h, y, block_n_up, 
     sorted by expert: h's rows in that order) or None (h's rows are the pairs'). `prefetch`:
     each GEMV loads its next K block during this one's products (PREFETCH); `tma` (default
     FP4_TMA): bf16 activations and contiguous weights, loaded through tensor descriptors (TMA),
-    `stages` deep (default FP4_TMA_STAGES; plain loads FP4_STAGES)."""
+    `stages` deep (default FP4_TMA_STAGES; plain loads FP4_STAGES) in K blocks of FP4_TMA_BLOCK_K
+    (plain loads FP4_BLOCK_K) unless `block_k` is given."""
     P, I = h.shape
     D = y.shape[1]
     k = ids.shape[1]
     s1, s3, s2 = scales
     flat = ids.reshape(-1).contiguous()
-    bnu, bnd = block_n_up or FP4_BLOCK_N, block_n_down or FP4_BLOCK_N
-    bku, bkd = math.gcd(block_k or FP4_BLOCK_K, D), math.gcd(block_k or FP4_BLOCK_K, I)   # dividing K: no K mask
-    ku, su = k_split(D, bku, splits or fp4_splits(D, bku))
-    kd, sd = k_split(I, bkd, splits or fp4_splits(I, bkd))
-    pu = torch.empty(su, 2, P, I, dtype=torch.float32, device=h.device)
-    pd = torch.empty(sd, P, D, dtype=torch.float32, device=h.device)
     w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))     # eight E2M1 values a word
     tma = FP4_TMA and not prefetch if tma is None else tma
     if tma and prefetch:
         raise ValueError("moe_experts_w4a8: the GEMVs' register prefetch and their TMA loads are exclusive")
-    # descriptors of the experts' rows stacked, [E·rows, K / 8] words (bf16 activations only: the
-    # TMA loop reads them as words of bf16 pairs)
+    # bf16 activations only: the TMA loop reads them as words of bf16 pairs
+    tma = tma and xq.dtype == torch.bfloat16 and all(w.is_contiguous() for w in (w1, w3, w2))
+    bnu, bnd = block_n_up or FP4_BLOCK_N, block_n_down or FP4_BLOCK_N
+    bk = block_k or (FP4_TMA_BLOCK_K if tma else FP4_BLOCK_K)
+    bku, bkd = math.gcd(bk, D), math.gcd(bk, I)                   # dividing K: no K mask
+    ku, su = k_split(D, bku, splits or fp4_splits(D, bku))
+    kd, sd = k_split(I, bkd, splits or fp4_splits(I, bkd))
+    pu = torch.empty(su, 2, P, I, dtype=torch.float32, device=h.device)
+    pd = torch.empty(sd, P, D, dtype=torch.float32, device=h.device)
+    # descriptors of the experts' rows stacked, [E·rows, K / 8] words
     descs = [tma_descriptor(w.view(-1, w.shape[-1]), [bn, bk // 8]) for w, bn, bk in
-             ((w1, bnu, bku), (w3, bnu, bku), (w2, bnd, bkd))] \
-        if tma and xq.dtype == torch.bfloat16 and all(w.is_contiguous() for w in (w1, w3, w2)) else [None]
+             ((w1, bnu, bku), (w3, bnu, bku), (w2, bnd, bkd))] if tma else [None]
     tma = None not in descs
     stages = stages or (FP4_TMA_STAGES if tma else FP4_STAGES)
     d1, d3, d2 = descs if tma else (w1, w3, w2)
