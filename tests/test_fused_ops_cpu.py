@@ -180,9 +180,8 @@ else:
             assert rel(o, r) < 1e-5
 
     def test_mhc_mix_token_tiles(g):
-        """100 tokens: two 64-token tiles (the second part masked), each counted apart and its
-        coefficients run 16 tokens a pass by its last split; a second call (the counters back at
-        zero) gives the same values bit for bit."""
+        """100 tokens: the projection's two 64-token tiles and the coefficients' seven 16-token
+        programs, the last of each partly masked; a second call gives the same values bit for bit."""
         T, hc, D = 100, 4, 48
         X = rnd(g, T, hc, D).to(torch.bfloat16)
         fn, base, scale = rnd(g, 24, hc * D, scale=0.05), rnd(g, 24), rnd(g, 3).abs()

@@ -1,21 +1,22 @@
 """Triton impls of `v41::mhc_mix`, `v41::hc_collapse`, `v41::hc_expand` (custom_ops/mhc.py is
 the definition).
 
-mhc_mix, one launch, a program per (token tile, K split):
+mhc_mix, two launches:
   1. The coefficient projection m_raw[T, hc·(hc+2)] = X_flat[T, hc·D] · fnᵀ (FP32, full-precision
      products: with X in bf16, fn split exactly into three bf16 parts multiplied on tensor cores)
-     and Σ X_flat² per token, over the split's K range (common.skinny_tile; Flash: K = 20480,
-     N = 24 padded to a 32-wide tile; token tiles of 16..64; K split so that even one decode
-     token spreads the 1.9 MB of fn over ~2x the SMs); each split stores its FP32 partials and
-     counts itself in its token tile's counter.
-  2. The split that counts last computes the tile's coefficients, BLOCK_T tokens at a time
-     (every token's math is independent): the splits summed in a fixed order, BLOCK_S of them
-     per load, summed as a tree (one token, Flash: its 80 splits in one load), m =
-     m_raw·rsqrt(Σx²/(hc·D) + norm_eps); pre = sigmoid(m·scale0 + base) + hc_eps; post =
-     2·sigmoid(m·scale1 + base); comb = softmax_row(m·scale2 + base) + hc_eps on a [BLOCK_T, hc,
-     hc] tile, then the column normalization and iters-1 (row, column) Sinkhorn rounds in
-     registers. (Two launches before: in flash-slice's batch-1 step on an H100 the coefficient
-     kernel took 390 µs over 80 calls, `native-decode-head-h100.json` run h.)
+     and Σ X_flat² per token: the split-K skinny GEMM of common.py (Flash: K = 20480, N = 24
+     padded to a 32-wide tile; token tiles of 16..64; K split so that even one decode token
+     spreads the 1.9 MB of fn over ~2x the SMs; each split writes FP32 partials).
+  2. Coefficients, BLOCK_T tokens a program (a program per token tile; every token's math is
+     independent): the splits summed in a fixed order, BLOCK_S of them a load, summed as a tree
+     (a program of one token, Flash: its 80 splits in one load), m = m_raw·rsqrt(Σx²/(hc·D) +
+     norm_eps); pre = sigmoid(m·scale0 + base) + hc_eps; post = 2·sigmoid(m·scale1 + base);
+     comb = softmax_row(m·scale2 + base) + hc_eps on a [BLOCK_T, hc, hc] tile, then the column
+     normalization and iters-1 (row, column) Sinkhorn rounds in registers.
+  One launch, the split that counts last in its token tile computing the coefficients, was
+  slower on an H100 both times it was built: 13.1 µs a call against 6.3 + 4.9 (a363117), then
+  13.2 (1,058.9 µs over flash-slice's 80 calls at batch 1, dependent launch off,
+  `tma-knobs-h100.json` run a).
 hc_collapse: [BLOCK_T, BLOCK_D] tiles, Σ_k mix[k]·X[k] over the hc streams in FP32 (a static
 loop), one rounding. hc_expand: [BLOCK_T, hc, BLOCK_D] tiles, Σ_i comb[i][j]·X[i] as hc
 broadcast FMAs over the stream tile, plus post[j]·out_, one rounding. Both are pure streaming
@@ -30,56 +31,22 @@ import triton.language as tl
 
 from custom_ops import mhc as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, skinny_grid, skinny_split_w, skinny_stages, \
-    skinny_tile
-from custom_ops.triton.fp8 import tile_counters
+from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, skinny_gemm
 
-MIX_COLS = 64                 # the projection's columns a program: every one of hc·(hc+2) (hc up to 4 here)
-MIX_BLOCK_K = 64
 COEF_BLOCK_T = 16
-COEF_TILE = 2048              # elements of the [splits, hc, hc] tile a one-token pass sums at once
+COEF_TILE = 2048              # elements of the [splits, hc, hc] tile a one-token program sums at once
 STREAM_TILE = 4096            # elements of X per program in collapse / expand
 
 
 @triton.jit
-def _mhc_mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-                    T, N, K, k_split, iters, hc_eps, norm_eps, stride_xt, stride_fn, stride_ps, stride_pt, stride_ss,
-                    stride_pre, stride_post, stride_ct, stride_ci, HC: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-                    SPLIT_W: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
-    """`v41::mhc_mix`, program (token tile, split): the projection's partial sums and Σx² over
-    the split's K range (`skinny_tile`), stored and counted in the tile's counter; the split that
-    counts last runs the coefficients of the tile's tokens, BLOCK_T at a time
-    (`mhc_coefficients`)."""
+def _mhc_coef_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, S, K, iters, hc_eps,
+                     norm_eps, stride_ps, stride_pt, stride_ss, stride_pre, stride_post, stride_ct, stride_ci,
+                     HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    """pre, post and comb of BLOCK_T tokens: the S splits' partials summed in a fixed order,
+    BLOCK_S of them a load summed as a tree, then the normalization, the sigmoids, and the
+    Sinkhorn rounds in registers."""
     pdl_wait(PDL)
-    s = tl.program_id(1)
-    m0 = tl.program_id(0) * BLOCK_M
-    rm = m0 + tl.arange(0, BLOCK_M)
-    rn = tl.arange(0, BLOCK_N)
-    k0 = s * k_split
-    acc, sq = skinny_tile(x_ptr, fn_ptr, T, N, k0, tl.minimum(k0 + k_split, K), stride_xt, stride_fn, rm, rn,
-                          BLOCK_K, True, SPLIT_W, DOT_F32)
-    S = tl.num_programs(1)
-    tl.store(part_ptr + s.to(tl.int64) * stride_ps + rm.to(tl.int64)[:, None] * stride_pt + rn[None, :], acc,
-             mask=(rm < T)[:, None] & (rn < N)[None, :])
-    tl.store(sq_ptr + s.to(tl.int64) * stride_ss + rm, sq, mask=rm < T)
-    counter = cnt_ptr + tl.program_id(0)
-    if tl.atomic_add(counter, 1, sem="acq_rel") == S - 1:     # every split's sums are stored
-        for t0 in range(m0, tl.minimum(m0 + BLOCK_M, T), BLOCK_T):
-            mhc_coefficients(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-                             t0 + tl.arange(0, BLOCK_T), T, S, K, iters, hc_eps, norm_eps, stride_ps, stride_pt,
-                             stride_ss, stride_pre, stride_post, stride_ct, stride_ci, HC, BLOCK_S)
-        tl.atomic_xchg(counter, 0)
-
-
-@triton.jit
-def mhc_coefficients(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, t, T, S, K, iters,
-                     hc_eps, norm_eps, stride_ps, stride_pt, stride_ss, stride_pre, stride_post, stride_ct,
-                     stride_ci, HC: tl.constexpr, BLOCK_S: tl.constexpr):
-    """pre, post and comb of tokens t: the S splits' partials (read from L2, where the other
-    programs' stores are) summed in a fixed order, BLOCK_S of them a load summed as a tree, then
-    the normalization, the sigmoids, and the Sinkhorn rounds in registers."""
-    BLOCK_T: tl.constexpr = t.shape[0]
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
     t64 = t.to(tl.int64)
     i = tl.arange(0, HC)
@@ -99,13 +66,13 @@ def mhc_coefficients(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, c
         s3 = ps[:, None, None, None]
         k2 = smask[:, None, None] & m2[None, :, :]
         k3 = smask[:, None, None, None] & m3[None, :, :, :]
-        a_pre += tl.sum(tl.load(part_ptr + s2 + off2[None, :, :], mask=k2, other=0.0, cache_modifier=".cg"), axis=0)
-        a_post += tl.sum(tl.load(part_ptr + s2 + HC + off2[None, :, :], mask=k2, other=0.0, cache_modifier=".cg"),
+        a_pre += tl.sum(tl.load(part_ptr + s2 + off2[None, :, :], mask=k2, other=0.0), axis=0)
+        a_post += tl.sum(tl.load(part_ptr + s2 + HC + off2[None, :, :], mask=k2, other=0.0),
                          axis=0)
-        a_comb += tl.sum(tl.load(part_ptr + s3 + off3[None, :, :, :], mask=k3, other=0.0, cache_modifier=".cg"),
+        a_comb += tl.sum(tl.load(part_ptr + s3 + off3[None, :, :, :], mask=k3, other=0.0),
                          axis=0)
         sq = tl.load(sq_ptr + rs.to(tl.int64)[:, None] * stride_ss + t64[None, :],
-                     mask=smask[:, None] & tmask[None, :], other=0.0, cache_modifier=".cg")
+                     mask=smask[:, None] & tmask[None, :], other=0.0)
         ss += tl.sum(sq, axis=0)
     r = tl.rsqrt(ss / K + norm_eps)
     sc0 = tl.load(scale_ptr)
@@ -192,37 +159,32 @@ def _unit_last(*ts) -> bool:
 def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb, *,
                    split: int | None = None, block_t: int | None = None, block_s: int | None = None,
                    split_w: bool | None = None) -> None:
-    """`v41::mhc_mix` (same signature), one launch (`_mhc_mix_kernel`); keyword knobs: K splits
-    of the projection, tokens a coefficient pass, splits a load of the coefficients' sums (a power
-    of two), and `split_w` (fn split into three bf16 parts on tensor cores, X in bf16)."""
+    """`v41::mhc_mix` (same signature); keyword knobs: K splits of the projection, tokens a
+    coefficient program, splits a load of its sums (a power of two), and `split_w` (skinny_gemm's:
+    fn split into three bf16 parts on tensor cores, X in bf16)."""
     T, hc, D = X.shape
-    N = hc * (hc + 2)
     if X.dtype not in TL_DTYPES or fn.dtype != torch.float32 or not _pow2(hc) or iters < 1 or \
-            fn.shape != (N, hc * D) or N > MIX_COLS or \
+            fn.shape != (hc * (hc + 2), hc * D) or \
             any(t.dtype != torch.float32 for t in (base, scale, pre, post, comb)):
         return _ref.mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb)
     if T == 0:
         return
     xf = X.reshape(T, hc * D)
-    xf, fn = (t if t.stride(-1) == 1 else t.contiguous() for t in (xf, fn))
-    split_w = skinny_split_w(xf, split_w, "mhc_mix")
-    bm, bn, k_split, S = skinny_grid(xf, N, None, None, MIX_BLOCK_K, split)     # bn >= N: one column tile
-    part = torch.empty(S, T, N, dtype=torch.float32, device=X.device)
-    sq = torch.empty(S, T, dtype=torch.float32, device=X.device)
+    if xf.stride(1) != 1:
+        xf = xf.contiguous()
+    part, sq = skinny_gemm(xf, fn, True, split=split, split_w=split_w)
     base, scale = base.contiguous(), scale.contiguous()
     outs = [t if _unit_last(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device)
             for t in (pre, post, comb)]
-    bt = block_t or min(COEF_BLOCK_T, triton.next_power_of_2(T), bm)
-    # a lone token's splits in one load; several tokens a pass: one split a load, which the
+    bt = block_t or min(COEF_BLOCK_T, triton.next_power_of_2(T))
+    S = part.shape[0]
+    # a lone token's splits in one load; several tokens a program: one split a load, which the
     # H200 ran as fast or faster at 5, 64 and 4,096 tokens (benchmarks/results/mhc-h200.json)
     bs = block_s or (min(triton.next_power_of_2(S), COEF_TILE // (hc * hc)) if bt == 1 else 1)
-    grid_m = triton.cdiv(T, bm)
-    _mhc_mix_kernel[(grid_m, S)](
-        xf, fn, part, sq, tile_counters(X.device, grid_m), base, scale, outs[0], outs[1], outs[2], T, N, hc * D,
-        k_split, iters, hc_eps, norm_eps, xf.stride(0), fn.stride(0), part.stride(0), part.stride(1), sq.stride(0),
-        outs[0].stride(0), outs[1].stride(0), outs[2].stride(0), outs[2].stride(1), HC=hc, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=MIX_BLOCK_K, BLOCK_T=bt, BLOCK_S=bs, SPLIT_W=split_w, DOT_F32=not X.is_cuda, num_warps=4,
-        num_stages=skinny_stages(fn, split_w, bm), **pdl(X.device))
+    _mhc_coef_kernel[(triton.cdiv(T, bt),)](
+        part, sq, base, scale, outs[0], outs[1], outs[2], T, S, hc * D, iters, hc_eps, norm_eps, part.stride(0),
+        part.stride(1), sq.stride(0), outs[0].stride(0), outs[1].stride(0), outs[2].stride(0), outs[2].stride(1),
+        HC=hc, BLOCK_T=bt, BLOCK_S=bs, num_warps=4, **pdl(part.device))
     for o, t in zip(outs, (pre, post, comb)):
         if o is not t:
             t.copy_(o)
