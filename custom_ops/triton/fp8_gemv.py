@@ -5,9 +5,11 @@ byte), multiplied on CUDA cores with x's FP8-QAT values (exact FP32 products), e
 scaled by its block's scale, the words summed after the K loop. Where an MMA tile would hold one
 real row in 16, its in-GEMM quantization of x and its padding dominate (benchmarks/sm90_build.py:
 10.69 thread instructions a weight in the 16-row tile's K loop with x quantized inside, 4.53 in
-the GEMV's default tile); on the H200 it took 0.72-0.81x the MMA kernel's time at one row from bf16 x
-(native-gemm-paths-h200.json). Its loads are not pipelined by default: three stages (cp.async
-through shared memory) made it 1.7-3.1x slower than the MMA kernel in the same run.
+the GEMV's 128-row tile); on the H200 it took 0.72-0.81x the MMA kernel's time at one row from bf16 x
+(native-gemm-paths-h200.json). Its plain loads are not pipelined by default: three stages (cp.async
+through shared memory) made it 1.7-3.1x slower than the MMA kernel in the same run. From codes at
+one row its weight tiles come through a tensor descriptor instead (TMA, fp8_gemm.GEMV_TMA), three
+deep.
 """
 from __future__ import annotations
 
