@@ -291,8 +291,8 @@ def fp4_mma_row(which: str, cols: int = 1, warps: int = 4) -> dict:
 
 def tma_rows() -> list[dict]:
     """The one-row GEMVs with their weights through tensor descriptors beside their plain loads:
-    the FP8 GEMV at its default tile (128 x 128, from codes) unpipelined and 1-4 stages deep, the
-    FP4 GEMVs at 64 x 128 (the default) and 128 x 128."""
+    the FP8 GEMV at its default tile (from codes) unpipelined and 1-4 stages deep, the FP4 GEMVs
+    at 64 x 128 (the plain loads' default), 128 x 128 and 64 x 256 (the TMA loads' default)."""
     from custom_ops.triton.fp8_gemm import GEMV_BLOCK_K, GEMV_BLOCK_N
     rows = []
     for tma, stages in ((False, 1), (True, 1), (True, 3), (True, 4)):
@@ -305,7 +305,8 @@ def tma_rows() -> list[dict]:
                      "loop_opcodes": dict(collections.Counter(body).most_common(8))})
     for w in ("up", "down"):
         rows.append(fp4_gemv_row(w, 64, 128, 4, stages=1))
-        rows += [fp4_gemv_row(w, bn, 128, 4, stages=st, tma=True) for bn, st in ((64, 1), (64, 3), (128, 3))]
+        rows += [fp4_gemv_row(w, bn, bk, 4, stages=st, tma=True) for bn, bk, st in
+                 ((64, 128, 1), (64, 128, 3), (128, 128, 3), (64, 256, 3))]
     return rows
 
 
