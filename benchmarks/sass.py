@@ -82,11 +82,7 @@ def loop_body(kernel, innermost: bool = False) -> list[str]:
     branch's target to the branch); `innermost`: of the loops holding no other loop's backward
     branch (a kernel whose TMA loads wait on barriers branches back from waits placed after its
     K loops, a span that holds them all)."""
-    ins = []
-    for ln in _cuobjdump(kernel, "-sass").splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", ln)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2)))
+    ins = _instructions(kernel)
     loops = []
     for addr, text in ins:
         m = re.search(r"BRA\s+(?:`?\()?0x([0-9a-f]+)", text)
@@ -96,6 +92,17 @@ def loop_body(kernel, innermost: bool = False) -> list[str]:
         loops = [(t, a) for t, a in loops if not any(t <= a2 < a for t2, a2 in loops if (t2, a2) != (t, a))]
     best = max(([t for a, t in ins if lo <= a <= hi] for lo, hi in loops), key=len, default=[])
     return [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in best]
+
+
+def opcodes(kernel) -> list[str]:
+    """The opcodes of the kernel's SASS, in order (predicates dropped)."""
+    return [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in _instructions(kernel)]
+
+
+def _instructions(kernel) -> list[tuple[int, str]]:
+    """(address, instruction) of each line of the kernel's SASS."""
+    return [(int(m.group(1), 16), m.group(2)) for ln in _cuobjdump(kernel, "-sass").splitlines()
+            if (m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", ln))]
 
 
 def asm_layouts(kernel) -> set[str]:

@@ -90,15 +90,19 @@ def test_bf16_head_builds_for_hopper():
     assert bf16["loop_mma"] > 0 and 3 * bf16["loop_mma"] == f32["loop_mma"], (bf16, f32)
 
 
-@pytest.mark.parametrize("block_t,block_s", [(1, 128), (16, 1), (8, 16)])
-def test_mhc_coef_builds_for_hopper(block_t, block_s):
+@pytest.mark.parametrize("block_t,block_s,warps", [(1, 128, 4), (1, 128, 1), (16, 1, 4), (8, 16, 4)])
+def test_mhc_coef_builds_for_hopper(block_t, block_s, warps):
+    """The coefficient program at a decode token (its 80 splits in one load; at one warp, the
+    COEF_WARPS knob, its sums need no barrier) and at prefill tiles: no spills."""
     sig = {**dict.fromkeys(("part_ptr", "sq_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr"),
                            "*fp32"),
            **dict.fromkeys(("T", "S", "K", "iters"), "i32"), "hc_eps": "fp32", "norm_eps": "fp32",
            **dict.fromkeys(("stride_ps", "stride_pt", "stride_ss", "stride_pre", "stride_post", "stride_ct",
                             "stride_ci"), "i32"),
            **dict.fromkeys(("HC", "BLOCK_T", "BLOCK_S"), "constexpr")}
-    k = build(_mhc_coef_kernel, sig, {"HC": 4, "BLOCK_T": block_t, "BLOCK_S": block_s})
+    k = build(_mhc_coef_kernel, sig, {"HC": 4, "BLOCK_T": block_t, "BLOCK_S": block_s}, num_warps=warps)
+    if warps == 1:
+        assert not any(op.startswith("BAR") for op in S.opcodes(k))
     assert 0 < registers(k) <= 255
 
 

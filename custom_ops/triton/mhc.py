@@ -34,6 +34,10 @@ from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, skinny_gemm
 
 COEF_BLOCK_T = 16
+# warps of a coefficient program: at 4, a one-token program's split sums cross warps through
+# shared memory (14 barriers in its Triton 3.6 sm_90 build), at 1 in one warp's shuffles; untimed
+# (a knob variant of gpu_checks knobs), so the long-measured 4 stays
+COEF_WARPS = 4
 COEF_TILE = 2048              # elements of the [splits, hc, hc] tile a one-token program sums at once
 STREAM_TILE = 4096            # elements of X per program in collapse / expand
 
@@ -184,7 +188,7 @@ def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb,
     _mhc_coef_kernel[(triton.cdiv(T, bt),)](
         part, sq, base, scale, outs[0], outs[1], outs[2], T, S, hc * D, iters, hc_eps, norm_eps, part.stride(0),
         part.stride(1), sq.stride(0), outs[0].stride(0), outs[1].stride(0), outs[2].stride(0), outs[2].stride(1),
-        HC=hc, BLOCK_T=bt, BLOCK_S=bs, num_warps=4, **pdl(part.device))
+        HC=hc, BLOCK_T=bt, BLOCK_S=bs, num_warps=COEF_WARPS, **pdl(part.device))
     for o, t in zip(outs, (pre, post, comb)):
         if o is not t:
             t.copy_(o)
