@@ -91,12 +91,16 @@ def loop_body(kernel, innermost: bool = False) -> list[str]:
     if innermost:
         loops = [(t, a) for t, a in loops if not any(t <= a2 < a for t2, a2 in loops if (t2, a2) != (t, a))]
     best = max(([t for a, t in ins if lo <= a <= hi] for lo, hi in loops), key=len, default=[])
-    return [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in best]
+    return [_opcode(t) for t in best]
 
 
 def opcodes(kernel) -> list[str]:
     """The opcodes of the kernel's SASS, in order (predicates dropped)."""
-    return [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in _instructions(kernel)]
+    return [_opcode(t) for _, t in _instructions(kernel)]
+
+
+def _opcode(instruction: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
 
 
 def _instructions(kernel) -> list[tuple[int, str]]:

@@ -200,19 +200,30 @@ def _dot_exact(a, w, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def skinny_tile(a_ptr, w_ptr, M, N, k0, k1, stride_am, stride_wn, rm, rn, BLOCK_K: tl.constexpr,
-                SUMSQ: tl.constexpr, SPLIT_W: tl.constexpr, DOT_F32: tl.constexpr):
-    """([rm, rn] FP32 sums Σ_{k in [k0, k1)} A[m, k]·W[n, k] with full-precision products,
-    [rm] Σ A[m, k]² over the same range where SUMSQ). SPLIT_W (A in bf16): each FP32 weight tile
-    splits exactly into three bf16 tiles (w = w1 + w2 + w3: each rounding leaves a remainder of
-    at most 16, then 8, significant bits), a bf16 weight is its own one part; their bf16 dots with
-    A run on tensor cores and give exact products. Else A is read as FP32 and the dot is FP32
-    FMAs ("ieee"). DOT_F32: SPLIT_W's dots in FP32 (the interpreter; the same exact products)."""
+def skinny_gemm_kernel(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split,
+                       stride_am, stride_wn, stride_ps, stride_pm, stride_ss,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SUMSQ: tl.constexpr, SPLIT_W: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
+    """partial[s, m, n] = Σ_{k in [s·k_split, (s+1)·k_split)} A[m, k]·W[n, k] in FP32 with
+    full-precision products; with SUMSQ the programs of the first N tile also write
+    sq[s, m] = Σ A[m, k]². SPLIT_W (A in bf16): each FP32 weight tile splits exactly into three
+    bf16 tiles (w = w1 + w2 + w3: each rounding leaves a remainder of at most 16, then 8,
+    significant bits), a bf16 weight is its own one part; their bf16 dots with A run on tensor
+    cores and give exact products. Else A is read as FP32 and the dot is FP32 FMAs ("ieee").
+    DOT_F32: SPLIT_W's dots in FP32 (the interpreter; the same exact products)."""
+    pdl_wait(PDL)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    s = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     mmask = rm < M
     nmask = rn < N
-    acc = tl.zeros([rm.shape[0], rn.shape[0]], tl.float32)
-    sq = tl.zeros([rm.shape[0]], tl.float32)
+    k0 = s * k_split
+    k1 = tl.minimum(k0 + k_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    sq = tl.zeros([BLOCK_M], tl.float32)
     a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
     w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
     for kk in range(k0, k1, BLOCK_K):
@@ -233,59 +244,11 @@ def skinny_tile(a_ptr, w_ptr, M, N, k0, k1, stride_am, stride_wn, rm, rn, BLOCK_
         if SUMSQ:
             af = a.to(tl.float32)
             sq += tl.sum(af * af, axis=1)
-    return acc, sq
-
-
-@triton.jit
-def skinny_gemm_kernel(a_ptr, w_ptr, part_ptr, sq_ptr, M, N, K, k_split,
-                       stride_am, stride_wn, stride_ps, stride_pm, stride_ss,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SUMSQ: tl.constexpr, SPLIT_W: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
-    """partial[s, m, n] = Σ_{k in [s·k_split, (s+1)·k_split)} A[m, k]·W[n, k] (`skinny_tile`);
-    with SUMSQ the programs of the first N tile also write sq[s, m] = Σ A[m, k]²."""
-    pdl_wait(PDL)
-    pid_n = tl.program_id(1)
-    s = tl.program_id(2)
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = s * k_split
-    acc, sq = skinny_tile(a_ptr, w_ptr, M, N, k0, tl.minimum(k0 + k_split, K), stride_am, stride_wn, rm, rn,
-                          BLOCK_K, SUMSQ, SPLIT_W, DOT_F32)
     p = part_ptr + s.to(tl.int64) * stride_ps + rm.to(tl.int64)[:, None] * stride_pm + rn[None, :]
-    tl.store(p, acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
+    tl.store(p, acc, mask=mmask[:, None] & nmask[None, :])
     if SUMSQ:
         if pid_n == 0:
-            tl.store(sq_ptr + s.to(tl.int64) * stride_ss + rm, sq, mask=rm < M)
-
-
-def skinny_grid(a: torch.Tensor, N: int, block_m: int | None, block_n: int | None, block_k: int,
-                split: int | None) -> tuple[int, int, int, int]:
-    """(rows a tile, columns a tile, K a split, splits) of the skinny GEMM of A [M, K] against N
-    weight rows: splits from the SM count unless `split` is given, so that even one token's tile
-    spreads the weight over about two programs an SM."""
-    M, K = a.shape
-    bm = block_m or (16 if M <= 16 else 32 if M <= 32 else 64)
-    bn = block_n or min(triton.next_power_of_2(max(N, 16)), 64)
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    if split is None:
-        split = max(1, min(triton.cdiv(2 * num_sms(a.device), tiles), K // (4 * block_k)))
-    k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
-    return bm, bn, k_split, triton.cdiv(K, k_split)
-
-
-def skinny_split_w(a: torch.Tensor, split_w: bool | None, op: str) -> bool:
-    """Whether the skinny GEMM splits its weight into bf16 parts (default: A in bf16, which the
-    split needs)."""
-    split_w = a.dtype == torch.bfloat16 if split_w is None else split_w
-    if split_w and a.dtype != torch.bfloat16:
-        raise ValueError(f"{op}: the split weight needs its input in bf16, got {a.dtype}")
-    return split_w
-
-
-def skinny_stages(w: torch.Tensor, split_w: bool, bm: int) -> int:
-    """The skinny GEMM's pipeline depth: the FP32 split's 16-row tile spills 16 bytes a thread at 3
-    stages (sm_90 build)."""
-    return 2 if split_w and bm == 16 and w.dtype == torch.float32 else 3
+            tl.store(sq_ptr + s.to(tl.int64) * stride_ss + rm, sq, mask=mmask)
 
 
 def skinny_gemm(a: torch.Tensor, w: torch.Tensor, sumsq: bool, *, block_m: int | None = None,
@@ -300,8 +263,16 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor, sumsq: bool, *, block_m: int |
     N = w.shape[0]
     if w.stride(-1) != 1:
         w = w.contiguous()
-    split_w = skinny_split_w(a, split_w, "skinny_gemm")
-    bm, bn, k_split, S = skinny_grid(a, N, block_m, block_n, block_k, split)
+    split_w = a.dtype == torch.bfloat16 if split_w is None else split_w
+    if split_w and a.dtype != torch.bfloat16:
+        raise ValueError(f"skinny_gemm: the split weight needs A in bf16, got {a.dtype}")
+    bm = block_m or (16 if M <= 16 else 32 if M <= 32 else 64)
+    bn = block_n or min(triton.next_power_of_2(max(N, 16)), 64)
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    if split is None:
+        split = max(1, min(triton.cdiv(2 * num_sms(a.device), tiles), K // (4 * block_k)))
+    k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
+    S = triton.cdiv(K, k_split)
     if out is not None and S != 1:
         raise ValueError(f"skinny_gemm: an out tensor takes one split, not {S}")
     part = out.view(1, M, N) if out is not None else torch.empty(S, M, N, dtype=torch.float32, device=a.device)
@@ -311,5 +282,7 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor, sumsq: bool, *, block_m: int |
                              part.stride(0), part.stride(1), sq.stride(0),
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SUMSQ=sumsq,
                              SPLIT_W=split_w, DOT_F32=not a.is_cuda, num_warps=4,
-                             num_stages=num_stages or skinny_stages(w, split_w, bm), **pdl(a.device))
+                             # the FP32 split's 16-row tile spills 16 bytes a thread at 3 stages (sm_90 build)
+                             num_stages=num_stages or (2 if split_w and bm == 16 and w.dtype == torch.float32 else 3),
+                             **pdl(a.device))
     return part, (sq if sumsq else None)

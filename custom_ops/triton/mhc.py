@@ -1,15 +1,15 @@
 """Triton impls of `v41::mhc_mix`, `v41::hc_collapse`, `v41::hc_expand` (custom_ops/mhc.py is
 the definition).
 
-mhc_mix, two launches:
+mhc_mix, two launches.
   1. The coefficient projection m_raw[T, hc·(hc+2)] = X_flat[T, hc·D] · fnᵀ (FP32, full-precision
      products: with X in bf16, fn split exactly into three bf16 parts multiplied on tensor cores)
-     and Σ X_flat² per token: the split-K skinny GEMM of common.py (Flash: K = 20480, N = 24
-     padded to a 32-wide tile; token tiles of 16..64; K split so that even one decode token
-     spreads the 1.9 MB of fn over ~2x the SMs; each split writes FP32 partials).
-  2. Coefficients, BLOCK_T tokens a program (a program per token tile; every token's math is
-     independent): the splits summed in a fixed order, BLOCK_S of them a load, summed as a tree
-     (a program of one token, Flash: its 80 splits in one load), m = m_raw·rsqrt(Σx²/(hc·D) +
+     and Σ X_flat² per token: the split-K skinny GEMM of common.py (Flash: K = 20480,
+     N = 24 padded to a 32-wide tile; token tiles of 16..64; K split so that even one decode
+     token spreads the 1.9 MB of fn over ~2x the SMs; each split writes FP32 partials).
+  2. Coefficients, BLOCK_T tokens per program (one program per token tile; every token's
+     math is independent): the splits summed in a fixed order, BLOCK_S of them per load, summed as
+     a tree (a program of one token, Flash: its 80 splits in one load), m = m_raw·rsqrt(Σx²/(hc·D) +
      norm_eps); pre = sigmoid(m·scale0 + base) + hc_eps; post = 2·sigmoid(m·scale1 + base);
      comb = softmax_row(m·scale2 + base) + hc_eps on a [BLOCK_T, hc, hc] tile, then the column
      normalization and iters-1 (row, column) Sinkhorn rounds in registers.
@@ -43,12 +43,10 @@ STREAM_TILE = 4096            # elements of X per program in collapse / expand
 
 
 @triton.jit
-def _mhc_coef_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, S, K, iters, hc_eps,
-                     norm_eps, stride_ps, stride_pt, stride_ss, stride_pre, stride_post, stride_ct, stride_ci,
+def _mhc_coef_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+                     T, S, K, iters, hc_eps, norm_eps, stride_ps, stride_pt, stride_ss,
+                     stride_pre, stride_post, stride_ct, stride_ci,
                      HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
-    """pre, post and comb of BLOCK_T tokens: the S splits' partials summed in a fixed order,
-    BLOCK_S of them a load summed as a tree, then the normalization, the sigmoids, and the
-    Sinkhorn rounds in registers."""
     pdl_wait(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
@@ -71,10 +69,8 @@ def _mhc_coef_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, c
         k2 = smask[:, None, None] & m2[None, :, :]
         k3 = smask[:, None, None, None] & m3[None, :, :, :]
         a_pre += tl.sum(tl.load(part_ptr + s2 + off2[None, :, :], mask=k2, other=0.0), axis=0)
-        a_post += tl.sum(tl.load(part_ptr + s2 + HC + off2[None, :, :], mask=k2, other=0.0),
-                         axis=0)
-        a_comb += tl.sum(tl.load(part_ptr + s3 + off3[None, :, :, :], mask=k3, other=0.0),
-                         axis=0)
+        a_post += tl.sum(tl.load(part_ptr + s2 + HC + off2[None, :, :], mask=k2, other=0.0), axis=0)
+        a_comb += tl.sum(tl.load(part_ptr + s3 + off3[None, :, :, :], mask=k3, other=0.0), axis=0)
         sq = tl.load(sq_ptr + rs.to(tl.int64)[:, None] * stride_ss + t64[None, :],
                      mask=smask[:, None] & tmask[None, :], other=0.0)
         ss += tl.sum(sq, axis=0)
@@ -163,9 +159,9 @@ def _unit_last(*ts) -> bool:
 def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb, *,
                    split: int | None = None, block_t: int | None = None, block_s: int | None = None,
                    split_w: bool | None = None) -> None:
-    """`v41::mhc_mix` (same signature); keyword knobs: K splits of the projection, tokens a
-    coefficient program, splits a load of its sums (a power of two), and `split_w` (skinny_gemm's:
-    fn split into three bf16 parts on tensor cores, X in bf16)."""
+    """`v41::mhc_mix` (same signature); keyword knobs: K splits of the projection, tokens per
+    coefficient program, splits per load of the coefficient program (a power of two), and
+    `split_w` (skinny_gemm's: fn split into three bf16 parts on tensor cores, X in bf16)."""
     T, hc, D = X.shape
     if X.dtype not in TL_DTYPES or fn.dtype != torch.float32 or not _pow2(hc) or iters < 1 or \
             fn.shape != (hc * (hc + 2), hc * D) or \
@@ -186,9 +182,10 @@ def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb,
     # H200 ran as fast or faster at 5, 64 and 4,096 tokens (benchmarks/results/mhc-h200.json)
     bs = block_s or (min(triton.next_power_of_2(S), COEF_TILE // (hc * hc)) if bt == 1 else 1)
     _mhc_coef_kernel[(triton.cdiv(T, bt),)](
-        part, sq, base, scale, outs[0], outs[1], outs[2], T, S, hc * D, iters, hc_eps, norm_eps, part.stride(0),
-        part.stride(1), sq.stride(0), outs[0].stride(0), outs[1].stride(0), outs[2].stride(0), outs[2].stride(1),
-        HC=hc, BLOCK_T=bt, BLOCK_S=bs, num_warps=COEF_WARPS, **pdl(part.device))
+        part, sq, base, scale, outs[0], outs[1], outs[2], T, S, hc * D, iters,
+        hc_eps, norm_eps, part.stride(0), part.stride(1), sq.stride(0), outs[0].stride(0),
+        outs[1].stride(0), outs[2].stride(0), outs[2].stride(1), HC=hc, BLOCK_T=bt, BLOCK_S=bs,
+        num_warps=COEF_WARPS, **pdl(part.device))
     for o, t in zip(outs, (pre, post, comb)):
         if o is not t:
             t.copy_(o)
