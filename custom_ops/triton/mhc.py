@@ -14,7 +14,7 @@ mhc_mix, two launches.
      comb = softmax_row(m·scale2 + base) + hc_eps on a [BLOCK_T, hc, hc] tile, then the column
      normalization and iters-1 (row, column) Sinkhorn rounds in registers.
   One launch, the split that counts last in its token tile computing the coefficients, was
-  slower on an H100 both times it was built: 13.1 µs a call against 6.3 + 4.9 (a363117), then
+  slower on an H100 both times it was built: 13.1 µs a call against 6.3 + 4.9 (native-decode-ab-h100.json), then
   13.2 (1,058.9 µs over flash-slice's 80 calls at batch 1, dependent launch off,
   `tma-knobs-h100.json` run a).
 hc_collapse: [BLOCK_T, BLOCK_D] tiles, Σ_k mix[k]·X[k] over the hc streams in FP32 (a static
