@@ -95,6 +95,8 @@ def parse(argv=None):
     p.add_argument("--no-sweep", action="store_true", help="the defaults only, no sweep rows")
     p.add_argument("--one-row", action="store_true",
                    help="the dense GEMMs at one row and their sweep only (no wo_a, experts or prefill: a short call)")
+    p.add_argument("--dense-widths", type=lambda v: tuple(int(w) for w in v.split(",")), default=None,
+                   help="with --one-row: the dense GEMMs' widths (default 1), the sweep rows at each")
     p.add_argument("--knobs", type=json.loads, metavar="JSON",
                    help="a JSON list of knob dicts timed instead of the dense decode sweep, e.g. "
                         "'[{\"path\": \"gemv\", \"split_k\": 16}]'; with --slice-experts the experts' knobs "
@@ -126,11 +128,12 @@ def main(argv=None) -> dict:
                                 sweep=not args.no_sweep, knobs=args.knobs, widths=args.widths)
         emit(res, args)
         return res
-    decode = (1,) if args.one_row else (1, 3) if args.dry_run else DECODE
+    decode = (args.dense_widths or (1,)) if args.one_row else (1, 3) if args.dry_run else DECODE
     prefill = () if args.one_row else (40,) if args.dry_run else PREFILL
     experts = None if args.one_row else TINY_EXPERTS if args.dry_run else EXPERTS
     res = run(dev, TINY_DENSE if args.dry_run else DENSE, decode, prefill, experts, sweep=not args.no_sweep,
-              checkpoint=None if args.dry_run else lambda out: emit(out, args), knobs=args.knobs)
+              checkpoint=None if args.dry_run else lambda out: emit(out, args), knobs=args.knobs,
+              sweep_m=args.dense_widths if args.one_row else None)
     emit(res, args)
     return res
 
@@ -164,10 +167,11 @@ def timer(dev: str):
     return cuda
 
 
-def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=None, knobs=None) -> dict:
+def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=None, knobs=None, sweep_m=None) -> dict:
     """The rows (module docstring); `checkpoint(out)`, when given, after each group of rows, so
     a run cut by its time limit keeps what it measured; `experts` None: the dense rows only;
-    `knobs`: the dense decode sweep's list instead of DECODE_SWEEP."""
+    `knobs`: the dense decode sweep's list instead of DECODE_SWEEP; `sweep_m`: its widths instead
+    of SWEEP_M."""
     import torch
 
     import custom_ops  # noqa: F401
@@ -181,7 +185,7 @@ def run(dev, dense, decode, prefill, experts, sweep: bool = True, checkpoint=Non
     fp8_peak, bf16_peak = measure_peaks(dev, timed, 256 if dev == "cpu" else 8192)
     out = {**header(dev, copy_rate, read_rate), "fp8_peak_TFLOPs": fp8_peak / 1e12,
            "bf16_peak_TFLOPs": bf16_peak / 1e12, "dense": [], "experts": [], "sweep": []}
-    sweep_m = () if not sweep else (1,) if dev == "cpu" else SWEEP_M
+    sweep_m = () if not sweep else (1,) if dev == "cpu" else sweep_m or SWEEP_M
     dense_sweep, expert_sweep = (DECODE_SWEEP[:1], EXPERT_SWEEP[-1:]) if dev == "cpu" else (DECODE_SWEEP, EXPERT_SWEEP)
     dense_sweep = knobs if knobs is not None else dense_sweep
     prefill_sweep = () if not sweep else PREFILL_SWEEP[-1:] if dev == "cpu" else PREFILL_SWEEP
