@@ -120,38 +120,6 @@ def fp8_gemv(rows: int, block_n: int, block_k: int, quant_x: bool, warps: int = 
                  num_warps=warps)
 
 
-FP8_SWAP_INTS = ("M", "N", "KB", "KB_SPLIT", "ROWS_G", "stride_sm", "stride_wsn", "stride_om", "stride_ps",
-                 "stride_pm", "stride_osm")
-
-
-def fp8_swap(block_m: int, block_n: int, stages: int, warps: int = 4):
-    """The W8A8 GEMM with the weight as the warpgroup MMA's left operand (fp8_swap.py), four K
-    blocks an iteration, split-K, under dependent launch."""
-    from custom_ops.triton.fp8_swap import _fp8_swap_kernel
-    sig = {"x_desc": f"tensordesc<fp8e4nv[{block_m}, 32]>", "xs_ptr": "*fp32",
-           "w_desc": f"tensordesc<fp8e4nv[{block_n}, 32]>", "ws_ptr": "*u8", "o_ptr": "*bf16", "p_ptr": "*fp32",
-           "cnt_ptr": "*i32", "os_ptr": "*fp32", **dict.fromkeys(FP8_SWAP_INTS, "i32"),
-           **dict.fromkeys(("BLOCK_M", "BLOCK_N", "UNROLL", "STAGES", "SPLIT_K", "PDL", "QUANT_OUT"), "constexpr")}
-    return build(_fp8_swap_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": block_n, "UNROLL": 4, "STAGES": stages,
-                                         "SPLIT_K": True, "PDL": True, "QUANT_OUT": False},
-                 aligned=("N", "KB", "KB_SPLIT", "ROWS_G", "stride_om", "stride_pm"), num_warps=warps)
-
-
-def swap_rows() -> list[dict]:
-    """fp8_swap.py's kernel at 16 rows of x (decode) with 64- and 128-row weight tiles and at 32 /
-    64 rows: registers, shared memory, instructions a weight in the K loop, its warpgroup MMAs."""
-    rows = []
-    for bm, bn, stages in ((16, 64, 4), (16, 64, 6), (16, 128, 3), (16, 128, 4), (32, 64, 4), (64, 64, 4)):
-        k = fp8_swap(bm, bn, stages)
-        body = loop_body(k, innermost=True)
-        rows.append({"kernel": "_fp8_swap_kernel", "tile": f"{bn} weight rows x {bm} rows of x x 4 K blocks, split-K",
-                     "num_warps": 4, "num_stages": stages, "shared_bytes": k.metadata.shared, **resources(k),
-                     "thread_instructions_per_weight": per_weight(body, 4, bn * 128),
-                     "loop_mma": sum(op.startswith("QGMMA") for op in body),
-                     "loop_opcodes": dict(collections.Counter(body).most_common(8))})
-    return rows
-
-
 def dense_decode_rows() -> list[dict]:
     """The W8A8 GEMM's decode tile (fp8_gemm._tiles at M <= 16: 16 x 64, four K blocks an
     iteration) beside the GEMV at 1 and 2 rows, with split-K, x quantized inside or not:
@@ -353,13 +321,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     ap.add_argument("--fp4-mma", action="store_true", help="only fp4_mma.py's GEMVs beside moe_gemv.py's")
     ap.add_argument("--tma", action="store_true", help="only the one-row GEMVs' TMA loads beside their plain loads")
-    ap.add_argument("--swap", action="store_true", help="only fp8_swap.py's kernel (the weight as the MMA's left operand)")
     a = ap.parse_args(argv)
     if not tools_present():
         ap.error(f"this Triton build ships no CUDA ptxas/cuobjdump in {NVIDIA_BIN}")
-    if a.swap:
-        return emit("sm90_build --swap", "fp8_swap.py's W8A8 kernel at decode widths, built for sm_90 on the CPU",
-                    swap_rows(), a.out)
     if a.tma:
         return emit("sm90_build --tma", "the one-row GEMVs with TMA weight loads beside their plain loads, built "
                     "for sm_90 on the CPU", tma_rows(), a.out)

@@ -174,16 +174,6 @@ def test_tma_gemvs_build_for_hopper():
         assert "cp.async.bulk.tensor" in k.asm["ptx"]
 
 
-def test_fp8_swap_builds_warpgroup_mma():
-    """fp8_swap.py's kernel at its default tile: no spills, both operands by bulk tensor copies,
-    four warpgroup MMAs (E4M3 x E4M3, 64 weight rows x 16 rows of x x 32) in the K loop."""
-    from custom_ops.triton.fp8_gemm import SWAP_BLOCK_N, SWAP_STAGES
-    k = B.fp8_swap(16, SWAP_BLOCK_N, SWAP_STAGES)
-    assert 0 < registers(k) <= 255 and B.resources(k)["spilled_bytes"] == 0
-    assert "cp.async.bulk.tensor" in k.asm["ptx"]
-    assert B.loop_body(k, innermost=True).count("QGMMA.64x16x32.F32.E4M3.E4M3") == 4
-
-
 @pytest.mark.parametrize("map_cand", [False, True])
 def test_index_select_kernels_build_for_hopper(map_cand):
     """The top-k selection's count and write kernels (index.py), which share the threshold

@@ -82,9 +82,8 @@ else:
             ref.fp8_block_gemm(xq, xs, w, ws, r)
             assert torch.equal(r.double(), exact)
             # K = 256: 8 blocks, 4 per iteration, as 4 + 4; K = 64: 2 blocks, 1 per iteration, 2 splits
-            # of 1; the GEMV (by default at one row), the MMA tiles and the weight-as-left-operand
-            # MMA at every width up to 16, the last at 33 too (two 32-row tiles of x)
-            paths = ("gemv", "mma", "swap") if M <= 16 else ("swap",) if M == 33 else (None,)
+            # of 1; the GEMV (by default at one row) and the MMA tiles at every width up to 16
+            paths = ("gemv", "mma") if M <= 16 else (None,)
             for split_k, path in itertools.product((1, 3), paths):
                 out = torch.full((M, N), float("nan"))
                 triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k, path=path)
@@ -95,8 +94,7 @@ else:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("M,G,kw", [(1, 1, {}), (7, 1, {"split_k": 3}), (16, 3, {}), (5, 3, {"split_k": 2}),
                                         (33, 1, {}), (33, 3, {"split_k": 2}), (1, 1, {"path": "mma"}),
-                                        (2, 3, {"split_k": 2}), (3, 1, {"path": "gemv"}), (1, 1, {"path": "swap"}),
-                                        (5, 3, {"path": "swap", "split_k": 2})])
+                                        (2, 3, {"split_k": 2}), (3, 1, {"path": "gemv"})])
     def test_fp8_linear_equals_quant_then_gemm(g, dtype, M, G, kw):
         """`fp8_linear` on x in the activation dtype == `fp8_act_quant` then `fp8_block_gemm`,
         bitwise: x quantized inside the GEMV (or, path "mma" at one row, the MMA tile) gives the
@@ -145,7 +143,7 @@ else:
         r = torch.empty(M, G * R)
         ref.fp8_block_gemm(xq, xs, w, ws, r, G)
         assert torch.equal(r.double(), exact)
-        for split_k, path in ((1, None), (3, None), (1, "swap"), (3, "swap")):
+        for split_k, path in ((1, None), (3, None)):
             out = torch.full((M, G * R), float("nan"))
             triton_fp8_block_gemm(xq, xs, w, ws, out, G, split_k=split_k, path=path)
             assert torch.equal(out, r), (split_k, path)
@@ -155,8 +153,7 @@ else:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("M,G,kw", [(1, 1, {}), (1, 1, {"split_k": 3}), (1, 3, {"split_k": 2}),
                                         (7, 1, {"path": "gemv", "block_m": 4, "block_n": 32}),
-                                        (7, 3, {}), (33, 1, {"split_k": 3}), (2, 1, {"path": "mma"}),
-                                        (1, 3, {"path": "swap", "split_k": 2}), (5, 1, {"path": "swap"})])
+                                        (7, 3, {}), (33, 1, {"split_k": 3}), (2, 1, {"path": "mma"})])
     def test_fp8_block_gemm_act_quant(g, monkeypatch, dtype, M, G, kw):
         """The act quant in the GEMM's epilogue: the codes and scales are bit for bit those of
         the same GEMM's output (same tiles: the same sums) in `dtype`, act-quantized by the
@@ -187,9 +184,7 @@ else:
                                       (33, {"unroll": 2, "split_k": 3}), (2, {"unroll": 5}),
                                       (1, {"path": "mma"}), (2, {"path": "mma", "split_k": 2}),
                                       (3, {"path": "gemv"}), (7, {"path": "gemv", "block_m": 4, "block_n": 32}),
-                                      (1, {"block_k": 64, "split_k": 2}), (2, {"block_k": 128}),
-                                      (1, {"path": "swap"}), (3, {"path": "swap", "block_n": 32, "split_k": 2}),
-                                      (16, {"path": "swap", "block_n": 128, "num_stages": 2})])
+                                      (1, {"block_k": 64, "split_k": 2}), (2, {"block_k": 128})])
     def test_fp8_block_gemm_bound(g, M, kw):
         N, K = 96, 320
         xq, xs, w, ws = fp8_gemm_case(g, M, N, K)
@@ -285,47 +280,6 @@ else:
         xq, xs, w, ws = fp8_gemm_case(g, 7, 64, 64)
         with pytest.raises(ValueError, match="one row a program, not block_m=4"):
             triton_fp8_block_gemm(xq, xs, w, ws, torch.empty(7, 64), path="gemv", block_m=4, tma=True)
-
-    def test_fp8_swap_runs_its_kernel(g, monkeypatch):
-        """Path 'swap' launches `_fp8_swap_kernel` (the reference, made to fail, is never called)
-        on codes, from bf16 x, grouped and with the act quant in its epilogue; SWAP_M makes it the
-        default up to that many rows (fp8_linear then quantizes x first). Where a tensor
-        descriptor cannot read x (a row stride not a multiple of 16 bytes) it leaves the GEMM to
-        the reference."""
-        from custom_ops.triton import fp8_gemm, fp8_swap
-        from tests.kernel_cases import fp8_grouped_case
-        launched = []
-        real_kernel = fp8_swap._fp8_swap_kernel
-        monkeypatch.setattr(fp8_gemm, "_fp8_swap_kernel", type("K", (), {
-            "__getitem__": lambda _, grid: launched.append(grid) or real_kernel[grid]})())
-
-        def fail(*a, **k):
-            raise AssertionError("the reference ran")
-        real_ref = ref.fp8_block_gemm
-        for name in ("fp8_block_gemm", "fp8_linear", "fp8_block_gemm_act_quant"):
-            monkeypatch.setattr(fp8_gemm._ref, name, fail)
-        xq, xs, w, ws = fp8_gemm_case(g, 3, 96, 320)
-        x = (xq.float() * xs.repeat_interleave(32, -1)).bfloat16()
-        out = torch.empty(3, 96, dtype=torch.bfloat16)
-        triton_fp8_block_gemm(xq, xs, w, ws, out, path="swap")
-        triton_fp8_linear(x, w, ws, out, path="swap")
-        q, s = torch.empty(3, 96, dtype=torch.float8_e4m3fn), torch.empty(3, 3)
-        triton_fp8_block_gemm_act_quant(xq, xs, w, ws, torch.bfloat16, q, s, path="swap")
-        gq, gs, gw, gws = fp8_grouped_case(g, 2, 3, 64, 256)
-        triton_fp8_block_gemm(gq, gs, gw, gws, torch.empty(2, 192), 3, path="swap", split_k=2)
-        assert len(launched) == 4 and launched[-1] == (1, 3, 2)
-        monkeypatch.setattr(fp8_gemm, "SWAP_M", 4)
-        assert [fp8_gemm.gemm_path(m) for m in (1, 4, 5)] == ["swap", "swap", "mma"]
-        assert not quantizes_inside(1, 1280, 5120)
-        triton_fp8_linear(x, w, ws, out)
-        assert len(launched) == 5
-        wide = torch.empty(3, 328, dtype=torch.float8_e4m3fn)[:, :320]       # rows 328 bytes apart
-        wide.copy_(xq)
-        monkeypatch.setattr(fp8_gemm._ref, "fp8_block_gemm", real_ref)
-        got, want = torch.empty(3, 96), torch.empty(3, 96)
-        triton_fp8_block_gemm(wide, xs, w, ws, got, path="swap")
-        real_ref(xq, xs, w, ws, want)
-        assert len(launched) == 5 and torch.equal(got, want)
 
     def test_fp8_block_gemm_unknown_path(g):
         """An unknown path is refused by name (not run as another)."""

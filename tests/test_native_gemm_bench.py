@@ -55,12 +55,14 @@ def test_bench_dry_run(tmp_path):
 
 def test_bench_one_row(tmp_path):
     """--one-row: the dense GEMMs at one row and their sweep, nothing else (a short device call);
-    --knobs: the sweep's knobs given instead."""
+    --knobs: the sweep's knobs given instead; --dense-widths: other widths than one row."""
     res = dry_run(tmp_path, "native_gemm_bench.py", "--one-row", "--knobs", '[{"path": "gemv", "split_k": 2}]')
     assert [(row["gemm"], row["M"]) for row in res["dense"]] == [("tiny", 1)]
     assert not res["experts"] and [(row["gemm"], row["M"], row["knobs"]) for row in res["sweep"]] == \
         [("tiny", 1, {"path": "gemv", "split_k": 2})]
     assert res["dense"][0]["pct_read"] > 0 and res["sweep"][0]["linear_us"] > 0
+    res = dry_run(tmp_path, "native_gemm_bench.py", "--one-row", "--dense-widths", "1,3")     # --dense-widths
+    assert [(row["gemm"], row["M"]) for row in res["dense"]] == [("tiny", 1), ("tiny", 3)]
 
 
 def test_gemv_chain_dry_run(tmp_path):

@@ -45,8 +45,6 @@
 #                                     # NO_SWEEP=1: the paths only)
 #   tools/gpu_checks.sh OUT tma       # native_gemm_bench: the one-row FP8 and FP4 GEMVs' TMA knobs beside
 #                                     # their plain loads, then their GPU tests (~5 min)
-#   tools/gpu_checks.sh OUT swap      # native_gemm_bench: fp8_swap.py's kernel (the weight as the MMA's left operand)
-#                                     # beside the defaults at 1-16 rows on Flash's dense shapes, then its GPU tests
 #   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
 #   tools/gpu_checks.sh OUT serve     # flash-slice server + serve_bench on chat text prompts
 #
@@ -210,16 +208,6 @@ slice-experts)
   timeout ${LIMIT:-450} $py benchmarks/native_gemm_bench.py --slice-experts ${NO_SWEEP:+--no-sweep} \
     --out "$OUT/experts-slice-tiles.json" > "$OUT/slice-experts.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/slice-experts.log" ;;
-swap)
-  step "native_gemm_bench --one-row, path swap at 1-16 rows"
-  timeout 240 $py benchmarks/native_gemm_bench.py --one-row --dense-widths 1,2,4,6,8,16 --out "$OUT/gemm-swap.json" \
-    --knobs '[{"path":"swap"},{"path":"swap","block_n":128},{"path":"swap","num_stages":6},{"path":"swap","block_n":128,"num_stages":3},{"path":"mma"},{"path":"gemv"}]' \
-    > "$OUT/gemm-swap.log" 2>&1
-  echo "rc=$?"; tail -1 "$OUT/gemm-swap.log"
-  step "GPU tests of the FP8 paths"
-  timeout 200 $py -m pytest -q -p no:cacheprovider -m gpu tests/test_native_gemm_gpu.py -k "paths or tma" -n 4 \
-    > "$OUT/gemm-swap-tests.log" 2>&1
-  echo "rc=$?"; tail -3 "$OUT/gemm-swap-tests.log" ;;
 gemv-chain)
   step "gemv_chain_bench"
   timeout 300 $py benchmarks/gemv_chain_bench.py ${ROWS:+--rows "$ROWS"} --out "$OUT/gemv-chain.json" \

@@ -39,7 +39,6 @@ from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, rows2d, tma_descr
 from custom_ops.triton.fp8 import GROUP, GROUP_K, e8m0_to_f32, fp8_quant_groups, split_count, store_tile, \
     tile_counters
 from custom_ops.triton.fp8_gemv import _fp8_gemv_kernel
-from custom_ops.triton.fp8_swap import _fp8_swap_kernel
 
 BLOCK_M_MAX = 64
 PREFILL_M = 1024
@@ -56,9 +55,6 @@ GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_STAGES = 64, 128, 1
 # many in flight: flash-slice's batch-1 FULL decode step on the H200, 10.10 ms of device time with
 # the plain loads, 9.66 with this one's TMA, 9.16 with the FP4 GEMVs' too (tma-knobs-h200.json)
 GEMV_TMA, GEMV_TMA_STAGES = True, 3
-# path 'swap' (fp8_swap.py): the rows of x up to which it is the default (0: never), weight rows
-# a program (the warpgroup MMA's M), iterations of four K blocks in flight
-SWAP_M, SWAP_BLOCK_N, SWAP_STAGES = 0, 64, 4
 
 
 def _tiles(M: int) -> tuple[int, int, int]:
@@ -204,15 +200,14 @@ def quantizes_inside(M: int, N: int, K: int) -> bool:
     (native-gemm-one-row-h200.json);
     at 4-16 rows the MMA tiles quantizing inside took 1.0-1.4x the time of the act quant first on
     every shape (native-gemm-h200.json)."""
-    return gemm_path(M) == "gemv" and triton.cdiv(N, GEMV_BLOCK_N) * K <= FUSED_QUANT_WORK
+    return M <= GEMV_M and triton.cdiv(N, GEMV_BLOCK_N) * K <= FUSED_QUANT_WORK
 
 
 def triton_fp8_linear(x, w, ws, out, groups: int = 1, **knobs) -> None:
     """`v41::fp8_linear` (same signature): x is quantized inside the GEMV where
     `quantizes_inside` says so (each program quantizes the blocks it reads), else by
     `triton_fp8_act_quant` first. Knobs: `_gemm`'s."""
-    if not quantizes_inside(x.shape[0], w.shape[0], w.shape[1]) or knobs.get("path") == "swap" or \
-            x.dtype not in TL_DTYPES:
+    if not quantizes_inside(x.shape[0], w.shape[0], w.shape[1]) or x.dtype not in TL_DTYPES:
         q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
         s = torch.empty(x.shape[0], x.shape[1] // GROUP, dtype=torch.float32, device=x.device)
         triton_fp8_act_quant(x, q, s)
@@ -225,9 +220,8 @@ def gemm_path(M: int) -> str:
     """'gemv' for one row, 'mma' (FP8 tensor cores, per-32 promotion) beyond. H200, Flash's five
     dense shapes in one run (native-gemm-paths-h200.json): at one row the unpipelined GEMV took
     0.83-0.93x the MMA kernel's time from codes and 0.72-0.81x from bf16 x (fp8_linear); three
-    pipeline stages made it 1.7-3.1x slower than the MMA kernel; at eight rows and more it lost.
-    'swap' (the weight as the warpgroup MMA's left operand) up to SWAP_M rows."""
-    return "swap" if M <= SWAP_M else "gemv" if M <= GEMV_M else "mma"
+    pipeline stages made it 1.7-3.1x slower than the MMA kernel; at eight rows and more it lost."""
+    return "gemv" if M <= GEMV_M else "mma"
 
 
 def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | None = None,
@@ -248,12 +242,11 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
     K, R = _ref.gemm_group_shape(x, w, groups)
     M, N = x.shape[0], w.shape[0]
     path = path or gemm_path(M)
-    if path not in ("gemv", "mma", "swap"):
-        raise ValueError(f"fp8_block_gemm: path {path!r} is not 'gemv', 'mma' or 'swap'")
+    if path not in ("gemv", "mma"):
+        raise ValueError(f"fp8_block_gemm: path {path!r} is not 'gemv' or 'mma'")
     if path == "gemv" and (w.stride(0) % 4 or w.storage_offset() % 4):
         path = "mma"                               # no int32 view of the codes
-    tile_n, tile_unroll, stages = (GEMV_BLOCK_N, GEMV_BLOCK_K // GROUP, GEMV_STAGES) if path == "gemv" else \
-        (SWAP_BLOCK_N, 1, SWAP_STAGES) if path == "swap" else _tiles(M)
+    tile_n, tile_unroll, stages = (GEMV_BLOCK_N, GEMV_BLOCK_K // GROUP, GEMV_STAGES) if path == "gemv" else _tiles(M)
     bn = block_n or (tile_n if groups == 1 else min(tile_n, R & -R))   # a power of two dividing R
     codes = scales is not None
     if K % GROUP or (out.dtype != torch.float8_e4m3fn if codes else out.dtype not in TL_DTYPES) or \
@@ -263,10 +256,6 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
         return False
     if M == 0 or N == 0:
         return True
-    if path == "swap":
-        return not quant_x and _swap(x, xs, w, ws, out, K, R, block_m=block_m, block_n=bn, split_k=split_k,
-                                     num_warps=num_warps, num_stages=num_stages or stages, scales=scales,
-                                     out_dtype=out_dtype)
     KB = K // GROUP
     if path == "mma":
         bm, unroll = block_m or _block_m(M), unroll or (tile_unroll if KB % tile_unroll == 0 else 1)
@@ -309,35 +298,6 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
         M, N, KB, per, R, x.stride(0), xs.stride(0), w.stride(0), wsc.stride(0), out.stride(0),
         part.stride(0), part.stride(-2), os_.stride(0), BLOCK_M=bm, BLOCK_N=bn, UNROLL=unroll, SPLIT_K=splits > 1,
         QUANT_X=quant_x, **epilogue, **launch, **pdl(out.device))
-    return True
-
-
-def _swap(x, xs, w, ws, out, K: int, R: int, *, block_m: int | None, block_n: int, split_k: int | None,
-          num_warps: int | None, num_stages: int, scales, out_dtype) -> bool:
-    """Launch `_fp8_swap_kernel` (x from codes), or return False where its tensor descriptors
-    cannot read x or w (rows not 16-byte aligned)."""
-    M, N = x.shape[0], w.shape[0]
-    bm, bn = block_m or _block_m(M), block_n
-    x_desc, w_desc = tma_descriptor(x, [bm, GROUP]), tma_descriptor(w, [bn, GROUP])
-    if x_desc is None or w_desc is None:
-        return False
-    KB = K // GROUP
-    # four K blocks an iteration where K and the scale rows allow (int32 words of scale codes)
-    unroll = 4 if KB % 4 == 0 and ws.stride(0) % 4 == 0 and ws.storage_offset() % 4 == 0 else 1
-    grid_m, grid_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
-    splits = min(KB // unroll, split_k or split_count(grid_m * grid_n, KB, M, K, out.device))
-    per = triton.cdiv(KB // unroll, splits) * unroll
-    splits = triton.cdiv(KB, per)
-    part = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=out.device)
-    counters = tile_counters(out.device, grid_m * grid_n if splits > 1 else 0)
-    codes = scales is not None
-    os_ = scales if codes else part
-    wsc = ws.view(torch.uint8)
-    _fp8_swap_kernel[(grid_m, grid_n, splits)](
-        x_desc, xs, w_desc, wsc, out, part, counters, os_, M, N, KB, per, R, xs.stride(0), wsc.stride(0),
-        out.stride(0), part.stride(0), part.stride(-2), os_.stride(0), BLOCK_M=bm, BLOCK_N=bn,
-        UNROLL=unroll, STAGES=num_stages, SPLIT_K=splits > 1, QUANT_OUT=codes,
-        OUT_DTYPE=TL_DTYPES[out_dtype] if codes else tl.bfloat16, num_warps=num_warps or 4, **pdl(out.device))
     return True
 
 
