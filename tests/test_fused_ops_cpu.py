@@ -179,6 +179,14 @@ else:
         for o, r in zip(outs, refs):
             assert rel(o, r) < 1e-5
 
+    def test_mhc_coef_programs_take_one_token_up_to_the_rule(monkeypatch):
+        """The coefficient programs: one token each up to COEF_TOKEN_PROGRAMS tokens (all of a
+        token's splits in one load), then token tiles of up to COEF_BLOCK_T."""
+        from custom_ops.triton import mhc
+        assert [mhc.coef_block_t(T) for T in (1, 6, 16, 17, 100)] == [1, 1, 1, 16, 16]
+        monkeypatch.setattr(mhc, "COEF_TOKEN_PROGRAMS", 0)
+        assert [mhc.coef_block_t(T) for T in (1, 6, 16)] == [1, 8, 16]
+
     def test_mhc_mix_token_tiles(g):
         """100 tokens: the projection's two 64-token tiles and the coefficients' seven 16-token
         programs, the last of each partly masked; a second call gives the same values bit for bit."""

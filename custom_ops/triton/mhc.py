@@ -8,8 +8,9 @@ mhc_mix, two launches.
      N = 24 padded to a 32-wide tile; token tiles of 16..64; K split so that even one decode
      token spreads the 1.9 MB of fn over ~2x the SMs; each split writes FP32 partials).
   2. Coefficients, BLOCK_T tokens per program (one program per token tile; every token's
-     math is independent): the splits summed in a fixed order, BLOCK_S of them per load, summed as
-     a tree (a program of one token, Flash: its 80 splits in one load), m = m_raw·rsqrt(Σx²/(hc·D) +
+     math is independent; one token a program up to COEF_TOKEN_PROGRAMS tokens): the splits summed
+     in a fixed order, BLOCK_S of them per load, summed as a tree (a program of one token, Flash:
+     its 80 splits in one load), m = m_raw·rsqrt(Σx²/(hc·D) +
      norm_eps); pre = sigmoid(m·scale0 + base) + hc_eps; post = 2·sigmoid(m·scale1 + base);
      comb = softmax_row(m·scale2 + base) + hc_eps on a [BLOCK_T, hc, hc] tile, then the column
      normalization and iters-1 (row, column) Sinkhorn rounds in registers.
@@ -34,6 +35,10 @@ from custom_ops.registry import register_impl
 from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, skinny_gemm
 
 COEF_BLOCK_T = 16
+# up to this many tokens each coefficient program takes one token, its splits summed as a tree
+# in one load: in parallel, where a tile of tokens a program walks the splits one load at a time
+# (the H200, mhc-h200.json: 16.6 µs at one token, 25.6 at five in one program)
+COEF_TOKEN_PROGRAMS = 16
 # warps of a coefficient program: at 4, a one-token program's split sums cross warps through
 # shared memory (14 barriers in its Triton 3.6 sm_90 build), at 1 in one warp's shuffles; untimed
 # (a knob variant of gpu_checks knobs), so the long-measured 4 stays
@@ -176,7 +181,7 @@ def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb,
     base, scale = base.contiguous(), scale.contiguous()
     outs = [t if _unit_last(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device)
             for t in (pre, post, comb)]
-    bt = block_t or min(COEF_BLOCK_T, triton.next_power_of_2(T))
+    bt = block_t or coef_block_t(T)
     S = part.shape[0]
     # a lone token's splits in one load; several tokens a program: one split a load, which the
     # H200 ran as fast or faster at 5, 64 and 4,096 tokens (benchmarks/results/mhc-h200.json)
@@ -189,6 +194,11 @@ def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb,
     for o, t in zip(outs, (pre, post, comb)):
         if o is not t:
             t.copy_(o)
+
+
+def coef_block_t(T: int) -> int:
+    """Tokens a coefficient program (COEF_TOKEN_PROGRAMS, COEF_BLOCK_T)."""
+    return 1 if T <= COEF_TOKEN_PROGRAMS else min(COEF_BLOCK_T, triton.next_power_of_2(T))
 
 
 def _stream_tiles(T: int, D: int, hc: int, block_d: int | None):
