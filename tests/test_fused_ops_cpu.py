@@ -183,7 +183,7 @@ else:
         """The coefficient programs: one token each up to COEF_TOKEN_PROGRAMS tokens (all of a
         token's splits in one load), then token tiles of up to COEF_BLOCK_T."""
         from custom_ops.triton import mhc
-        assert [mhc.coef_block_t(T) for T in (1, 6, 16, 17, 100)] == [1, 1, 1, 16, 16]
+        assert [mhc.coef_block_t(T) for T in (1, 6, 64, 65, 100)] == [1, 1, 1, 16, 16]
         monkeypatch.setattr(mhc, "COEF_TOKEN_PROGRAMS", 0)
         assert [mhc.coef_block_t(T) for T in (1, 6, 16)] == [1, 8, 16]
 

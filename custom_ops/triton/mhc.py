@@ -36,9 +36,11 @@ from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, skinny_gemm
 
 COEF_BLOCK_T = 16
 # up to this many tokens each coefficient program takes one token, its splits summed as a tree
-# in one load: in parallel, where a tile of tokens a program walks the splits one load at a time
-# (the H200, mhc-h200.json: 16.6 µs at one token, 25.6 at five in one program)
-COEF_TOKEN_PROGRAMS = 16
+# in one load, where a tile of tokens a program walks the splits one load at a time. H100, the
+# mix alone (mhc-h100.json): 10.3 / 10.4 / 11.7 µs at 6 / 16 / 64 tokens against 18.4 / 20.5 /
+# 21.8 in tiles; flash-slice's native decode step (mhc-knobs-h100.json): batch 16 19.08 against
+# 19.96 ms of device time, batch 64 32.05 against 32.93. Wider is untimed
+COEF_TOKEN_PROGRAMS = 64
 # warps of a coefficient program: at 4, a one-token program's split sums cross warps through
 # shared memory (14 barriers in its Triton 3.6 sm_90 build), at 1 in one warp's shuffles; untimed
 # (a knob variant of gpu_checks knobs), so the long-measured 4 stays
