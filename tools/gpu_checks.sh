@@ -28,8 +28,9 @@
 #   tools/gpu_checks.sh OUT knobs     # step_bench native FULL decode at BATCHES (default 1), one compile, its
 #                                     # graphs captured again per kernel-default variant (KNOBS, default: the
 #                                     # one-row GEMVs' plain loads; fp8_linear's x quantized first always;
-#                                     # the FP8 GEMV's 128-row tiles; mHC's coefficient program at one warp),
-#                                     # each profiled (V41_PDL=0: the kernels' own times)
+#                                     # the FP8 GEMV's 128-row tiles; mHC's coefficient programs in token tiles
+#                                     # from 17 tokens, as before 3b78b8d: set BATCHES=16), each profiled
+#                                     # (V41_PDL=0: the kernels' own times)
 #   tools/gpu_checks.sh OUT native-gemm  # native_gemm_bench (with its sweeps), experts_profile
 #   tools/gpu_checks.sh OUT gemv-chain  # gemv_chain_bench: a layer's dense GEMVs at one row back to back
 #                                     # in one graph, GEMV knobs varied, dependent launch on and off (~1 min;
@@ -189,7 +190,7 @@ ab-seq)
 knobs)
   f8=custom_ops.triton.fp8_gemm f4=custom_ops.triton.moe_gemv
   mhc=custom_ops.triton.mhc
-  knobs=${KNOBS:-"{\"plain\": {\"$f8.GEMV_TMA\": false, \"$f4.FP4_TMA\": false}, \"quant_first\": {\"$f8.FUSED_QUANT_WORK\": 0}, \"fp8_bn128\": {\"$f8.GEMV_BLOCK_N\": 128}, \"coef_1warp\": {\"$mhc.COEF_WARPS\": 1}}"}
+  knobs=${KNOBS:-"{\"plain\": {\"$f8.GEMV_TMA\": false, \"$f4.FP4_TMA\": false}, \"quant_first\": {\"$f8.FUSED_QUANT_WORK\": 0}, \"fp8_bn128\": {\"$f8.GEMV_BLOCK_N\": 128}, \"coef_tiles\": {\"$mhc.COEF_TOKEN_PROGRAMS\": 16}}"}
   step "step_bench native decode, knob variants $knobs"
   timeout $(( ${LIMIT:-585} - SECONDS )) $py benchmarks/step_bench.py --weight-format native --variants full \
     --no-agreement --decode-only --batches "${BATCHES:-1}" --knob-variants "$knobs" --profile "$OUT/knobs-profiles.txt" \

@@ -42,8 +42,9 @@ COEF_BLOCK_T = 16
 # 19.96 ms of device time, batch 64 32.05 against 32.93. Wider is untimed
 COEF_TOKEN_PROGRAMS = 64
 # warps of a coefficient program: at 4, a one-token program's split sums cross warps through
-# shared memory (14 barriers in its Triton 3.6 sm_90 build), at 1 in one warp's shuffles; untimed
-# (a knob variant of gpu_checks knobs), so the long-measured 4 stays
+# shared memory (14 barriers in its Triton 3.6 sm_90 build), at 1 in one warp's shuffles; at 1
+# flash-slice's batch-1 step took 9.42 against 9.46 ms of device time (knobs-h100.json), within
+# the run's noise, so the long-measured 4 stays
 COEF_WARPS = 4
 COEF_TILE = 2048              # elements of the [splits, hc, hc] tile a one-token program sums at once
 STREAM_TILE = 4096            # elements of X per program in collapse / expand
