@@ -62,6 +62,9 @@ mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}. PYTHONUNBUFFERED=1
 export V41_COMPILE_CACHE=${V41_COMPILE_CACHE:-$PWD/.cache/gpu-compile}
 py=python3
+# the card's name in the result files' names (h100, h200; gpu where nvidia-smi names neither)
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z' 'a-z' | grep -o 'h[12]00' | head -1)
+card=${card:-gpu}
 step() { echo "== $* ($(date +%T))"; }
 
 case $PART in
@@ -123,12 +126,12 @@ graphs)
   # a warm compile cache, since a cold compile and the profiles ran past 560 s (2026-12-04)
   prof=(); [ "${PROFILE:-0}" = 1 ] && prof=(--profile "$OUT/graphs-profiles.txt")
   timeout 560 $py benchmarks/step_bench.py --variants eager,compiled,full --no-agreement \
-    ${prof[@]+"${prof[@]}"} --out "$OUT/graphs-flash-slice-h200.json" > "$OUT/graphs.log" 2>&1
+    ${prof[@]+"${prof[@]}"} --out "$OUT/graphs-flash-slice-$card.json" > "$OUT/graphs.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|^graphs:|Error' "$OUT/graphs.log" | tail -20 ;;
 hybrid)
   step "step_bench compiled,full,tr_hybrid"
   timeout 560 $py benchmarks/step_bench.py --variants compiled,full,tr_hybrid --no-agreement \
-    --out "$OUT/graphs-tr-hybrid-flash-slice-h200.json" > "$OUT/hybrid.log" 2>&1
+    --out "$OUT/graphs-tr-hybrid-flash-slice-$card.json" > "$OUT/hybrid.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|^graphs|Error' "$OUT/hybrid.log" | tail -24 ;;
 dspark)
   # compiled + FULL, one round: each variant's engine compiles (~200 s cold, the compile keys
@@ -136,7 +139,7 @@ dspark)
   # (2026-12-02: `dspark` after `dspark dspark` ran out of time in the DSpark engine's capture):
   # run `dspark dspark`, then `dspark plain`, then on the same warm machine `dspark` (both warm).
   step "dspark_bench compiled with FULL graphs (plain decode, verify steps and the draft replay)"
-  w="${WEIGHTS:-dequant}"; name=dspark-flash-slice-h200; [ "$w" = native ] && name=dspark-native-flash-slice-h200
+  w="${WEIGHTS:-dequant}"; name=dspark-flash-slice-$card; [ "$w" = native ] && name=dspark-native-flash-slice-$card
   timeout 580 $py benchmarks/dspark_bench.py --model flash-slice --acceptance-length 3.51 --no-enforce-eager \
     --cudagraph-mode FULL --rounds 1 --variants "${3:-plain,dspark}" --weight-format "$w" \
     --profile "$OUT/$name-profiles.txt" --out "$OUT/$name.json" > "$OUT/dspark.log" 2>&1
@@ -144,13 +147,13 @@ dspark)
 dspark-eager)
   step "dspark_bench eager"
   timeout 560 $py benchmarks/dspark_bench.py --model flash-slice --acceptance-length 3.51 \
-    --out "$OUT/dspark-flash-slice-h200-eager.json" > "$OUT/dspark-eager.log" 2>&1
+    --out "$OUT/dspark-flash-slice-$card-eager.json" > "$OUT/dspark-eager.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/dspark-eager.log" | tail -8 ;;
 native)
   # FULL only: compiled beside it pushed the part past 545 s on a cold machine (2026-12-03)
   step "step_bench --weight-format native"
   timeout 540 $py benchmarks/step_bench.py --weight-format native --variants full --no-agreement \
-    --profile "$OUT/native-profiles.txt" --out "$OUT/native-weights-flash-slice-h200.json" > "$OUT/native.log" 2>&1
+    --profile "$OUT/native-profiles.txt" --out "$OUT/native-weights-flash-slice-$card.json" > "$OUT/native.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native.log" | cut -c1-200 | tail -12 ;;
 native-decode)
   # the kernels' GPU tests first (dependent launch, fused ops, native GEMMs, attention and index,
@@ -201,7 +204,7 @@ formats)
   # beside a warm native one: 248 s, the whole part 392 s; native-weights-flash-slice-h200.json `setup`)
   step "weight_formats_bench"
   export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))   # two compiles share the cores
-  timeout $(( 575 - SECONDS )) $py benchmarks/weight_formats_bench.py --out "$OUT/native-weights-flash-slice-h200.json" \
+  timeout $(( 575 - SECONDS )) $py benchmarks/weight_formats_bench.py --out "$OUT/native-weights-flash-slice-$card.json" \
     --profile "$OUT/formats-decode-b1" > "$OUT/formats.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/formats.log" | cut -c1-200 | tail -12 ;;
 slice-experts)
@@ -220,32 +223,32 @@ norm)
   echo "rc=$?"; grep -E '"round": 1|Error' "$OUT/norm.log" | cut -c1-160 ;;
 wo-a)
   step "kernel_bench --wo-a"
-  timeout 240 $py benchmarks/kernel_bench.py --wo-a --out "$OUT/kernels-wo-a-h200.json" > "$OUT/wo-a.log" 2>&1
+  timeout 240 $py benchmarks/kernel_bench.py --wo-a --out "$OUT/kernels-wo-a-$card.json" > "$OUT/wo-a.log" 2>&1
   echo "rc=$?"; grep -E '"round": 1' "$OUT/wo-a.log" | cut -c1-160
   step "kernel_bench --lm-head"
-  timeout 120 $py benchmarks/kernel_bench.py --lm-head --out "$OUT/kernels-lm-head-h200.json" > "$OUT/lm-head.log" 2>&1
+  timeout 120 $py benchmarks/kernel_bench.py --lm-head --out "$OUT/kernels-lm-head-$card.json" > "$OUT/lm-head.log" 2>&1
   echo "rc=$?"; grep -E '"round": 1' "$OUT/lm-head.log" | cut -c1-160
   step "kernel_bench --mhc"
-  timeout 120 $py benchmarks/kernel_bench.py --mhc --out "$OUT/mhc-h200.json" > "$OUT/mhc.log" 2>&1
+  timeout 120 $py benchmarks/kernel_bench.py --mhc --out "$OUT/mhc-$card.json" > "$OUT/mhc.log" 2>&1
   echo "rc=$?"; grep -E '"round": 1' "$OUT/mhc.log" | cut -c1-160 ;;
 native-gemm)
   step "native_gemm_bench"
-  timeout 450 $py benchmarks/native_gemm_bench.py --out "$OUT/native-gemm-h200.json" > "$OUT/native-gemm.log" 2>&1
+  timeout 450 $py benchmarks/native_gemm_bench.py --out "$OUT/native-gemm-$card.json" > "$OUT/native-gemm.log" 2>&1
   echo "rc=$?"; tail -3 "$OUT/native-gemm.log"
   step "experts_profile"
-  timeout 110 $py benchmarks/experts_profile.py --widths 1,8,64 --out "$OUT/experts-profile-h200.json" \
+  timeout 110 $py benchmarks/experts_profile.py --widths 1,8,64 --out "$OUT/experts-profile-$card.json" \
     > "$OUT/experts-profile.log" 2>&1
   echo "rc=$?"; tail -1 "$OUT/experts-profile.log" ;;
 tma)
   # the one-row GEMVs' TMA knobs against their plain loads, in one run each: the FP8 GEMV on Flash's
   # dense shapes, flash-slice's FP4 expert GEMVs at 1 and 6 tokens; then their GPU tests (~4 min)
   step "native_gemm_bench --one-row, TMA knobs"
-  timeout 150 $py benchmarks/native_gemm_bench.py --one-row --out "$OUT/gemv-tma-h100.json" --knobs \
+  timeout 150 $py benchmarks/native_gemm_bench.py --one-row --out "$OUT/gemv-tma-$card.json" --knobs \
     '[{"tma":true,"num_stages":1},{"tma":true,"num_stages":2},{"tma":true,"num_stages":3},{"tma":true,"num_stages":4}]' \
     > "$OUT/gemv-tma.log" 2>&1
   echo "rc=$?"; tail -1 "$OUT/gemv-tma.log"
   step "native_gemm_bench --slice-experts, TMA knobs"
-  timeout 130 $py benchmarks/native_gemm_bench.py --slice-experts --widths 1,6 --out "$OUT/experts-tma-h100.json" \
+  timeout 130 $py benchmarks/native_gemm_bench.py --slice-experts --widths 1,6 --out "$OUT/experts-tma-$card.json" \
     --knobs '[{"path":"gemv","tma":true,"num_stages":1},{"path":"gemv","tma":true,"num_stages":2},{"path":"gemv","tma":true,"num_stages":3},{"path":"gemv","tma":true,"num_stages":3,"block_n_up":128,"block_n_down":128}]' \
     > "$OUT/experts-tma.log" 2>&1
   echo "rc=$?"; tail -1 "$OUT/experts-tma.log"
@@ -256,7 +259,7 @@ tma)
 replay)
   step "bounded_replay_bench"
   timeout 560 $py benchmarks/bounded_replay_bench.py --reps 3 \
-    --out "$OUT/bounded-replay-flash-slice-h200.json" > "$OUT/replay.log" 2>&1
+    --out "$OUT/bounded-replay-flash-slice-$card.json" > "$OUT/replay.log" 2>&1
   echo "rc=$?"; grep -E '^[0-9]+x[0-9]+:|Error' "$OUT/replay.log" | tail -6 ;;
 serve)
   step "server"
@@ -269,7 +272,7 @@ serve)
   done
   step "serve_bench"
   timeout 240 $py benchmarks/serve_bench.py --port 8000 --endpoint /v1/chat/completions --num-prompts 32 \
-    --input-len 64 --output-len 32 --max-concurrency 16 --result-dir "$OUT" --label serve-flash-slice-h200 \
+    --input-len 64 --output-len 32 --max-concurrency 16 --result-dir "$OUT" --label serve-flash-slice-$card \
     > "$OUT/serve-bench.log" 2>&1
   echo "rc=$?"; grep -E 'TTFT|TPOT|ITL|throughput' "$OUT/serve-bench.log"
   kill $pid; wait $pid 2> /dev/null ;;
