@@ -46,6 +46,8 @@
 #                                     # NO_SWEEP=1: the paths only)
 #   tools/gpu_checks.sh OUT tma       # native_gemm_bench: the one-row FP8 and FP4 GEMVs' TMA knobs beside
 #                                     # their plain loads, then their GPU tests (~5 min)
+#   tools/gpu_checks.sh OUT verify-experts  # native_gemm_bench --slice-experts: the FP4 experts' tensor-core tiles
+#                                     # ('mma', DSpark's verify rows) at 6 and 16 tokens, K splits and warps (~3 min)
 #   tools/gpu_checks.sh OUT replay    # bounded_replay_bench (decoder replay vs full prefill)
 #   tools/gpu_checks.sh OUT serve     # flash-slice server + serve_bench on chat text prompts
 #
@@ -212,6 +214,15 @@ slice-experts)
   timeout ${LIMIT:-450} $py benchmarks/native_gemm_bench.py --slice-experts ${NO_SWEEP:+--no-sweep} \
     --out "$OUT/experts-slice-tiles.json" > "$OUT/slice-experts.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/slice-experts.log" ;;
+verify-experts)
+  # by default the up GEMMs split K ten ways and the down four (moe_gemv.fp4_splits, set for one token's few
+  # programs), while six tokens' tiles already give some 1,000 (tile, N block) programs
+  step "native_gemm_bench --slice-experts, the 'mma' path's splits and warps at 6 and 16 tokens"
+  timeout ${LIMIT:-300} $py benchmarks/native_gemm_bench.py --slice-experts --widths 6,16 \
+    --out "$OUT/experts-verify-$card.json" --knobs \
+    '[{"path":"mma","splits":1},{"path":"mma","splits":2},{"path":"mma","splits":4},{"path":"mma","splits":8},{"path":"mma","num_warps":8},{"path":"mma","num_warps":2}]' \
+    > "$OUT/verify-experts.log" 2>&1
+  echo "rc=$?"; tail -1 "$OUT/verify-experts.log" ;;
 gemv-chain)
   step "gemv_chain_bench"
   timeout 300 $py benchmarks/gemv_chain_bench.py ${ROWS:+--rows "$ROWS"} --out "$OUT/gemv-chain.json" \
