@@ -189,19 +189,19 @@ def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
     three bf16 parts) beside the FP32-FMA projection (split_w False, the default before), the
     projection split more ways (at decode widths its default 80 splits give each program four
     64-wide K blocks in sequence, in one wave of programs: more splits, fewer blocks a program)
-    and, at the widest, the coefficient program summing one split a load; from 2 to 64 tokens the
+    and, past 64 tokens, the coefficient program summing one split a load; from 2 tokens the
     coefficient programs in token tiles (`block_t`, the default past mhc.COEF_TOKEN_PROGRAMS) beside
     one token a program; twice in alternation. The floor is fn's FP32 bytes plus X once."""
     from custom_ops.triton.mhc import COEF_BLOCK_T, COEF_TOKEN_PROGRAMS, triton_mhc_mix
     fn = torch.randn(hc * (hc + 2), hc * dim, device="cuda") * 0.01
     base, scale = torch.randn(hc * (hc + 2), device="cuda"), torch.rand(3, device="cuda")
-    for T in (1, 2, 5, 6, 16, 32, 64, 4096):
+    for T in (1, 2, 5, 6, 16, 32, 64, 96, 512, 4096):
         X = torch.randn(T, hc, dim, device="cuda").to(torch.bfloat16)
         outs = [torch.empty(T, hc, device="cuda"), torch.empty(T, hc, device="cuda"),
                 torch.empty(T, hc, hc, device="cuda")]
         nbytes = fn.nbytes + X.nbytes
         knobs = ({}, {"split_w": False}) + (({"split": 160}, {"split": 320}) if T <= 64 else ({"block_s": 1},))
-        if 1 < T <= 64:
+        if T > 1:
             knobs += ({"block_t": min(COEF_BLOCK_T, triton.next_power_of_2(T))},) + \
                 (({"block_t": 1},) if T > COEF_TOKEN_PROGRAMS else ())
         cases = [({"kernel": "mhc_mix", "tokens": T, "knobs": kw or "default"},

@@ -39,6 +39,8 @@
 #   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles;
 #                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm;
 #                                     # --mhc: mhc_mix with its projection split more ways
+#   tools/gpu_checks.sh OUT mhc       # kernel_bench --mhc alone: mhc_mix at 1-4,096 tokens, token tiles against one
+#                                     # token a coefficient program (~1 min)
 #   tools/gpu_checks.sh OUT formats   # weight_formats_bench: bf16 and native engines in one run, alternating;
 #                                     # then each engine's batch-1 decode step profiled, every kernel listed
 #   tools/gpu_checks.sh OUT slice-experts  # native_gemm_bench --slice-experts: flash-slice's expert paths,
@@ -214,6 +216,10 @@ slice-experts)
   timeout ${LIMIT:-450} $py benchmarks/native_gemm_bench.py --slice-experts ${NO_SWEEP:+--no-sweep} \
     --out "$OUT/experts-slice-tiles.json" > "$OUT/slice-experts.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/slice-experts.log" ;;
+mhc)
+  step "kernel_bench --mhc"
+  timeout 150 $py benchmarks/kernel_bench.py --mhc --out "$OUT/mhc-$card.json" > "$OUT/mhc.log" 2>&1
+  echo "rc=$?"; grep -E '"round": 1' "$OUT/mhc.log" | cut -c1-160 ;;
 verify-experts)
   # by default the up GEMMs split K ten ways and the down four (moe_gemv.fp4_splits, set for one token's few
   # programs), while six tokens' tiles already give some 1,000 (tile, N block) programs
