@@ -37,10 +37,9 @@
 #                                     # ROWS=1,16: the chain at 16 rows too, the FP8 MMA kernel's width)
 #   tools/gpu_checks.sh OUT norm      # kernel_bench --norm: the norms in one pass (warps) against chunks (~1 min)
 #   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles;
-#                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm;
-#                                     # --mhc: mhc_mix with its projection split more ways
-#   tools/gpu_checks.sh OUT mhc       # kernel_bench --mhc alone: mhc_mix at 1-4,096 tokens, token tiles against one
-#                                     # token a coefficient program (~1 min)
+#                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm
+#   tools/gpu_checks.sh OUT mhc       # kernel_bench --mhc: mhc_mix at 1-4,096 tokens, its projection split more ways,
+#                                     # token tiles against one token a coefficient program (~1 min)
 #   tools/gpu_checks.sh OUT formats   # weight_formats_bench: bf16 and native engines in one run, alternating;
 #                                     # then each engine's batch-1 decode step profiled, every kernel listed
 #   tools/gpu_checks.sh OUT slice-experts  # native_gemm_bench --slice-experts: flash-slice's expert paths,
@@ -244,10 +243,7 @@ wo-a)
   echo "rc=$?"; grep -E '"round": 1' "$OUT/wo-a.log" | cut -c1-160
   step "kernel_bench --lm-head"
   timeout 120 $py benchmarks/kernel_bench.py --lm-head --out "$OUT/kernels-lm-head-$card.json" > "$OUT/lm-head.log" 2>&1
-  echo "rc=$?"; grep -E '"round": 1' "$OUT/lm-head.log" | cut -c1-160
-  step "kernel_bench --mhc"
-  timeout 120 $py benchmarks/kernel_bench.py --mhc --out "$OUT/mhc-$card.json" > "$OUT/mhc.log" 2>&1
-  echo "rc=$?"; grep -E '"round": 1' "$OUT/mhc.log" | cut -c1-160 ;;
+  echo "rc=$?"; grep -E '"round": 1' "$OUT/lm-head.log" | cut -c1-160 ;;
 native-gemm)
   step "native_gemm_bench"
   timeout 450 $py benchmarks/native_gemm_bench.py --out "$OUT/native-gemm-$card.json" > "$OUT/native-gemm.log" 2>&1
