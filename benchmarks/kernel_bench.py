@@ -189,10 +189,11 @@ def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
     three bf16 parts) beside the FP32-FMA projection (split_w False, the default before), the
     projection split more ways (at decode widths its default 80 splits give each program four
     64-wide K blocks in sequence, in one wave of programs: more splits, fewer blocks a program)
-    and, past 64 tokens, the coefficient program summing one split a load; from 2 tokens the
-    coefficient programs in token tiles (`block_t`, the default past mhc.COEF_TOKEN_PROGRAMS) beside
-    one token a program; twice in alternation. The floor is fn's FP32 bytes plus X once."""
-    from custom_ops.triton.mhc import COEF_BLOCK_T, COEF_TOKEN_PROGRAMS, triton_mhc_mix
+    and, from 2 tokens, the coefficient programs in the form the default does not take (token
+    tiles, which sum the splits one load at a time, up to mhc.COEF_TOKEN_PROGRAMS tokens; one token
+    a program, its splits summed as a tree, past it); twice in alternation. The floor is fn's FP32
+    bytes plus X once."""
+    from custom_ops.triton.mhc import COEF_BLOCK_T, coef_block_t, triton_mhc_mix
     fn = torch.randn(hc * (hc + 2), hc * dim, device="cuda") * 0.01
     base, scale = torch.randn(hc * (hc + 2), device="cuda"), torch.rand(3, device="cuda")
     for T in (1, 2, 5, 6, 16, 32, 64, 96, 512, 4096):
@@ -200,10 +201,9 @@ def bench_mhc(rows: list, hc: int = 4, dim: int = 5120) -> None:
         outs = [torch.empty(T, hc, device="cuda"), torch.empty(T, hc, device="cuda"),
                 torch.empty(T, hc, hc, device="cuda")]
         nbytes = fn.nbytes + X.nbytes
-        knobs = ({}, {"split_w": False}) + (({"split": 160}, {"split": 320}) if T <= 64 else ({"block_s": 1},))
+        knobs = ({}, {"split_w": False}) + (({"split": 160}, {"split": 320}) if T <= 64 else ())
         if T > 1:
-            knobs += ({"block_t": min(COEF_BLOCK_T, triton.next_power_of_2(T))},) + \
-                (({"block_t": 1},) if T > COEF_TOKEN_PROGRAMS else ())
+            knobs += ({"block_t": min(COEF_BLOCK_T, triton.next_power_of_2(T)) if coef_block_t(T) == 1 else 1},)
         cases = [({"kernel": "mhc_mix", "tokens": T, "knobs": kw or "default"},
                   lambda kw=kw: triton_mhc_mix(X, fn, base, scale, 20, 1e-6, 1e-20, *outs, **kw)) for kw in knobs]
         alternate(rows, cases, nbytes, lambda us: {})

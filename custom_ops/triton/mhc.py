@@ -7,13 +7,13 @@ mhc_mix, two launches.
      and Σ X_flat² per token: the split-K skinny GEMM of common.py (Flash: K = 20480,
      N = 24 padded to a 32-wide tile; token tiles of 16..64; K split so that even one decode
      token spreads the 1.9 MB of fn over ~2x the SMs; each split writes FP32 partials).
-  2. Coefficients, BLOCK_T tokens per program (one program per token tile; every token's
-     math is independent; one token a program up to COEF_TOKEN_PROGRAMS tokens): the splits summed
-     in a fixed order, BLOCK_S of them per load, summed as a tree (a program of one token, Flash:
-     its 80 splits in one load), m = m_raw·rsqrt(Σx²/(hc·D) +
-     norm_eps); pre = sigmoid(m·scale0 + base) + hc_eps; post = 2·sigmoid(m·scale1 + base);
-     comb = softmax_row(m·scale2 + base) + hc_eps on a [BLOCK_T, hc, hc] tile, then the column
-     normalization and iters-1 (row, column) Sinkhorn rounds in registers.
+  2. Coefficients, BLOCK_T tokens per program (one token a program up to COEF_TOKEN_PROGRAMS
+     tokens, token tiles beyond; every token's math is independent): the splits summed in a fixed
+     order, BLOCK_S of them per load, summed as a tree (a program of one token, Flash: its 80
+     splits in one load), m = m_raw·rsqrt(Σx²/(hc·D) + norm_eps); pre = sigmoid(m·scale0 + base)
+     + hc_eps; post = 2·sigmoid(m·scale1 + base); comb = softmax_row(m·scale2 + base) + hc_eps on
+     a [BLOCK_T, hc, hc] tile, then the column normalization and iters-1 (row, column) Sinkhorn
+     rounds in registers.
   One launch, the split that counts last in its token tile computing the coefficients, was
   slower on an H100 both times it was built: 13.1 µs a call against 6.3 + 4.9 (native-decode-ab-h100.json), then
   13.2 (1,058.9 µs over flash-slice's 80 calls at batch 1, dependent launch off,
@@ -186,8 +186,8 @@ def triton_mhc_mix(X, fn, base, scale, iters, hc_eps, norm_eps, pre, post, comb,
             for t in (pre, post, comb)]
     bt = block_t or coef_block_t(T)
     S = part.shape[0]
-    # a lone token's splits in one load; several tokens a program: one split a load, which the
-    # H200 ran as fast or faster at 5, 64 and 4,096 tokens (benchmarks/results/mhc-h200.json)
+    # a lone token's splits in one load; a token tile (past COEF_TOKEN_PROGRAMS): one split a
+    # load, as fast as the tree or faster at 4,096 tokens on the H200 (benchmarks/results/mhc-h200.json)
     bs = block_s or (min(triton.next_power_of_2(S), COEF_TILE // (hc * hc)) if bt == 1 else 1)
     _mhc_coef_kernel[(triton.cdiv(T, bt),)](
         part, sq, base, scale, outs[0], outs[1], outs[2], T, S, hc * D, iters,
