@@ -183,13 +183,15 @@ else:
         """The coefficient programs: one token each up to COEF_TOKEN_PROGRAMS tokens (all of a
         token's splits in one load), then token tiles of up to COEF_BLOCK_T."""
         from custom_ops.triton import mhc
-        assert [mhc.coef_block_t(T) for T in (1, 6, 64, 65, 100)] == [1, 1, 1, 16, 16]
+        assert [mhc.coef_block_t(T) for T in (1, 6, 64, 512, 513, 4096)] == [1, 1, 1, 1, 16, 16]
         monkeypatch.setattr(mhc, "COEF_TOKEN_PROGRAMS", 0)
         assert [mhc.coef_block_t(T) for T in (1, 6, 16)] == [1, 8, 16]
 
-    def test_mhc_mix_token_tiles(g):
-        """100 tokens: the projection's two 64-token tiles and the coefficients' seven 16-token
-        programs, the last of each partly masked; a second call gives the same values bit for bit."""
+    @pytest.mark.parametrize("block_t", [16, None])
+    def test_mhc_mix_token_tiles(g, block_t):
+        """100 tokens: the projection's two 64-token tiles, the coefficients in seven 16-token
+        programs or (the default up to COEF_TOKEN_PROGRAMS) a hundred of one token, the last tile
+        of each partly masked; a second call gives the same values bit for bit."""
         T, hc, D = 100, 4, 48
         X = rnd(g, T, hc, D).to(torch.bfloat16)
         fn, base, scale = rnd(g, 24, hc * D, scale=0.05), rnd(g, 24), rnd(g, 3).abs()
@@ -198,7 +200,7 @@ else:
         runs = []
         for _ in range(2):
             outs = [nan_like(r) for r in refs]
-            triton_mhc_mix(X, fn, base, scale, 20, 1e-6, 1e-20, *outs, split=3)
+            triton_mhc_mix(X, fn, base, scale, 20, 1e-6, 1e-20, *outs, split=3, block_t=block_t)
             for o, r in zip(outs, refs):
                 assert rel(o, r) < 1e-5
             runs.append(outs)

@@ -37,10 +37,12 @@ from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, skinny_gemm
 COEF_BLOCK_T = 16
 # up to this many tokens each coefficient program takes one token, its splits summed as a tree
 # in one load, where a tile of tokens a program walks the splits one load at a time. H100, the
-# mix alone (mhc-h100.json): 10.3 / 10.4 / 11.7 µs at 6 / 16 / 64 tokens against 18.4 / 20.5 /
-# 21.8 in tiles; flash-slice's native decode step (mhc-knobs-h100.json): batch 16 19.08 against
-# 19.96 ms of device time, batch 64 32.05 against 32.93. Wider is untimed
-COEF_TOKEN_PROGRAMS = 64
+# mix alone (mhc-h100.json, both rounds): 10.1 / 10.3 / 11.7 / 12.5 / 23.7-23.8 µs at 6 / 16 /
+# 64 / 96 / 512 tokens against 18.0 / 20.3 / 21.9-22.0 / 23.6-23.8 / 24.2-24.3 in tiles, which
+# win at 4,096 (103.6-105.5 against 118.9-120.7); flash-slice's native decode step
+# (mhc-knobs-h100.json, the rule at 64 tokens): batch 16 19.08 against 19.96 ms of device time,
+# batch 64 32.05 against 32.93
+COEF_TOKEN_PROGRAMS = 512
 # warps of a coefficient program: at 4, a one-token program's split sums cross warps through
 # shared memory (14 barriers in its Triton 3.6 sm_90 build), at 1 in one warp's shuffles; at 1
 # flash-slice's batch-1 step took 9.42 against 9.46 ms of device time (knobs-h100.json), within
