@@ -45,7 +45,12 @@ PREFILL_M = 1024
 # fp8_linear quantizes x inside the GEMV while its column tiles quantize at most this many
 # elements of x in all (`quantizes_inside`)
 FUSED_QUANT_WORK = 1 << 17
-GEMV_M = 1                    # up to this many rows the CUDA-core GEMV runs (native-gemm-paths-h200.json)
+# up to this many rows the CUDA-core GEMV runs, one row a program (the second row's programs read
+# the weight tiles again, mostly from L2). H100, Flash's five dense shapes at two rows, one run
+# (gemm-swap-h100.json run a, sweep): 9.3 / 22.1 / 25.2 / 10.3 / 33.7 µs against the MMA kernel's
+# 10.4 / 25.0 / 26.0 / 11.5 / 38.2 (wq_a_kv, wq_b, wo_b, shared_w1, 4096x16384); at four rows the
+# GEMV lost on every shape
+GEMV_M = 2
 # the GEMV's weight rows a program, K block, pipeline stages of its plain loads. With the TMA
 # loads, 64 rows: flash-slice's batch-1 FULL decode on an H100, 9.97 against 10.09 ms of device
 # time at 128 (128 was fastest with the plain loads, native-gemm-one-row-h200.json); 256-wide K
@@ -199,8 +204,8 @@ def quantizes_inside(M: int, N: int, K: int) -> bool:
     11.6, wo_b (40 x 8,192) 28.2 against 25.4, wq_b (256 x 1,280) 24.4 against 21.0
     (native-gemm-one-row-h200.json);
     at 4-16 rows the MMA tiles quantizing inside took 1.0-1.4x the time of the act quant first on
-    every shape (native-gemm-h200.json)."""
-    return M <= GEMV_M and triton.cdiv(N, GEMV_BLOCK_N) * K <= FUSED_QUANT_WORK
+    every shape (native-gemm-h200.json). Two GEMV rows quantize first: that form was timed."""
+    return M == 1 and triton.cdiv(N, GEMV_BLOCK_N) * K <= FUSED_QUANT_WORK
 
 
 def triton_fp8_linear(x, w, ws, out, groups: int = 1, **knobs) -> None:
@@ -217,8 +222,8 @@ def triton_fp8_linear(x, w, ws, out, groups: int = 1, **knobs) -> None:
 
 
 def gemm_path(M: int) -> str:
-    """'gemv' for one row, 'mma' (FP8 tensor cores, per-32 promotion) beyond. H200, Flash's five
-    dense shapes in one run (native-gemm-paths-h200.json): at one row the unpipelined GEMV took
+    """'gemv' up to GEMV_M rows, 'mma' (FP8 tensor cores, per-32 promotion) beyond. H200, Flash's
+    five dense shapes in one run (native-gemm-paths-h200.json): at one row the unpipelined GEMV took
     0.83-0.93x the MMA kernel's time from codes and 0.72-0.81x from bf16 x (fp8_linear); three
     pipeline stages made it 1.7-3.1x slower than the MMA kernel; at eight rows and more it lost."""
     return "gemv" if M <= GEMV_M else "mma"
@@ -260,7 +265,7 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
     if path == "mma":
         bm, unroll = block_m or _block_m(M), unroll or (tile_unroll if KB % tile_unroll == 0 else 1)
     else:                                          # the K block: the knob's or the default, if it divides K
-        bm = block_m or min(GEMV_M, triton.next_power_of_2(M))
+        bm = block_m or 1                            # the TMA loads take one row a program
         unroll = (block_k or GROUP * tile_unroll) // GROUP
         unroll = unroll if KB % unroll == 0 else 1
     if KB % unroll:
