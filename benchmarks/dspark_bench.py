@@ -175,8 +175,7 @@ def main(argv=None) -> dict:
 
     args = engine_args(a, "plain")
     cfg, _ = args.admit()
-    from v41.loader import load_weights
-    weights = load_weights(a.model, cfg, device=args.resolved_device(), load_format=args.load_format, seed=args.seed)
+    weights = args.load_weights(cfg)       # one load for both variants (their weight formats are the same)
     for r in range(a.rounds):
         for variant in a.variants:
             eng = LLMEngine(engine_args(a, variant), weights=weights)

@@ -24,7 +24,6 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, weights=None):
         """`weights`: already loaded checkpoint tensors (tests share one load across engines)."""
         cfg, geo = args.admit()
-        from v41.loader import load_weights
         from v41.tokenizer import load_tokenizer
         self.args, self.cfg, self.geo = args, cfg, geo
         device = args.resolved_device()
@@ -40,8 +39,7 @@ class LLMEngine:
         self.tokenizer, token_map = load_tokenizer(args.model, cfg)
         t0 = time.perf_counter()
         if weights is None:
-            weights = load_weights(args.model, cfg, device=device, load_format=args.load_format,
-                                   seed=args.seed, wo_a="fp8" if args.weight_format == "native" else "bf16")
+            weights = args.load_weights(cfg)
         if args.tensor_parallel_size > 1:
             weights = shard_checkpoint(cfg, weights, tensor_parallel().rank, args.tensor_parallel_size)
         pages_per_seq = -(-self.max_model_len // geo.page_tokens)

@@ -270,6 +270,13 @@ class EngineArgs(_EngineFields):
     def resolved_device(self) -> str:
         return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
+    def load_weights(self, cfg: V41Config):
+        """The checkpoint's tensors as this engine runs them: `wo_a` stays FP8 under native
+        weights, else it is dequantized to bf16 at load (spec §5.4)."""
+        from v41.loader import load_weights
+        return load_weights(self.model, cfg, device=self.resolved_device(), load_format=self.load_format,
+                            seed=self.seed, wo_a="fp8" if self.weight_format == "native" else "bf16")
+
     def graph_mode(self) -> str:
         """The CUDA-graph mode this engine runs: the flag, or FULL on CUDA when compiled, else
         NONE. Graphs on the CPU or of the eager model are refused by name."""

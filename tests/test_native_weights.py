@@ -157,6 +157,18 @@ def test_native_engine_loads_wo_a_fp8(toy_weights):
     assert len(seq.completion_token_ids) == 4
 
 
+@pytest.mark.parametrize("fmt,dtype", [("native", torch.float8_e4m3fn), ("dequant", torch.bfloat16)])
+def test_engine_args_load_weights_as_the_engine_runs_them(fmt, dtype):
+    """EngineArgs.load_weights (the engine's load, and benchmarks' shared load across engines):
+    wo_a stays FP8 with its scales under native weights, else BF16 without them."""
+    from runtime.engine import EngineArgs
+    args = EngineArgs(model="toy", dtype="float32", weight_format=fmt)
+    cfg, _ = args.admit()
+    w = args.load_weights(cfg)
+    assert w["layers.3.attn.wo_a.weight"].dtype == dtype
+    assert ("layers.3.attn.wo_a.scale" in w.tensors) == (fmt == "native")
+
+
 def test_native_engine_compiles(tmp_path):
     """The compiled native forward (Inductor's graph pipeline and our passes, post_grad_eager)
     decomposes the functionalized native GEMM ops, whose E8M0 scales it sees as uint8 codes,
