@@ -49,7 +49,8 @@ FUSED_QUANT_WORK = 1 << 17
 # the weight tiles again, mostly from L2). H100, Flash's five dense shapes at two rows, one run
 # (gemm-swap-h100.json run a, sweep): 9.3 / 22.1 / 25.2 / 10.3 / 33.7 µs against the MMA kernel's
 # 10.4 / 25.0 / 26.0 / 11.5 / 38.2 (wq_a_kv, wq_b, wo_b, shared_w1, 4096x16384); at four rows the
-# GEMV lost on every shape
+# GEMV lost on every shape. flash-slice's native decode at batch 2: 13.12 against 14.13 ms of
+# device time (gemv-two-rows-h100.json)
 GEMV_M = 2
 # the GEMV's weight rows a program, K block, pipeline stages of its plain loads. With the TMA
 # loads, 64 rows: flash-slice's batch-1 FULL decode on an H100, 9.97 against 10.09 ms of device
