@@ -15,7 +15,8 @@
 #                                     # time by phase, FULL graphs' device span (PROFILE=1: profiles too)
 #   tools/gpu_checks.sh OUT hybrid    # step_bench: compiled / full / tr_hybrid (after graphs: warm compile cache)
 #   tools/gpu_checks.sh OUT dspark [V]  # dspark_bench at acceptance length 3.51, compiled + FULL, variants V
-#                                     # (default plain,dspark), a profiled step per case (dspark-eager: eager);
+#                                     # (default plain,dspark) at BATCHES (default 1,16), a profiled step per
+#                                     # case unless PROFILE=0 (V41_PDL=0: the kernels' own times; dspark-eager: eager);
 #                                     # WEIGHTS=native: both variants native (dspark-native-flash-slice-h200.json)
 #   tools/gpu_checks.sh OUT native    # step_bench --weight-format native (FULL graphs), profiled
 #   tools/gpu_checks.sh OUT native-decode  # the kernels' GPU tests (eight processes), then
@@ -141,11 +142,14 @@ dspark)
   # differ) and captures its graphs. A cold compile and the other variant do not fit one call
   # (2026-12-02: `dspark` after `dspark dspark` ran out of time in the DSpark engine's capture):
   # run `dspark dspark`, then `dspark plain`, then on the same warm machine `dspark` (both warm).
+  # BATCHES=1 (batch sizes, default 1,16) with no profile fits both cold native compiles in one
+  # call (2026-12-07: 505 s, PROFILE=0)
   step "dspark_bench compiled with FULL graphs (plain decode, verify steps and the draft replay)"
   w="${WEIGHTS:-dequant}"; name=dspark-flash-slice-$card; [ "$w" = native ] && name=dspark-native-flash-slice-$card
+  prof=(--profile "$OUT/$name-profiles.txt"); [ "${PROFILE:-1}" = 0 ] && prof=()
   timeout 580 $py benchmarks/dspark_bench.py --model flash-slice --acceptance-length 3.51 --no-enforce-eager \
-    --cudagraph-mode FULL --rounds 1 --variants "${3:-plain,dspark}" --weight-format "$w" \
-    --profile "$OUT/$name-profiles.txt" --out "$OUT/$name.json" > "$OUT/dspark.log" 2>&1
+    --cudagraph-mode FULL --rounds 1 --variants "${3:-plain,dspark}" --weight-format "$w" --batch-sizes "${BATCHES:-1,16}" \
+    "${prof[@]}" --out "$OUT/$name.json" > "$OUT/dspark.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/dspark.log" | tail -8 ;;
 dspark-eager)
   step "dspark_bench eager"
