@@ -287,3 +287,17 @@ def test_fp4_mma_gemvs_hold_one_element_a_lane():
             mma = next(r["thread_instructions_per_weight"] for r in rows
                        if r["kernel"] == f"_fp4_mma_{which}" and r["cols"] == cols)
             assert mma < 0.75 * gemv, (which, cols, mma, gemv)
+
+
+@pytest.mark.parametrize("block_p,block_e,block_t", [(8, 32, 8), (128, 128, 128)])
+def test_expert_tiles_builds_for_hopper(block_p, block_e, block_t):
+    """The grouping kernel (a program per BLOCK_P pairs ranking them, the last building the tile
+    table) at one decode token's chunks and at full ones, as expert_tiles launches it: no spills."""
+    from custom_ops.triton.moe_tiles import _BLOCK_J, _expert_tiles_kernel
+    sig = {**dict.fromkeys(("ids_ptr", "order_ptr", "meta_ptr", "bounds_ptr", "tile_end_ptr"), "*i32"),
+           **dict.fromkeys(("P", "E", "n_tiles"), "i32"),
+           **dict.fromkeys(("BLOCK_M", "BLOCK_P", "BLOCK_E", "BLOCK_T", "BLOCK_J"), "constexpr")}
+    k = build(_expert_tiles_kernel, sig, {"BLOCK_M": 8, "BLOCK_P": block_p, "BLOCK_E": block_e, "BLOCK_T": block_t,
+                                          "BLOCK_J": min(_BLOCK_J, block_p)}, num_warps=8)
+    r = S.resources(k)
+    assert 0 < r["registers"] <= 255 and r["spilled_bytes"] == 0, r

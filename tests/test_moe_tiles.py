@@ -1,5 +1,6 @@
 """The expert tile scheme (custom_ops/triton/moe_tiles.py) under the Triton interpreter: the
-one-program grouping kernel gives the torch path's order and tile table exactly, and the
+grouping kernel (a program per 128 pairs, one for the tile table) gives the torch path's order
+and tile table exactly, and the
 reduction sums each token's slots in ascending expert id, padding slots skipped.
 
 As in test_kernels_cpu.py, unless this process runs with TRITON_INTERPRET=1 the module reruns

@@ -3,9 +3,10 @@ of (token, slot) pairs into BLOCK_M-row tiles of one expert, and the final per-t
 
 - `expert_tiles`: pairs sorted by expert (stable; padding slots, id -1, last), cut into tiles;
   a static bound of tiles, so nothing on the host depends on the routing (CUDA-graph safe).
-  Up to FUSED_PAIRS pairs (decode widths) one program builds it all (`_expert_tiles_kernel`: ranks
-  by counting, no sort), where the torch ops it replaces are ~20 kernels of a few µs each;
-  above, those torch ops (stable sort, searchsorted), whose cost prefill amortizes.
+  Up to FUSED_PAIRS pairs (decode widths) one launch builds it all (`_expert_tiles_kernel`: a
+  program per 128 pairs ranks them by counting, no sort; one more builds the tile table), where
+  the torch ops it replaces are ~20 kernels of a few µs each; above, those torch ops (stable
+  sort, searchsorted), whose cost prefill amortizes.
 - `tile_rows`: a GEMM program's view of its tile.
 - `swiglu_store`: the up GEMMs' epilogue (the tile kernels' and the GEMVs'; `swiglu_values` its
   math, which fp4_mma.py's GEMVs store in their own form).
@@ -21,10 +22,13 @@ import triton.language as tl
 
 from custom_ops.triton.common import fp8_qat_groups, pdl, pdl_wait
 
-FUSED_PAIRS = 384         # one program ranks P pairs by P² comparisons; H200 at 384: 65.7 µs, the torch ops 92.1
+# P pairs ranked by P² comparisons. H200 at 384, one program doing it all: 65.7 µs, the torch ops
+# 92.1 (experts-profile-h200.json); spread over a program per _BLOCK pairs it is not timed yet
+FUSED_PAIRS = 384
 REDUCE_BLOCK_D = 512
 _BLOCK = 128              # the grouping kernel's chunks: at most 128 pairs or tiles,
-_CHUNK = 16384            # and 16K comparisons
+_CHUNK = 16384            # and 16K comparisons;
+_BLOCK_J = 32             # pairs compared at once: 128 x 128 spilled 72 bytes a thread (Triton 3.6's sm_90 build)
 
 
 @triton.jit
@@ -50,57 +54,61 @@ def _keys(ids_ptr, i, P, E):
 @triton.jit
 def _expert_tiles_kernel(ids_ptr, order_ptr, meta_ptr, bounds_ptr, tile_end_ptr, P, E, n_tiles,
                          BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
-    """One program. bounds[e] = #pairs with key < e (e = 0..E); tile_end[e] = Σ_{e' <= e}
-    ⌈count(e') / BLOCK_M⌉; order[rank(i)] = i with rank(i) = #pairs j with (key_j, j) <
-    (key_i, i) (a stable sort); tile t belongs to expert #{e : tile_end[e] <= t}. Chunks of
-    BLOCK_P pairs, BLOCK_E experts and BLOCK_T tiles: one chunk each at one token."""
+                         BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr = False):
+    """A program per BLOCK_P pairs i ranks them: order[rank(i)] = i with rank(i) = #pairs j with
+    (key_j, j) < (key_i, i) (a stable sort), j over all P in chunks of BLOCK_J. The last program
+    builds the tile table: bounds[e] = #pairs with key < e (e = 0..E); tile_end[e] =
+    Σ_{e' <= e} ⌈count(e') / BLOCK_M⌉; tile t belongs to expert #{e : tile_end[e] <= t}; chunks
+    of BLOCK_E experts and BLOCK_T tiles (one each at one token). No program reads another's
+    stores."""
     pdl_wait(PDL)
     lp = tl.arange(0, BLOCK_P)
     le = tl.arange(0, BLOCK_E)
-    for e0 in range(0, E + 1, BLOCK_E):                     # bounds
-        e = e0 + le
-        below = tl.zeros([BLOCK_E], tl.int32)
-        for j0 in range(0, P, BLOCK_P):
-            below += tl.sum((_keys(ids_ptr, j0 + lp, P, E)[None, :] < e[:, None]).to(tl.int32), axis=1)
-        tl.store(bounds_ptr + e, below, mask=e <= E)
-    tl.debug_barrier()
-    carry = 0                                                # tile_end: a running cumsum
-    for e0 in range(0, E, BLOCK_E):
-        e = e0 + le
-        m = e < E
-        cnt = tl.load(bounds_ptr + e + 1, mask=m, other=0) - tl.load(bounds_ptr + e, mask=m, other=0)
-        end = carry + tl.cumsum((cnt + BLOCK_M - 1) // BLOCK_M, axis=0)
-        tl.store(tile_end_ptr + e, end, mask=m)
-        carry = tl.max(tl.where(m, end, 0), axis=0)
-    for i0 in range(0, P, BLOCK_P):                         # order
-        i = i0 + lp
+    if tl.program_id(0) < tl.num_programs(0) - 1:            # order
+        i = tl.program_id(0) * BLOCK_P + lp
         ki = _keys(ids_ptr, i, P, E)
         rank = tl.zeros([BLOCK_P], tl.int32)
-        for j0 in range(0, P, BLOCK_P):
-            j = j0 + lp
+        for j0 in range(0, P, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
             kj = _keys(ids_ptr, j, P, E)
             before = (kj[None, :] < ki[:, None]) | ((kj[None, :] == ki[:, None]) & (j[None, :] < i[:, None]))
             rank += tl.sum((before & (j < P)[None, :]).to(tl.int32), axis=1)
         tl.store(order_ptr + rank, i, mask=i < P)
-    tl.debug_barrier()
-    lt = tl.arange(0, BLOCK_T)
-    for t0 in range(0, n_tiles, BLOCK_T):                   # meta
-        t = t0 + lt
-        te = tl.zeros([BLOCK_T], tl.int32)
+    else:
+        for e0 in range(0, E + 1, BLOCK_E):                  # bounds
+            e = e0 + le
+            below = tl.zeros([BLOCK_E], tl.int32)
+            for j0 in range(0, P, BLOCK_J):
+                j = j0 + tl.arange(0, BLOCK_J)
+                below += tl.sum((_keys(ids_ptr, j, P, E)[None, :] < e[:, None]).to(tl.int32), axis=1)
+            tl.store(bounds_ptr + e, below, mask=e <= E)
+        tl.debug_barrier()
+        carry = 0                                             # tile_end: a running cumsum
         for e0 in range(0, E, BLOCK_E):
             e = e0 + le
-            end = tl.load(tile_end_ptr + e, mask=e < E, other=2147483647)
-            te += tl.sum((end[None, :] <= t[:, None]).to(tl.int32), axis=1)
-        ec = tl.minimum(te, E - 1)
-        b0 = tl.load(bounds_ptr + ec)
-        b1 = tl.load(bounds_ptr + ec + 1)
-        first = tl.load(tile_end_ptr + ec) - (b1 - b0 + BLOCK_M - 1) // BLOCK_M
-        live = te < E
-        tm = t < n_tiles
-        tl.store(meta_ptr + t, ec, mask=tm)
-        tl.store(meta_ptr + n_tiles + t, tl.where(live, b0 + (t - first) * BLOCK_M, 0), mask=tm)
-        tl.store(meta_ptr + 2 * n_tiles + t, tl.where(live, b1, 0), mask=tm)
+            m = e < E
+            cnt = tl.load(bounds_ptr + e + 1, mask=m, other=0) - tl.load(bounds_ptr + e, mask=m, other=0)
+            end = carry + tl.cumsum((cnt + BLOCK_M - 1) // BLOCK_M, axis=0)
+            tl.store(tile_end_ptr + e, end, mask=m)
+            carry = tl.max(tl.where(m, end, 0), axis=0)
+        tl.debug_barrier()
+        lt = tl.arange(0, BLOCK_T)
+        for t0 in range(0, n_tiles, BLOCK_T):                # meta
+            t = t0 + lt
+            te = tl.zeros([BLOCK_T], tl.int32)
+            for e0 in range(0, E, BLOCK_E):
+                e = e0 + le
+                end = tl.load(tile_end_ptr + e, mask=e < E, other=2147483647)
+                te += tl.sum((end[None, :] <= t[:, None]).to(tl.int32), axis=1)
+            ec = tl.minimum(te, E - 1)
+            b0 = tl.load(bounds_ptr + ec)
+            b1 = tl.load(bounds_ptr + ec + 1)
+            first = tl.load(tile_end_ptr + ec) - (b1 - b0 + BLOCK_M - 1) // BLOCK_M
+            live = te < E
+            tm = t < n_tiles
+            tl.store(meta_ptr + t, ec, mask=tm)
+            tl.store(meta_ptr + n_tiles + t, tl.where(live, b0 + (t - first) * BLOCK_M, 0), mask=tm)
+            tl.store(meta_ptr + 2 * n_tiles + t, tl.where(live, b1, 0), mask=tm)
 
 
 def expert_tiles(ids: torch.Tensor, E: int, block_m: int):
@@ -117,9 +125,10 @@ def expert_tiles(ids: torch.Tensor, E: int, block_m: int):
         bp = min(_BLOCK, triton.next_power_of_2(P))
         bt = min(_BLOCK, triton.next_power_of_2(n_tiles))
         be = min(512, triton.next_power_of_2(E + 1), _CHUNK // max(bp, bt))
-        _expert_tiles_kernel[(1,)](flat, order, meta, scratch, scratch[E + 1:], P, E, n_tiles,
-                                   BLOCK_M=block_m, BLOCK_P=bp, BLOCK_E=be, BLOCK_T=bt, num_warps=8,
-                                   **pdl(flat.device))
+        # a program per BLOCK_P pairs ranks them, the last builds the tile table
+        _expert_tiles_kernel[(triton.cdiv(P, bp) + 1,)](
+            flat, order, meta, scratch, scratch[E + 1:], P, E, n_tiles, BLOCK_M=block_m, BLOCK_P=bp, BLOCK_E=be,
+            BLOCK_T=bt, BLOCK_J=min(_BLOCK_J, bp), num_warps=8, **pdl(flat.device))
         return order, meta, n_tiles
     key = ids.reshape(-1).to(torch.int64)
     key = torch.where(key < 0, E, key)
