@@ -2,7 +2,8 @@
 bf16): v41::sparse_attn (decode 1/16/64 tokens, prefill 4096) and v41::index_topk (`--norm`: the
 norms, one pass against chunks; `--mhc`:
 v41::mhc_mix alone; `--wo-a`: v41::inv_rope_wo_a alone, split-K and tile variants; `--lm-head`: the
-LM head at the row counts of decode and DSpark steps, bf16 and FP32, cuBLAS and common.skinny_gemm). Each call is
+LM head at the row counts of decode and DSpark steps, bf16 and FP32, cuBLAS and common.skinny_gemm; `--grouping`:
+the MoE pairs' grouping by expert, its kernel against the torch ops). Each call is
 captured in a CUDA graph and replayed; CUDA events around 50 replays, median of 15 repeats.
 
     python benchmarks/kernel_bench.py --out benchmarks/results/kernels-h200.json
@@ -263,6 +264,29 @@ def alternate(rows: list, cases: list, nbytes: int, rate, rounds: int = 2) -> No
             print(json.dumps(rows[-1]), flush=True)
 
 
+def bench_grouping(rows: list, k: int = 6, block_m: int = 8) -> None:
+    """moe_tiles.expert_tiles (the pairs grouped by expert into 8-row tiles, fp4_mma's) at decode
+    and DSpark verify widths, top-6 of flash-slice's 16 experts and of Flash's 384: the grouping
+    kernel (FUSED_PAIRS raised past the width for the case) beside the torch ops (FUSED_PAIRS 0),
+    twice in alternation."""
+    from custom_ops.triton import moe_tiles
+    default = moe_tiles.FUSED_PAIRS
+
+    def grouped(ids, E, fused):
+        moe_tiles.FUSED_PAIRS = ids.numel() if fused else 0      # read at capture, restored after
+        try:
+            moe_tiles.expert_tiles(ids, E, block_m)
+        finally:
+            moe_tiles.FUSED_PAIRS = default
+
+    for E in (16, 384):
+        for T in (1, 16, 64, 96, 128, 256, 512):
+            ids = torch.rand(T, E, device="cuda").argsort(dim=1)[:, :k].int().contiguous()
+            cases = [({"kernel": "expert_tiles", "experts": E, "tokens": T, "pairs": T * k, "variant": v},
+                      lambda ids=ids, E=E, v=v: grouped(ids, E, v == "kernel")) for v in ("kernel", "torch_ops")]
+            alternate(rows, cases, ids.nbytes, lambda us: {})
+
+
 def bench_wo_a(rows: list, G: int = 8, R: int = 1024, I: int = 4096, d: int = 512, rot: int = 64) -> None:
     """v41::inv_rope_wo_a (bf16, Flash's wo_a: 8 groups of 1024 x 4096) at decode widths: the
     default (attn_out.split_for's split count) beside fixed counts and 128-wide K tiles, twice
@@ -318,6 +342,7 @@ def main():
     ap.add_argument("--wo-a", action="store_true", help="only inv_rope_wo_a at decode widths, split-K and tiles")
     ap.add_argument("--lm-head", action="store_true", help="only the LM head: bf16 and FP32, cuBLAS and skinny_gemm")
     ap.add_argument("--norm", action="store_true", help="only the norms: one pass (warps) against chunks")
+    ap.add_argument("--grouping", action="store_true", help="only the MoE pairs' grouping: kernel against torch ops")
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -326,6 +351,9 @@ def main():
         return save(a.out, rows)
     if a.norm:
         bench_norm(rows)
+        return save(a.out, rows)
+    if a.grouping:
+        bench_grouping(rows)
         return save(a.out, rows)
     if a.wo_a:
         bench_wo_a(rows)

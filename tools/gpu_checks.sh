@@ -39,6 +39,8 @@
 #   tools/gpu_checks.sh OUT norm      # kernel_bench --norm: the norms in one pass (warps) against chunks (~1 min)
 #   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles;
 #                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm
+#   tools/gpu_checks.sh OUT grouping  # kernel_bench --grouping: the MoE pairs' grouping kernel against the torch
+#                                     # ops at 1-512 tokens, 16 and 384 experts (sets moe_tiles.FUSED_PAIRS)
 #   tools/gpu_checks.sh OUT mhc       # kernel_bench --mhc: mhc_mix at 1-4,096 tokens, its projection split more ways,
 #                                     # token tiles against one token a coefficient program (~1 min)
 #   tools/gpu_checks.sh OUT formats   # weight_formats_bench: bf16 and native engines in one run, alternating;
@@ -219,6 +221,10 @@ slice-experts)
   timeout ${LIMIT:-450} $py benchmarks/native_gemm_bench.py --slice-experts ${NO_SWEEP:+--no-sweep} \
     --out "$OUT/experts-slice-tiles.json" > "$OUT/slice-experts.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/slice-experts.log" ;;
+grouping)
+  step "kernel_bench --grouping"
+  timeout 150 $py benchmarks/kernel_bench.py --grouping --out "$OUT/grouping-$card.json" > "$OUT/grouping.log" 2>&1
+  echo "rc=$?"; grep -E '"round": 1|Error' "$OUT/grouping.log" | cut -c1-160 ;;
 mhc)
   step "kernel_bench --mhc"
   timeout 150 $py benchmarks/kernel_bench.py --mhc --out "$OUT/mhc-$card.json" > "$OUT/mhc.log" 2>&1
