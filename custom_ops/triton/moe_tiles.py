@@ -26,9 +26,9 @@ from custom_ops.triton.common import fp8_qat_groups, pdl, pdl_wait
 # 92.1 (experts-profile-h200.json); spread over a program per _BLOCK pairs it is not timed yet
 FUSED_PAIRS = 384
 REDUCE_BLOCK_D = 512
-_BLOCK = 128              # the grouping kernel's chunks: at most 128 pairs or tiles,
-_CHUNK = 16384            # and 16K comparisons;
-_BLOCK_J = 32             # pairs compared at once: 128 x 128 spilled 72 bytes a thread (Triton 3.6's sm_90 build)
+_BLOCK = 128              # the grouping kernel's pairs a program and tiles a chunk,
+_CHUNK = 16384            # its tile table's [tiles, experts] chunks at most 16K comparisons,
+_BLOCK_J = 32             # its pairs compared at once (128: 72 bytes a thread spilled, Triton 3.6's sm_90 build)
 
 
 @triton.jit
