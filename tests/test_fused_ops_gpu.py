@@ -198,7 +198,7 @@ def test_f32_linear(g, M):
     assert ((out.double() - exact).abs() <= D * 2.0**-24 * S).all()
 
 
-@pytest.mark.parametrize("T", T_ALL)
+@pytest.mark.parametrize("T", (*T_ALL, 96))     # 96: one token a coefficient program past 64 (COEF_TOKEN_PROGRAMS)
 def test_mhc(g, T):
     X, fn, base, scale = _mhc_inputs(g, T)
     refs, outs = _mhc_outs(T), _mhc_outs(T)
