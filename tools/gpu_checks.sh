@@ -72,6 +72,12 @@ py=python3
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z' 'a-z' | grep -o 'h[12]00' | head -1)
 card=${card:-gpu}
 step() { echo "== $* ($(date +%T))"; }
+# kernel_bench.py --FLAG within LIMIT seconds into OUT/NAME.json, its log OUT/FLAG.log; prints the second round
+kernel_bench() {
+  step "kernel_bench --$1"
+  timeout "$2" $py benchmarks/kernel_bench.py "--$1" --out "$OUT/$3.json" > "$OUT/$1.log" 2>&1
+  echo "rc=$?"; grep -E '"round": 1|Error' "$OUT/$1.log" | cut -c1-160
+}
 
 case $PART in
 tests)
@@ -222,13 +228,9 @@ slice-experts)
     --out "$OUT/experts-slice-tiles.json" > "$OUT/slice-experts.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/slice-experts.log" ;;
 grouping)
-  step "kernel_bench --grouping"
-  timeout 150 $py benchmarks/kernel_bench.py --grouping --out "$OUT/grouping-$card.json" > "$OUT/grouping.log" 2>&1
-  echo "rc=$?"; grep -E '"round": 1|Error' "$OUT/grouping.log" | cut -c1-160 ;;
+  kernel_bench grouping 150 "grouping-$card" ;;
 mhc)
-  step "kernel_bench --mhc"
-  timeout 150 $py benchmarks/kernel_bench.py --mhc --out "$OUT/mhc-$card.json" > "$OUT/mhc.log" 2>&1
-  echo "rc=$?"; grep -E '"round": 1' "$OUT/mhc.log" | cut -c1-160 ;;
+  kernel_bench mhc 150 "mhc-$card" ;;
 verify-experts)
   # by default the up GEMMs split K ten ways and the down four (moe_gemv.fp4_splits, set for one token's few
   # programs), while six tokens' tiles already give some 1,000 (tile, N block) programs
@@ -244,16 +246,10 @@ gemv-chain)
     > "$OUT/gemv-chain.log" 2>&1
   echo "rc=$?"; grep -E '^\{"(M|alone)|Error' "$OUT/gemv-chain.log" ;;
 norm)
-  step "kernel_bench --norm"
-  timeout 240 $py benchmarks/kernel_bench.py --norm --out "$OUT/kernels-norm.json" > "$OUT/norm.log" 2>&1
-  echo "rc=$?"; grep -E '"round": 1|Error' "$OUT/norm.log" | cut -c1-160 ;;
+  kernel_bench norm 240 kernels-norm ;;
 wo-a)
-  step "kernel_bench --wo-a"
-  timeout 240 $py benchmarks/kernel_bench.py --wo-a --out "$OUT/kernels-wo-a-$card.json" > "$OUT/wo-a.log" 2>&1
-  echo "rc=$?"; grep -E '"round": 1' "$OUT/wo-a.log" | cut -c1-160
-  step "kernel_bench --lm-head"
-  timeout 120 $py benchmarks/kernel_bench.py --lm-head --out "$OUT/kernels-lm-head-$card.json" > "$OUT/lm-head.log" 2>&1
-  echo "rc=$?"; grep -E '"round": 1' "$OUT/lm-head.log" | cut -c1-160 ;;
+  kernel_bench wo-a 240 "kernels-wo-a-$card"
+  kernel_bench lm-head 120 "kernels-lm-head-$card" ;;
 native-gemm)
   step "native_gemm_bench"
   timeout 450 $py benchmarks/native_gemm_bench.py --out "$OUT/native-gemm-$card.json" > "$OUT/native-gemm.log" 2>&1
