@@ -28,7 +28,7 @@ FUSED_PAIRS = 384
 REDUCE_BLOCK_D = 512
 _BLOCK = 128              # the grouping kernel's pairs a program and tiles a chunk,
 _CHUNK = 16384            # its tile table's [tiles, experts] chunks at most 16K comparisons,
-_BLOCK_J = 32             # its pairs compared at once (128: 72 bytes a thread spilled, Triton 3.6's sm_90 build)
+_BLOCK_J = 32             # its pairs compared at once (128: 72 bytes a thread spilled, grouping-build-triton36-cpu.json)
 
 
 @triton.jit
