@@ -22,9 +22,10 @@ import triton.language as tl
 
 from custom_ops.triton.common import fp8_qat_groups, pdl, pdl_wait
 
-# P pairs ranked by P² comparisons. H200 at 384, one program doing it all: 65.7 µs, the torch ops
-# 92.1 (experts-profile-h200.json); spread over a program per _BLOCK pairs it is not timed yet
-FUSED_PAIRS = 384
+# P pairs ranked by P² comparisons, spread over a program per _BLOCK pairs; the tile table's
+# program counts P x E. H100, graphed (grouping-h100.json): ahead of the torch ops through 768
+# pairs at 384 experts (56.2 vs 89.9 µs), even at 1,536 (91.5 vs 93.0), behind at 3,072
+FUSED_PAIRS = 1024
 REDUCE_BLOCK_D = 512
 _BLOCK = 128              # the grouping kernel's pairs a program and tiles a chunk,
 _CHUNK = 16384            # its tile table's [tiles, experts] chunks at most 16K comparisons,
