@@ -82,8 +82,9 @@ else:
             ref.fp8_block_gemm(xq, xs, w, ws, r)
             assert torch.equal(r.double(), exact)
             # K = 256: 8 blocks, 4 per iteration, as 4 + 4; K = 64: 2 blocks, 1 per iteration, 2 splits
-            # of 1; the GEMV (by default at one row) and the MMA tiles at every width up to 16
-            paths = ("gemv", "mma") if M <= 16 else (None,)
+            # of 1; the GEMV (by default at one row) and the MMA tiles at every width up to 16; the
+            # MMA kernel on bf16 values at every width
+            paths = ("gemv", "mma", "bf16") if M <= 16 else (None, "bf16")
             for split_k, path in itertools.product((1, 3), paths):
                 out = torch.full((M, N), float("nan"))
                 triton_fp8_block_gemm(xq, xs, w, ws, out, split_k=split_k, path=path)
@@ -94,7 +95,8 @@ else:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("M,G,kw", [(1, 1, {}), (7, 1, {"split_k": 3}), (16, 3, {}), (5, 3, {"split_k": 2}),
                                         (33, 1, {}), (33, 3, {"split_k": 2}), (1, 1, {"path": "mma"}),
-                                        (2, 3, {"split_k": 2}), (3, 1, {"path": "gemv"})])
+                                        (2, 3, {"split_k": 2}), (3, 1, {"path": "gemv"}), (1, 1, {"path": "bf16"}),
+                                        (33, 3, {"path": "bf16"})])
     def test_fp8_linear_equals_quant_then_gemm(g, dtype, M, G, kw):
         """`fp8_linear` on x in the activation dtype == `fp8_act_quant` then `fp8_block_gemm`,
         bitwise: x quantized inside the GEMV (or, path "mma" at one row, the MMA tile) gives the
@@ -153,7 +155,8 @@ else:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("M,G,kw", [(1, 1, {}), (1, 1, {"split_k": 3}), (1, 3, {"split_k": 2}),
                                         (7, 1, {"path": "gemv", "block_m": 4, "block_n": 32}),
-                                        (7, 3, {}), (33, 1, {"split_k": 3}), (2, 1, {"path": "mma"})])
+                                        (7, 3, {}), (33, 1, {"split_k": 3}), (2, 1, {"path": "mma"}),
+                                        (33, 3, {"path": "bf16"})])
     def test_fp8_block_gemm_act_quant(g, monkeypatch, dtype, M, G, kw):
         """The act quant in the GEMM's epilogue: the codes and scales are bit for bit those of
         the same GEMM's output (same tiles: the same sums) in `dtype`, act-quantized by the
@@ -184,7 +187,9 @@ else:
                                       (33, {"unroll": 2, "split_k": 3}), (2, {"unroll": 5}),
                                       (1, {"path": "mma"}), (2, {"path": "mma", "split_k": 2}),
                                       (3, {"path": "gemv"}), (7, {"path": "gemv", "block_m": 4, "block_n": 32}),
-                                      (1, {"block_k": 64, "split_k": 2}), (2, {"block_k": 128})])
+                                      (1, {"block_k": 64, "split_k": 2}), (2, {"block_k": 128}),
+                                      (64, {"path": "bf16"}), (33, {"path": "bf16", "unroll": 2, "split_k": 3}),
+                                      (40, {"path": "bf16", "block_m": 64, "block_n": 32, "unroll": 5})])
     def test_fp8_block_gemm_bound(g, M, kw):
         N, K = 96, 320
         xq, xs, w, ws = fp8_gemm_case(g, M, N, K)
@@ -284,7 +289,7 @@ else:
     def test_fp8_block_gemm_unknown_path(g):
         """An unknown path is refused by name (not run as another)."""
         xq, xs, w, ws = fp8_gemm_case(g, 2, 64, 64)
-        with pytest.raises(ValueError, match="'gemm' is not"):
+        with pytest.raises(ValueError, match="'gemm' is not 'gemv', 'mma' or 'bf16'"):
             triton_fp8_block_gemm(xq, xs, w, ws, torch.empty(2, 64), path="gemm")
 
     def test_split_k_fills_the_sms_at_decode_widths(monkeypatch):

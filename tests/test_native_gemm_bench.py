@@ -47,6 +47,7 @@ def test_bench_dry_run(tmp_path):
     assert [(row["gemm"], row["M"]) for row in res["sweep"]] == [("tiny", 1), ("tiny", 40), ("experts_w4a8", 1),
                                                                  ("experts_w4a8", 40)]
     assert [row["knobs"] for row in res["sweep"][2:]] == [{"path": "tiles"}, {"path": "tiles"}]
+    assert res["sweep"][1]["knobs"] == {"path": "bf16"}        # the prefill sweep's last: the MMA on bf16 values
     # one row: the MMA tiles where the GEMV is the default, on codes and from bf16 x
     assert res["sweep"][0]["knobs"] == {"path": "mma"} and res["sweep"][0]["linear_us"] > 0
     assert res["read_rate_TBps"] > 0

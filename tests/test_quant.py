@@ -431,3 +431,16 @@ def test_fp4_expert_matches_fp4_qat():
     for dtype in DTYPES:
         wd = w.to(dtype)
         assert_same(dequant_fp4_expert(*quant_fp4_expert(wd), dtype), fp4_qat(wd, 32))
+
+
+def test_e4m3_times_e8m0_scales_are_exact_in_bf16():
+    """fp8_gemm's 'bf16' path feeds the tensor cores E4M3 values times their E8M0 scales in bf16:
+    every finite E4M3 value times 2^(c - 127) is exact in FP32 and in bf16 for codes 3..246 (below,
+    a subnormal value's last bit falls under bf16's 2^-133; above, 448 · 2^120 overflows), and
+    not at the two ends' neighbours."""
+    v = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(F64)
+    v = v[v.isfinite()]
+    for c in (2, *range(3, 247), 247):
+        exact = v * 2.0 ** (c - 127)
+        ok = torch.equal((v.float() * 2.0 ** (c - 127)).to(BF16).to(F64), exact)
+        assert ok == (3 <= c <= 246), c

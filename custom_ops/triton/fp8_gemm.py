@@ -23,6 +23,14 @@ same launch (fp8.py).
 
 For one row (decode at batch 1) the GEMV of fp8_gemv.py runs instead, same grid and split-K.
 
+Path 'bf16' (a knob, not yet timed on a GPU): the same kernel with each block's codes decoded to
+bf16 values times their scales before the dot (BF16_MMA), the dots chained into one FP32
+accumulator, so no per-block promotion waits on the MMA. The values are exact in bf16 (an E4M3
+value's 4 significant bits times a power of two, tests/test_quant.py), and so are the products
+in FP32: the sums differ from the reference's in order only, as with the FP8 dots. It runs at the
+bf16 tensor cores' half rate instead of the FP8 loop's issue bound (its sm_90 builds:
+dense-prefill-build-triton36-cpu.json).
+
 fp8_linear from x in the activation dtype: the one-row GEMV quantizes each block of x it reads
 with the act-quant kernel's function (QUANT_X) where its column tiles, each quantizing all of K
 again, quantize little (`quantizes_inside`); otherwise the act-quant kernel runs first.
@@ -112,7 +120,8 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr
                      stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm, stride_osm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
                      SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, PDL: tl.constexpr = False,
-                     QUANT_OUT: tl.constexpr = False, OUT_DTYPE: tl.constexpr = tl.bfloat16):
+                     QUANT_OUT: tl.constexpr = False, OUT_DTYPE: tl.constexpr = tl.bfloat16,
+                     BF16_MMA: tl.constexpr = False, MMA_DTYPE: tl.constexpr = tl.bfloat16):
     """Program (m, n, s): K blocks [s·KB_SPLIT, (s+1)·KB_SPLIT) of one output tile. KB and
     KB_SPLIT are multiples of UNROLL. Grouped: the tile's weight rows belong to group
     n0 // ROWS_G (ROWS_G a multiple of BLOCK_N), which reads its own KB blocks of x.
@@ -122,7 +131,9 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr
     next call. QUANT_X: x is the activation itself, each 32-wide block quantized here as
     `_act_quant_kernel` would (the same codes and scales; xs unused). QUANT_OUT: the output
     rounded to OUT_DTYPE is act-quantized in the epilogue, codes into o, scales into os
-    (fp8.store_tile)."""
+    (fp8.store_tile). BF16_MMA: both blocks as MMA_DTYPE values (codes times scales: bf16 on
+    CUDA; FP32 under the interpreter, whose bf16 dot multiplies the bits as integers) into one
+    chained dot instead."""
     pdl_wait(PDL)
     n0 = tl.program_id(1) * BLOCK_N
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -155,8 +166,13 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr
             else:
                 sa = tl.load(sa_ptrs + kb, mask=mmask, other=0.0)[:, None]
             b = tl.load(b_ptrs + kb * GROUP_K, mask=nmask[None, :], other=0.0)
-            part = tl.dot(a, b, out_dtype=tl.float32)
-            acc += part * sa * column_scales(sb_ptrs + kb, sb_mask, BLOCK_N, BLOCK_M <= 16)[None, :]
+            sb = column_scales(sb_ptrs + kb, sb_mask, BLOCK_N, BLOCK_M <= 16)[None, :]
+            if BF16_MMA:
+                a16 = (a.to(tl.float32) * sa).to(MMA_DTYPE)
+                acc = tl.dot(a16, (b.to(tl.float32) * sb).to(MMA_DTYPE), acc, input_precision="ieee",
+                             out_dtype=tl.float32)
+            else:
+                acc += tl.dot(a, b, out_dtype=tl.float32) * sa * sb
         a_ptrs += UNROLL * GROUP_K
         b_ptrs += UNROLL * GROUP_K
         sa_ptrs += UNROLL
@@ -223,7 +239,8 @@ def triton_fp8_linear(x, w, ws, out, groups: int = 1, **knobs) -> None:
 
 
 def gemm_path(M: int) -> str:
-    """'gemv' up to GEMV_M rows, 'mma' (FP8 tensor cores, per-32 promotion) beyond. H200, Flash's
+    """'gemv' up to GEMV_M rows, 'mma' (FP8 tensor cores, per-32 promotion) beyond ('bf16', the
+    MMA kernel on bf16 values, is a knob only). H200, Flash's
     five dense shapes in one run (native-gemm-paths-h200.json): at one row the unpipelined GEMV took
     0.83-0.93x the MMA kernel's time from codes and 0.72-0.81x from bf16 x (fp8_linear); three
     pipeline stages made it 1.7-3.1x slower than the MMA kernel; at eight rows and more it lost."""
@@ -248,8 +265,10 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
     K, R = _ref.gemm_group_shape(x, w, groups)
     M, N = x.shape[0], w.shape[0]
     path = path or gemm_path(M)
-    if path not in ("gemv", "mma"):
-        raise ValueError(f"fp8_block_gemm: path {path!r} is not 'gemv' or 'mma'")
+    if path not in ("gemv", "mma", "bf16"):
+        raise ValueError(f"fp8_block_gemm: path {path!r} is not 'gemv', 'mma' or 'bf16'")
+    bf16 = path == "bf16"
+    path = "mma" if bf16 else path
     if path == "gemv" and (w.stride(0) % 4 or w.storage_offset() % 4):
         path = "mma"                               # no int32 view of the codes
     tile_n, tile_unroll, stages = (GEMV_BLOCK_N, GEMV_BLOCK_K // GROUP, GEMV_STAGES) if path == "gemv" else _tiles(M)
@@ -303,7 +322,7 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
         x, xs, w, wsc, out, part, counters, os_,
         M, N, KB, per, R, x.stride(0), xs.stride(0), w.stride(0), wsc.stride(0), out.stride(0),
         part.stride(0), part.stride(-2), os_.stride(0), BLOCK_M=bm, BLOCK_N=bn, UNROLL=unroll, SPLIT_K=splits > 1,
-        QUANT_X=quant_x, **epilogue, **launch, **pdl(out.device))
+        QUANT_X=quant_x, BF16_MMA=bf16, MMA_DTYPE=tl.bfloat16 if x.is_cuda else tl.float32, **epilogue, **launch, **pdl(out.device))
     return True
 
 
