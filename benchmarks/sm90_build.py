@@ -164,7 +164,8 @@ def dense_prefill_rows(bf16_too: bool = False) -> list[dict]:
         body = loop_body(k)
         bk = 32 * unroll
         rows.append({"kernel": "_fp8_gemm_kernel", "path": "bf16" if bf16 else "mma", "tile": f"{bm}x{bn}x{bk}",
-                     "num_warps": warps, **resources(k), "thread_instructions_per_weight": per_weight(body, warps, bn * bk),
+                     "num_warps": warps, **resources(k),
+                     "thread_instructions_per_weight": per_weight(body, warps, bn * bk),
                      "loop_issue_cycles": len(body) * warps / 4,
                      "loop_tensor_cycles": round(2 * bm * bn * bk / FP8_CLOCK_FLOPS * (2 if bf16 else 1), 1),
                      "loop_mma": sum(op.startswith(("HGMMA", "QGMMA", "HMMA")) for op in body)})

@@ -20,10 +20,10 @@ REVERSED = os.environ.get("V41_PROGRAM_ORDER") == "reversed"
 
 
 def apply() -> None:
-    """Helpers' calls skip re-patching (`_patch_lang_once`); with V41_PROGRAM_ORDER=reversed, patch the interpreter's grid loop
-    (triton.runtime.interpreter.GridExecutor.__call__) to visit every grid axis backwards, and
-    check on a kernel whose programs all write one element that the last writer is now
-    program 0."""
+    """Helpers' calls skip re-patching (`_patch_lang_once`); with V41_PROGRAM_ORDER=reversed,
+    patch the interpreter's grid loop (triton.runtime.interpreter.GridExecutor.__call__) to
+    visit every grid axis backwards, and check on a kernel whose programs all write one element
+    that the last writer is now program 0."""
     _patch_lang_once()
     if not REVERSED:
         return

@@ -1,8 +1,8 @@
 """The FP4 expert GEMVs on tensor cores (`moe_experts_w4a8` path 'mma'): the W4A8 expert GEMMs at
 decode widths with each group of 32 weights of 16 rows multiplied by two `mma.sync.m16n8k16`
 (f16 x f16 -> FP32; fp4_mma_lanes.py) instead of a conversion and an FFMA a weight: in the sm_90
-builds under Triton 3.6 their K loops issue well under two thirds of the instructions a weight
-of moe_gemv.py's (`fp4-mma-triton36-cpu.json`), and the instructions, not the bytes, bound those
+builds under Triton 3.6 their K loops issue 53-65% of the instructions a weight of
+moe_gemv.py's (`fp4-mma-triton36-cpu.json`), and the instructions, not the bytes, bound those
 GEMVs. A program takes 16 · warps weight rows of one expert against the activations of its
 columns: one pair in every column at one token (COLS 1: a program a pair, as moe_gemv.py's), or
 up to eight pairs of the expert, one a column, from moe_tiles.expert_tiles' 8-row tiles (COLS 8):
@@ -72,35 +72,43 @@ def lane_layout(n0, ra, rb, LANES: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def scale_bits(s_row, sw, grp, c: tl.constexpr, mask, SCALE_WORDS: tl.constexpr):
-    """A row's E8M0 code of group grp (c-th of its K step) as FP32 exponent bits: from the K step's
-    word of four codes sw (SCALE_WORDS) or loaded as a byte."""
+def scale_bits(s_at, sw, c: tl.constexpr, mask, SCALE_WORDS: tl.constexpr):
+    """A row's E8M0 code of the c-th group of its K step as FP32 exponent bits: from the K step's
+    word of four codes sw (SCALE_WORDS) or loaded as a byte (s_at: the step's first code)."""
     if SCALE_WORDS:
         code = (sw >> (8 * c)) & 0xFF
     else:
-        code = tl.load(s_row + grp, mask=mask, other=0).to(tl.int32)
+        code = tl.load(s_at + c, mask=mask, other=0).to(tl.int32)
     return code << 23
 
 
 @triton.jit
-def scale_word(s_row, k0, mask, SCALE_WORDS: tl.constexpr):
-    """The int32 word of a row's four scale codes of K step k0 (SCALE_WORDS), else 0 (unread)."""
+def scale_word(s_at, mask, SCALE_WORDS: tl.constexpr):
+    """The int32 word of a row's four scale codes of this K step at s_at (SCALE_WORDS), else 0 (unread)."""
     if SCALE_WORDS:
-        return tl.load(s_row + k0 // 128, mask=mask, other=0)
+        return tl.load(s_at, mask=mask, other=0)
     else:
         return tl.zeros(mask.shape, tl.int32)
 
 
 @triton.jit
+def step_offsets(k0, t, SCALE_WORDS: tl.constexpr):
+    """Where K step k0 starts in a lane's rows: its word (t-th of the step's first group), its scale
+    code or word of codes, its activation's group."""
+    return k0 // 8 + t, k0 // 128 if SCALE_WORDS else k0 // 32, k0 // 32
+
+
+@triton.jit
 def matrix_group(acc00, acc01, acc10, acc11, w0, w1, s0, s1, sw0, sw1, m0, m1, a0, a1, a2, a3, off_a, off_b,
-                 grp, c: tl.constexpr, t, LANES: tl.constexpr, COLS: tl.constexpr, SCALE_WORDS: tl.constexpr,
+                 c: tl.constexpr, LANES: tl.constexpr, COLS: tl.constexpr, SCALE_WORDS: tl.constexpr,
                  ASM: tl.constexpr):
-    """One group of one weight matrix (rows' word pointers w0, w1, scale pointers s0, s1) against
-    the lanes' activation words, the columns' exponent bits off_a, off_b."""
-    b0 = scale_bits(s0, sw0, grp, c, m0, SCALE_WORDS)
-    b1 = scale_bits(s1, sw1, grp, c, m1, SCALE_WORDS)
-    return group_step(acc00, acc01, acc10, acc11, tl.load(w0 + grp * 4 + t, mask=m0, other=0),
-                      tl.load(w1 + grp * 4 + t, mask=m1, other=0), a0, a1, a2, a3,
+    """The c-th group of a K step of one weight matrix (the rows' word pointers w0, w1 and scale
+    pointers s0, s1 at the step's start, step_offsets) against the lanes' activation words, the
+    columns' exponent bits off_a, off_b."""
+    b0 = scale_bits(s0, sw0, c, m0, SCALE_WORDS)
+    b1 = scale_bits(s1, sw1, c, m1, SCALE_WORDS)
+    return group_step(acc00, acc01, acc10, acc11, tl.load(w0 + c * 4, mask=m0, other=0),
+                      tl.load(w1 + c * 4, mask=m1, other=0), a0, a1, a2, a3,
                       (b0 + off_a).to(tl.float32, bitcast=True), (b0 + off_b).to(tl.float32, bitcast=True),
                       (b1 + off_a).to(tl.float32, bitcast=True), (b1 + off_b).to(tl.float32, bitcast=True),
                       LANES, COLS, ASM)
@@ -176,26 +184,32 @@ def _fp4_mma_up(xa_ptr, xo_ptr, ids_ptr, order_ptr, meta_ptr, wts_ptr, w1_ptr, w
     n0 = tl.program_id(1) * (LANES // 2)
     r0, r1, t, col, colm, ca, cam, cb, cbm = lane_layout(n0, ra, rb, LANES, COLS)
     m0, m1 = r0 < I, r1 < I
-    a_lane = xa_ptr + (pairs_of(order_ptr, col, colm, COLS) // k) * stride_xa + 4 * t
-    o_a = xo_ptr + (pairs_of(order_ptr, ca, cam, COLS) // k) * stride_xo
-    o_b = xo_ptr + (pairs_of(order_ptr, cb, cbm, COLS) // k) * stride_xo
-    wr0, wr1 = e * stride_we + r0.to(tl.int64) * stride_wn, e * stride_we + r1.to(tl.int64) * stride_wn
-    sr0, sr1 = e * stride_se + r0.to(tl.int64) * stride_sn, e * stride_se + r1.to(tl.int64) * stride_sn
+    # every pointer at the split's first K step, then stepped (step_offsets), not recomputed a group
+    k_lo = tl.program_id(2) * k_split
+    dw, ds, dg = step_offsets(k_lo, t, SCALE_WORDS)
+    a_lane = xa_ptr + (pairs_of(order_ptr, col, colm, COLS) // k) * stride_xa + 4 * t + dg * 16
+    o_a = xo_ptr + (pairs_of(order_ptr, ca, cam, COLS) // k) * stride_xo + dg
+    o_b = xo_ptr + (pairs_of(order_ptr, cb, cbm, COLS) // k) * stride_xo + dg
+    wr0, wr1 = e * stride_we + r0.to(tl.int64) * stride_wn + dw, e * stride_we + r1.to(tl.int64) * stride_wn + dw
+    sr0, sr1 = e * stride_se + r0.to(tl.int64) * stride_sn + ds, e * stride_se + r1.to(tl.int64) * stride_sn + ds
+    g_0, g_1, u_0, u_1 = w1_ptr + wr0, w1_ptr + wr1, w3_ptr + wr0, w3_ptr + wr1
+    gs0, gs1, us0, us1 = s1_ptr + sr0, s1_ptr + sr1, s3_ptr + sr0, s3_ptr + sr1
+    step_w, step_s, step_g = step_offsets(BLOCK_K, 0, SCALE_WORDS)
     g00 = tl.zeros([LANES], tl.float32)
     g01, g10, g11, u00, u01, u10, u11 = g00, g00, g00, g00, g00, g00, g00
-    for k0 in range(tl.program_id(2) * k_split, tl.minimum(D, (tl.program_id(2) + 1) * k_split), BLOCK_K):
-        gw0, gw1 = scale_word(s1_ptr + sr0, k0, m0, SCALE_WORDS), scale_word(s1_ptr + sr1, k0, m1, SCALE_WORDS)
-        uw0, uw1 = scale_word(s3_ptr + sr0, k0, m0, SCALE_WORDS), scale_word(s3_ptr + sr1, k0, m1, SCALE_WORDS)
+    for _ in range(k_lo, tl.minimum(D, k_lo + k_split), BLOCK_K):
+        gw0, gw1 = scale_word(gs0, m0, SCALE_WORDS), scale_word(gs1, m1, SCALE_WORDS)
+        uw0, uw1 = scale_word(us0, m0, SCALE_WORDS), scale_word(us1, m1, SCALE_WORDS)
         for c in tl.static_range(BLOCK_K // 32):
-            grp = k0 // 32 + c
-            a0, a1, a2, a3 = act_words(a_lane, grp, colm)
-            off_a, off_b = tl.load(o_a + grp, mask=cam, other=0), tl.load(o_b + grp, mask=cbm, other=0)
-            g00, g01, g10, g11 = matrix_group(g00, g01, g10, g11, w1_ptr + wr0, w1_ptr + wr1, s1_ptr + sr0,
-                                              s1_ptr + sr1, gw0, gw1, m0, m1, a0, a1, a2, a3, off_a, off_b, grp, c,
-                                              t, LANES, COLS, SCALE_WORDS, ASM)
-            u00, u01, u10, u11 = matrix_group(u00, u01, u10, u11, w3_ptr + wr0, w3_ptr + wr1, s3_ptr + sr0,
-                                              s3_ptr + sr1, uw0, uw1, m0, m1, a0, a1, a2, a3, off_a, off_b, grp, c,
-                                              t, LANES, COLS, SCALE_WORDS, ASM)
+            a0, a1, a2, a3 = act_words(a_lane, c, colm)
+            off_a, off_b = tl.load(o_a + c, mask=cam, other=0), tl.load(o_b + c, mask=cbm, other=0)
+            g00, g01, g10, g11 = matrix_group(g00, g01, g10, g11, g_0, g_1, gs0, gs1, gw0, gw1, m0, m1,
+                                              a0, a1, a2, a3, off_a, off_b, c, LANES, COLS, SCALE_WORDS, ASM)
+            u00, u01, u10, u11 = matrix_group(u00, u01, u10, u11, u_0, u_1, us0, us1, uw0, uw1, m0, m1,
+                                              a0, a1, a2, a3, off_a, off_b, c, LANES, COLS, SCALE_WORDS, ASM)
+        g_0, g_1, u_0, u_1 = g_0 + step_w, g_1 + step_w, u_0 + step_w, u_1 + step_w
+        gs0, gs1, us0, us1 = gs0 + step_s, gs1 + step_s, us0 + step_s, us1 + step_s
+        a_lane, o_a, o_b = a_lane + step_g * 16, o_a + step_g, o_b + step_g
     at = part_ptr + tl.program_id(2) * stride_ps
     store_lanes(at, I, g00, g01, g10, g11, r0, r1, m0, m1, ca, cam, cb, cbm, t, COLS)
     store_lanes(at + stride_pu, I, u00, u01, u10, u11, r0, r1, m0, m1, ca, cam, cb, cbm, t, COLS)
@@ -230,23 +244,26 @@ def _fp4_mma_down(ha_ptr, ho_ptr, ids_ptr, order_ptr, meta_ptr, w2_ptr, s2_ptr, 
     n0 = tl.program_id(1) * (LANES // 2)
     r0, r1, t, col, colm, ca, cam, cb, cbm = lane_layout(n0, ra, rb, LANES, COLS)
     m0, m1 = r0 < D, r1 < D
-    a_lane = ha_ptr + col.to(tl.int64) * stride_ha + 4 * t
-    o_a, o_b = ho_ptr + ca.to(tl.int64) * stride_ho, ho_ptr + cb.to(tl.int64) * stride_ho
-    w0 = w2_ptr + e * stride_we + r0.to(tl.int64) * stride_wn
-    w1 = w2_ptr + e * stride_we + r1.to(tl.int64) * stride_wn
-    s0 = s2_ptr + e * stride_se + r0.to(tl.int64) * stride_sn
-    s1 = s2_ptr + e * stride_se + r1.to(tl.int64) * stride_sn
+    k_lo = tl.program_id(2) * k_split                 # pointers stepped as in _fp4_mma_up
+    dw, ds, dg = step_offsets(k_lo, t, SCALE_WORDS)
+    a_lane = ha_ptr + col.to(tl.int64) * stride_ha + 4 * t + dg * 16
+    o_a, o_b = ho_ptr + ca.to(tl.int64) * stride_ho + dg, ho_ptr + cb.to(tl.int64) * stride_ho + dg
+    w0 = w2_ptr + e * stride_we + r0.to(tl.int64) * stride_wn + dw
+    w1 = w2_ptr + e * stride_we + r1.to(tl.int64) * stride_wn + dw
+    s0 = s2_ptr + e * stride_se + r0.to(tl.int64) * stride_sn + ds
+    s1 = s2_ptr + e * stride_se + r1.to(tl.int64) * stride_sn + ds
+    step_w, step_s, step_g = step_offsets(BLOCK_K, 0, SCALE_WORDS)
     acc00 = tl.zeros([LANES], tl.float32)
     acc01, acc10, acc11 = acc00, acc00, acc00
-    for k0 in range(tl.program_id(2) * k_split, tl.minimum(I, (tl.program_id(2) + 1) * k_split), BLOCK_K):
-        sw0, sw1 = scale_word(s0, k0, m0, SCALE_WORDS), scale_word(s1, k0, m1, SCALE_WORDS)
+    for _ in range(k_lo, tl.minimum(I, k_lo + k_split), BLOCK_K):
+        sw0, sw1 = scale_word(s0, m0, SCALE_WORDS), scale_word(s1, m1, SCALE_WORDS)
         for c in tl.static_range(BLOCK_K // 32):
-            grp = k0 // 32 + c
-            a0, a1, a2, a3 = act_words(a_lane, grp, colm)
-            off_a, off_b = tl.load(o_a + grp, mask=cam, other=0), tl.load(o_b + grp, mask=cbm, other=0)
+            a0, a1, a2, a3 = act_words(a_lane, c, colm)
+            off_a, off_b = tl.load(o_a + c, mask=cam, other=0), tl.load(o_b + c, mask=cbm, other=0)
             acc00, acc01, acc10, acc11 = matrix_group(acc00, acc01, acc10, acc11, w0, w1, s0, s1, sw0, sw1, m0, m1,
-                                                      a0, a1, a2, a3, off_a, off_b, grp, c, t, LANES, COLS,
-                                                      SCALE_WORDS, ASM)
+                                                      a0, a1, a2, a3, off_a, off_b, c, LANES, COLS, SCALE_WORDS, ASM)
+        w0, w1, s0, s1 = w0 + step_w, w1 + step_w, s0 + step_s, s1 + step_s
+        a_lane, o_a, o_b = a_lane + step_g * 16, o_a + step_g, o_b + step_g
     store_lanes(part_ptr + tl.program_id(2) * stride_ps, D, acc00, acc01, acc10, acc11, r0, r1, m0, m1, ca, cam,
                 cb, cbm, t, COLS)
     counter = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)

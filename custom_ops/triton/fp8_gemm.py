@@ -322,7 +322,8 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
         x, xs, w, wsc, out, part, counters, os_,
         M, N, KB, per, R, x.stride(0), xs.stride(0), w.stride(0), wsc.stride(0), out.stride(0),
         part.stride(0), part.stride(-2), os_.stride(0), BLOCK_M=bm, BLOCK_N=bn, UNROLL=unroll, SPLIT_K=splits > 1,
-        QUANT_X=quant_x, BF16_MMA=bf16, MMA_DTYPE=tl.bfloat16 if x.is_cuda else tl.float32, **epilogue, **launch, **pdl(out.device))
+        QUANT_X=quant_x, BF16_MMA=bf16, MMA_DTYPE=tl.bfloat16 if x.is_cuda else tl.float32, **epilogue, **launch,
+        **pdl(out.device))
     return True
 
 
