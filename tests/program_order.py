@@ -6,9 +6,10 @@ tests by luck of that order and fail on a GPU, where they run at once. The inter
 a second time with the order reversed: such a kernel then gives another result.
 
 `apply` also spares the interpreter work that changes nothing: every call of a @triton.jit helper
-inside a kernel re-patches triton.language for the interpreter (`_patch_lang`: inspect.getmembers
-of its modules: 42% of a test_native_experts.py test's time under cProfile), though the kernel's launch already patched
-it and restores it at the end. A helper's call now skips that while the kernel's patch holds.
+inside a kernel re-patches triton.language for the interpreter (`_patch_lang`, inspect.getmembers
+of its modules: 42% of a test_native_experts.py test's time under cProfile), though the kernel's
+launch patched it already and restores it at the end. A helper's call now skips that while the
+kernel's patch holds.
 """
 from __future__ import annotations
 
