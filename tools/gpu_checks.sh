@@ -39,6 +39,8 @@
 #   tools/gpu_checks.sh OUT norm      # kernel_bench --norm: the norms in one pass (warps) against chunks (~1 min)
 #   tools/gpu_checks.sh OUT wo-a      # kernel_bench --wo-a: inv_rope_wo_a at decode widths, split-K and tiles;
 #                                     # --lm-head: the FP32 LM head, cuBLAS vs skinny_gemm
+#   tools/gpu_checks.sh OUT dense-prefill  # fp8_gemm's path 'bf16' beside the FP8 MMA at 2,048 / 4,096 rows:
+#                                     # its GPU tests, then native_gemm_bench's prefill sweep on Flash's dense shapes
 #   tools/gpu_checks.sh OUT grouping  # kernel_bench --grouping: the MoE pairs' grouping kernel against the torch
 #                                     # ops at 1-512 tokens, 16 and 384 experts (sets moe_tiles.FUSED_PAIRS)
 #   tools/gpu_checks.sh OUT mhc       # kernel_bench --mhc: mhc_mix at 1-4,096 tokens, its projection split more ways,
@@ -240,6 +242,18 @@ verify-experts)
     '[{"path":"mma","splits":1},{"path":"mma","splits":2},{"path":"mma","splits":4},{"path":"mma","splits":8},{"path":"mma","num_warps":8},{"path":"mma","num_warps":2}]' \
     > "$OUT/verify-experts.log" 2>&1
   echo "rc=$?"; tail -1 "$OUT/verify-experts.log" ;;
+dense-prefill)
+  # fp8_gemm's path 'bf16' against the FP8 MMA at prefill widths: its GPU test, then Flash's dense
+  # shapes at 2,048 and 4,096 rows with native_gemm_bench's prefill sweep as the knobs
+  step "tests/test_native_gemm_gpu.py -k 'paths or block_gemm'"
+  timeout 240 $py -m pytest -q -x -n 8 -m gpu --timeout=220 --tb=long -p no:cacheprovider \
+    tests/test_native_gemm_gpu.py -k "paths or block_gemm" > "$OUT/dense-prefill-tests.log" 2>&1
+  echo "rc=$?"; tail -2 "$OUT/dense-prefill-tests.log"
+  step "native_gemm_bench --one-row --dense-widths 2048,4096 (PREFILL_SWEEP)"
+  knobs=$($py -c 'import json; from benchmarks.native_gemm_bench import PREFILL_SWEEP; print(json.dumps(PREFILL_SWEEP))')
+  timeout ${LIMIT:-300} $py benchmarks/native_gemm_bench.py --one-row --dense-widths 2048,4096 --knobs "$knobs" \
+    --out "$OUT/dense-prefill-$card.json" > "$OUT/dense-prefill.log" 2>&1
+  echo "rc=$?"; tail -1 "$OUT/dense-prefill.log" ;;
 gemv-chain)
   step "gemv_chain_bench"
   timeout 300 $py benchmarks/gemv_chain_bench.py ${ROWS:+--rows "$ROWS"} --out "$OUT/gemv-chain.json" \
