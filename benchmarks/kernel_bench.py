@@ -267,23 +267,14 @@ def alternate(rows: list, cases: list, nbytes: int, rate, rounds: int = 2) -> No
 def bench_grouping(rows: list, k: int = 6, block_m: int = 8) -> None:
     """moe_tiles.expert_tiles (the pairs grouped by expert into 8-row tiles, fp4_mma's) at decode
     and DSpark verify widths, top-6 of flash-slice's 16 experts and of Flash's 384: the grouping
-    kernel (FUSED_PAIRS raised past the width for the case) beside the torch ops (FUSED_PAIRS 0),
-    twice in alternation."""
-    from custom_ops.triton import moe_tiles
-    default = moe_tiles.FUSED_PAIRS
-
-    def grouped(ids, E, fused):
-        moe_tiles.FUSED_PAIRS = ids.numel() if fused else 0      # read at capture, restored after
-        try:
-            moe_tiles.expert_tiles(ids, E, block_m)
-        finally:
-            moe_tiles.FUSED_PAIRS = default
-
+    kernel beside the torch ops (expert_tiles' `fused`), twice in alternation."""
+    from custom_ops.triton.moe_tiles import expert_tiles
     for E in (16, 384):
         for T in (1, 16, 64, 96, 128, 256, 512):
             ids = torch.rand(T, E, device="cuda").argsort(dim=1)[:, :k].int().contiguous()
             cases = [({"kernel": "expert_tiles", "experts": E, "tokens": T, "pairs": T * k, "variant": v},
-                      lambda ids=ids, E=E, v=v: grouped(ids, E, v == "kernel")) for v in ("kernel", "torch_ops")]
+                      lambda ids=ids, E=E, v=v: expert_tiles(ids, E, block_m, fused=v == "kernel"))
+                     for v in ("kernel", "torch_ops")]
             alternate(rows, cases, ids.nbytes, lambda us: {})
 
 

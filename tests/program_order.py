@@ -66,9 +66,7 @@ def _patch_lang_once() -> None:
 
     def patch_lang(fn):
         langs = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
-        if langs and not any(tl.core.is_builtin(getattr(lang, "load")) or tl.core.is_builtin(tl.tensor.__add__)
-                             for lang in langs):
-            return interp._LangPatchScope()
-        return real(fn)
+        patched = not tl.core.is_builtin(tl.tensor.__add__) and not any(tl.core.is_builtin(lang.load) for lang in langs)
+        return interp._LangPatchScope() if langs and patched else real(fn)
     patch_lang.once = True
     interp._patch_lang = patch_lang

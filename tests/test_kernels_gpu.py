@@ -234,7 +234,7 @@ def test_select_into_equals_the_stable_sort(g, w, row_max):
 
 # ---- the MoE pairs' grouping kernel ----------------------------------------------------------
 @pytest.mark.parametrize("T,E", [(1, 384), (16, 16), (64, 384), (96, 16), (256, 384), (512, 16)])
-def test_expert_tiles_kernel_equals_the_torch_ops(g, T, E, monkeypatch):
+def test_expert_tiles_kernel_equals_the_torch_ops(g, T, E):
     """moe_tiles' grouping kernel (its programs running concurrently, as only a GPU does) gives
     the stable sort's order and the searchsorted tile table bit for bit, top-6 routing with a
     fifth of the slots padding, at decode and DSpark verify widths (6-3,072 pairs)."""
@@ -242,10 +242,8 @@ def test_expert_tiles_kernel_equals_the_torch_ops(g, T, E, monkeypatch):
     ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :6].int()
     ids[torch.rand(T, 6, generator=g) < 0.2] = -1
     ids = ids.to(DEV)
-    monkeypatch.setattr(moe_tiles, "FUSED_PAIRS", 10**6)
-    fused = moe_tiles.expert_tiles(ids, E, 8)
-    monkeypatch.setattr(moe_tiles, "FUSED_PAIRS", 0)
-    ops = moe_tiles.expert_tiles(ids, E, 8)
+    fused = moe_tiles.expert_tiles(ids, E, 8, fused=True)
+    ops = moe_tiles.expert_tiles(ids, E, 8, fused=False)
     assert fused[2] == ops[2]
     assert torch.equal(fused[0], ops[0]) and torch.equal(fused[1], ops[1])
 

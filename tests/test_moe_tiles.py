@@ -39,14 +39,12 @@ else:
 
     @pytest.mark.parametrize("T,k,E,block_m", [(1, 6, 384, 16), (5, 3, 7, 16), (64, 6, 384, 16),
                                                (40, 2, 6, 32), (3, 2, 300, 64), (170, 6, 16, 16)])
-    def test_fused_grouping_equals_the_torch_ops(monkeypatch, T, k, E, block_m):
+    def test_fused_grouping_equals_the_torch_ops(T, k, E, block_m):
         """The kernel's (order, meta) are the stable sort's and the searchsorted tile table's,
         bit for bit, dead tiles included (also past FUSED_PAIRS, where the op uses the torch ops)."""
         ids = routing(T * E + k, T, k, E)
-        monkeypatch.setattr(moe_tiles, "FUSED_PAIRS", 10**6)
-        fused = moe_tiles.expert_tiles(ids, E, block_m)
-        monkeypatch.setattr(moe_tiles, "FUSED_PAIRS", 0)
-        ops = moe_tiles.expert_tiles(ids, E, block_m)
+        fused = moe_tiles.expert_tiles(ids, E, block_m, fused=True)
+        ops = moe_tiles.expert_tiles(ids, E, block_m, fused=False)
         assert fused[2] == ops[2] == -(-ids.numel() // block_m) + min(E, ids.numel())
         assert torch.equal(fused[0], ops[0]) and torch.equal(fused[1], ops[1])
         if T == 1:

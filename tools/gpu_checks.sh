@@ -42,7 +42,7 @@
 #   tools/gpu_checks.sh OUT dense-prefill  # fp8_gemm's path 'bf16' beside the FP8 MMA at 2,048 / 4,096 rows:
 #                                     # its GPU tests, then native_gemm_bench's prefill sweep on Flash's dense shapes
 #   tools/gpu_checks.sh OUT grouping  # kernel_bench --grouping: the MoE pairs' grouping kernel against the torch
-#                                     # ops at 1-512 tokens, 16 and 384 experts (sets moe_tiles.FUSED_PAIRS)
+#                                     # ops at 1-512 tokens, 16 and 384 experts (its figures set moe_tiles.FUSED_PAIRS)
 #   tools/gpu_checks.sh OUT mhc       # kernel_bench --mhc: mhc_mix at 1-4,096 tokens, its projection split more ways,
 #                                     # token tiles against one token a coefficient program (~1 min)
 #   tools/gpu_checks.sh OUT formats   # weight_formats_bench: bf16 and native engines in one run, alternating;

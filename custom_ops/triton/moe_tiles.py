@@ -29,7 +29,8 @@ FUSED_PAIRS = 1024
 REDUCE_BLOCK_D = 512
 _BLOCK = 128              # the grouping kernel's pairs a program and tiles a chunk,
 _CHUNK = 16384            # its tile table's [tiles, experts] chunks at most 16K comparisons,
-_BLOCK_J = 32             # its pairs compared at once (128: 72 bytes a thread spilled, grouping-build-triton36-cpu.json)
+# its pairs compared at once (at 128: 72 bytes a thread spilled, grouping-build-triton36-cpu.json)
+_BLOCK_J = 32
 
 
 @triton.jit
@@ -112,13 +113,14 @@ def _expert_tiles_kernel(ids_ptr, order_ptr, meta_ptr, bounds_ptr, tile_end_ptr,
             tl.store(meta_ptr + 2 * n_tiles + t, tl.where(live, b1, 0), mask=tm)
 
 
-def expert_tiles(ids: torch.Tensor, E: int, block_m: int):
+def expert_tiles(ids: torch.Tensor, E: int, block_m: int, fused: bool | None = None):
     """Device-side grouping of the (token, slot) pairs by expert, static shapes only.
     Returns (order [P] pair ids sorted by expert (padding last), meta [3, n_tiles] int32 rows
-    (expert, first sorted row, end row) of each BLOCK_M tile, n_tiles = the static bound)."""
+    (expert, first sorted row, end row) of each BLOCK_M tile, n_tiles = the static bound).
+    `fused`: the grouping kernel (True) or the torch ops (False); default up to FUSED_PAIRS."""
     P = ids.numel()
     n_tiles = triton.cdiv(P, block_m) + min(E, P)
-    if P <= FUSED_PAIRS:
+    if P <= FUSED_PAIRS if fused is None else fused:
         flat = ids.reshape(-1).contiguous()
         order = torch.empty(P, dtype=torch.int32, device=ids.device)
         meta = torch.empty(3, n_tiles, dtype=torch.int32, device=ids.device)
