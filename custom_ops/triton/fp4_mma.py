@@ -99,16 +99,41 @@ def step_offsets(k0, t, SCALE_WORDS: tl.constexpr):
 
 
 @triton.jit
+def step_words(w, mask, GROUPS: tl.constexpr):
+    """A lane's word of each group of a K step of one weight row (w: the row's words at the step,
+    step_offsets), [LANES, 2, 2] as `group_word` reads it back (GROUPS 1: the one group's word)."""
+    a = tl.load(w, mask=mask, other=0)
+    if GROUPS == 1:
+        return tl.join(tl.join(a, a), tl.join(a, a))
+    else:
+        return tl.join(tl.join(a, tl.load(w + 4, mask=mask, other=0)),
+                       tl.join(tl.load(w + 8, mask=mask, other=0), tl.load(w + 12, mask=mask, other=0)))
+
+
+@triton.jit
+def group_word(words, c: tl.constexpr):
+    """The word of group c out of `step_words`' words (each lane's own registers)."""
+    ab, cd = tl.split(words)
+    if c < 2:
+        lo, hi = tl.split(ab)
+    else:
+        lo, hi = tl.split(cd)
+    if c % 2 == 0:
+        return lo
+    else:
+        return hi
+
+
+@triton.jit
 def matrix_group(acc00, acc01, acc10, acc11, w0, w1, s0, s1, sw0, sw1, m0, m1, a0, a1, a2, a3, off_a, off_b,
                  c: tl.constexpr, LANES: tl.constexpr, COLS: tl.constexpr, SCALE_WORDS: tl.constexpr,
                  ASM: tl.constexpr):
-    """The c-th group of a K step of one weight matrix (the rows' word pointers w0, w1 and scale
-    pointers s0, s1 at the step's start, step_offsets) against the lanes' activation words, the
-    columns' exponent bits off_a, off_b."""
+    """The c-th group of a K step of one weight matrix (the rows' `step_words` w0, w1, their scale
+    pointers s0, s1 at the step's start, step_offsets, and scale words sw0, sw1) against the
+    lanes' activation words, the columns' exponent bits off_a, off_b."""
     b0 = scale_bits(s0, sw0, c, m0, SCALE_WORDS)
     b1 = scale_bits(s1, sw1, c, m1, SCALE_WORDS)
-    return group_step(acc00, acc01, acc10, acc11, tl.load(w0 + c * 4, mask=m0, other=0),
-                      tl.load(w1 + c * 4, mask=m1, other=0), a0, a1, a2, a3,
+    return group_step(acc00, acc01, acc10, acc11, group_word(w0, c), group_word(w1, c), a0, a1, a2, a3,
                       (b0 + off_a).to(tl.float32, bitcast=True), (b0 + off_b).to(tl.float32, bitcast=True),
                       (b1 + off_a).to(tl.float32, bitcast=True), (b1 + off_b).to(tl.float32, bitcast=True),
                       LANES, COLS, ASM)
@@ -195,19 +220,31 @@ def _fp4_mma_up(xa_ptr, xo_ptr, ids_ptr, order_ptr, meta_ptr, wts_ptr, w1_ptr, w
     g_0, g_1, u_0, u_1 = w1_ptr + wr0, w1_ptr + wr1, w3_ptr + wr0, w3_ptr + wr1
     gs0, gs1, us0, us1 = s1_ptr + sr0, s1_ptr + sr1, s3_ptr + sr0, s3_ptr + sr1
     step_w, step_s, step_g = step_offsets(BLOCK_K, 0, SCALE_WORDS)
+    G: tl.constexpr = BLOCK_K // 32
     g00 = tl.zeros([LANES], tl.float32)
     g01, g10, g11, u00, u01, u10, u11 = g00, g00, g00, g00, g00, g00, g00
-    for _ in range(k_lo, tl.minimum(D, k_lo + k_split), BLOCK_K):
-        gw0, gw1 = scale_word(gs0, m0, SCALE_WORDS), scale_word(gs1, m1, SCALE_WORDS)
-        uw0, uw1 = scale_word(us0, m0, SCALE_WORDS), scale_word(us1, m1, SCALE_WORDS)
-        for c in tl.static_range(BLOCK_K // 32):
+    # the weights' words and scale words of the next K step are loaded before this step's MMAs
+    # (one step in flight: the loads' latency behind a step's arithmetic)
+    k_hi = tl.minimum(D, k_lo + k_split)
+    gv0, gv1, uv0, uv1 = step_words(g_0, m0, G), step_words(g_1, m1, G), step_words(u_0, m0, G), step_words(u_1, m1, G)
+    gw0, gw1 = scale_word(gs0, m0, SCALE_WORDS), scale_word(gs1, m1, SCALE_WORDS)
+    uw0, uw1 = scale_word(us0, m0, SCALE_WORDS), scale_word(us1, m1, SCALE_WORDS)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        g_0, g_1, u_0, u_1 = g_0 + step_w, g_1 + step_w, u_0 + step_w, u_1 + step_w
+        more = tl.full([LANES], BLOCK_K, tl.int32) + k0 < k_hi      # a step after this one
+        n0_, n1_ = m0 & more, m1 & more
+        ngv0, ngv1 = step_words(g_0, n0_, G), step_words(g_1, n1_, G)
+        nuv0, nuv1 = step_words(u_0, n0_, G), step_words(u_1, n1_, G)
+        ngw0, ngw1 = scale_word(gs0 + step_s, n0_, SCALE_WORDS), scale_word(gs1 + step_s, n1_, SCALE_WORDS)
+        nuw0, nuw1 = scale_word(us0 + step_s, n0_, SCALE_WORDS), scale_word(us1 + step_s, n1_, SCALE_WORDS)
+        for c in tl.static_range(G):
             a0, a1, a2, a3 = act_words(a_lane, c, colm)
             off_a, off_b = tl.load(o_a + c, mask=cam, other=0), tl.load(o_b + c, mask=cbm, other=0)
-            g00, g01, g10, g11 = matrix_group(g00, g01, g10, g11, g_0, g_1, gs0, gs1, gw0, gw1, m0, m1,
+            g00, g01, g10, g11 = matrix_group(g00, g01, g10, g11, gv0, gv1, gs0, gs1, gw0, gw1, m0, m1,
                                               a0, a1, a2, a3, off_a, off_b, c, LANES, COLS, SCALE_WORDS, ASM)
-            u00, u01, u10, u11 = matrix_group(u00, u01, u10, u11, u_0, u_1, us0, us1, uw0, uw1, m0, m1,
+            u00, u01, u10, u11 = matrix_group(u00, u01, u10, u11, uv0, uv1, us0, us1, uw0, uw1, m0, m1,
                                               a0, a1, a2, a3, off_a, off_b, c, LANES, COLS, SCALE_WORDS, ASM)
-        g_0, g_1, u_0, u_1 = g_0 + step_w, g_1 + step_w, u_0 + step_w, u_1 + step_w
+        gv0, gv1, uv0, uv1, gw0, gw1, uw0, uw1 = ngv0, ngv1, nuv0, nuv1, ngw0, ngw1, nuw0, nuw1
         gs0, gs1, us0, us1 = gs0 + step_s, gs1 + step_s, us0 + step_s, us1 + step_s
         a_lane, o_a, o_b = a_lane + step_g * 16, o_a + step_g, o_b + step_g
     at = part_ptr + tl.program_id(2) * stride_ps
@@ -253,16 +290,24 @@ def _fp4_mma_down(ha_ptr, ho_ptr, ids_ptr, order_ptr, meta_ptr, w2_ptr, s2_ptr, 
     s0 = s2_ptr + e * stride_se + r0.to(tl.int64) * stride_sn + ds
     s1 = s2_ptr + e * stride_se + r1.to(tl.int64) * stride_sn + ds
     step_w, step_s, step_g = step_offsets(BLOCK_K, 0, SCALE_WORDS)
+    G: tl.constexpr = BLOCK_K // 32
     acc00 = tl.zeros([LANES], tl.float32)
     acc01, acc10, acc11 = acc00, acc00, acc00
-    for _ in range(k_lo, tl.minimum(I, k_lo + k_split), BLOCK_K):
-        sw0, sw1 = scale_word(s0, m0, SCALE_WORDS), scale_word(s1, m1, SCALE_WORDS)
-        for c in tl.static_range(BLOCK_K // 32):
+    k_hi = tl.minimum(I, k_lo + k_split)           # the next step's words in flight as in _fp4_mma_up
+    v0, v1 = step_words(w0, m0, G), step_words(w1, m1, G)
+    sw0, sw1 = scale_word(s0, m0, SCALE_WORDS), scale_word(s1, m1, SCALE_WORDS)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w0, w1 = w0 + step_w, w1 + step_w
+        more = tl.full([LANES], BLOCK_K, tl.int32) + k0 < k_hi
+        nv0, nv1 = step_words(w0, m0 & more, G), step_words(w1, m1 & more, G)
+        nsw0, nsw1 = scale_word(s0 + step_s, m0 & more, SCALE_WORDS), scale_word(s1 + step_s, m1 & more, SCALE_WORDS)
+        for c in tl.static_range(G):
             a0, a1, a2, a3 = act_words(a_lane, c, colm)
             off_a, off_b = tl.load(o_a + c, mask=cam, other=0), tl.load(o_b + c, mask=cbm, other=0)
-            acc00, acc01, acc10, acc11 = matrix_group(acc00, acc01, acc10, acc11, w0, w1, s0, s1, sw0, sw1, m0, m1,
+            acc00, acc01, acc10, acc11 = matrix_group(acc00, acc01, acc10, acc11, v0, v1, s0, s1, sw0, sw1, m0, m1,
                                                       a0, a1, a2, a3, off_a, off_b, c, LANES, COLS, SCALE_WORDS, ASM)
-        w0, w1, s0, s1 = w0 + step_w, w1 + step_w, s0 + step_s, s1 + step_s
+        v0, v1, sw0, sw1 = nv0, nv1, nsw0, nsw1
+        s0, s1 = s0 + step_s, s1 + step_s
         a_lane, o_a, o_b = a_lane + step_g * 16, o_a + step_g, o_b + step_g
     store_lanes(part_ptr + tl.program_id(2) * stride_ps, D, acc00, acc01, acc10, acc11, r0, r1, m0, m1, ca, cam,
                 cb, cbm, t, COLS)
