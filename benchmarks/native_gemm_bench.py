@@ -57,14 +57,10 @@ DECODE_SWEEP = ({"path": "mma"}, {"path": "gemv"}, {"path": "gemv", "block_n": 1
                 {"path": "mma", "block_n": 128, "num_stages": 2}, {"path": "mma", "split_k": 8},
                 {"path": "gemv", "prefetch": True, "num_warps": 8}, {"path": "gemv", "prefetch": True, "block_n": 64},
                 {"path": "gemv", "split_k": 16}, {"path": "gemv", "split_k": 32}, {"path": "gemv", "split_k": 64})
-# the first prefill width: the FP8 MMA kernel (fp8_gemm.gemm_path) at its default and at a 128 x 128
-# tile, and its stages; the same kernel on bf16 values (path 'bf16': no per-block promotion) at
-# its tile, at 128 x 128 and with four K blocks an iteration (the CPU dry run takes the last)
-PREFILL_SWEEP = ({"path": "mma"}, {"path": "mma", "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
-                 {"path": "mma", "num_stages": 4}, {"path": "mma", "num_warps": 8},
-                 {"path": "bf16", "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
-                 {"path": "bf16", "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "unroll": 4},
-                 {"path": "bf16", "unroll": 4, "num_stages": 4}, {"path": "bf16"})
+# the prefill widths: the FP8 MMA kernel (fp8_gemm.gemm_path) at its default and with four stages
+# (its 128 x 128 tile and eight warps lost at 2,048 and 4,096 rows, dense-prefill-h100.json), and
+# cuBLAS on the bf16 values (path 'bf16'; the CPU dry run takes the last)
+PREFILL_SWEEP = ({"path": "mma"}, {"path": "mma", "num_stages": 4}, {"path": "bf16"})
 # the FP4 GEMVs' default tile (64 x 128, 4 warps, 3 stages) takes 130 registers in the up GEMV
 # and 75 in the down one (sm_90 builds, Triton 3.9, sm90-build-cpu.json); num_stages 1: unpipelined;
 # prefetch: each K block's words loaded during the one before's products (136 and 90 registers)

@@ -67,20 +67,16 @@ FP8_GEMM_INTS = ("M", "N", "KB", "KB_SPLIT", "ROWS_G", "stride_xm", "stride_sm",
 
 
 def fp8_gemm(block_m: int, block_n: int, unroll: int, stages: int, split_k: bool, quant_x: bool, warps: int = 4,
-             quant_out: bool = False, bf16: bool = False):
+             quant_out: bool = False):
     """The W8A8 GEMM (fp8_gemm.py) at a tile; quant_x: x in bf16, quantized in the GEMM;
-    quant_out: the output act-quantized in the epilogue (QUANT_OUT, from bf16); bf16: the MMA on
-    bf16 values (path 'bf16')."""
-    import triton.language as tl
+    quant_out: the output act-quantized in the epilogue (QUANT_OUT, from bf16)."""
     from custom_ops.triton.fp8_gemm import _fp8_gemm_kernel
     sig = {"x_ptr": "*bf16" if quant_x else "*fp8e4nv", "xs_ptr": "*bf16" if quant_x else "*fp32",
            "w_ptr": "*fp8e4nv", "ws_ptr": "*u8", "o_ptr": "*fp8e4nv" if quant_out else "*bf16", "p_ptr": "*fp32",
            "cnt_ptr": "*i32", "os_ptr": "*fp32", **dict.fromkeys(FP8_GEMM_INTS, "i32"),
-           **dict.fromkeys(("BLOCK_M", "BLOCK_N", "UNROLL", "SPLIT_K", "QUANT_X", "QUANT_OUT", "BF16_MMA",
-                            "MMA_DTYPE"), "constexpr")}
+           **dict.fromkeys(("BLOCK_M", "BLOCK_N", "UNROLL", "SPLIT_K", "QUANT_X", "QUANT_OUT"), "constexpr")}
     return build(_fp8_gemm_kernel, sig, {"BLOCK_M": block_m, "BLOCK_N": block_n, "UNROLL": unroll,
-                                         "SPLIT_K": split_k, "QUANT_X": quant_x, "QUANT_OUT": quant_out,
-                                         "BF16_MMA": bf16, "MMA_DTYPE": tl.bfloat16},
+                                         "SPLIT_K": split_k, "QUANT_X": quant_x, "QUANT_OUT": quant_out},
                  aligned=("N", "ROWS_G", "stride_xm", "stride_wn", "stride_om", "stride_pm"),   # Flash's dense shapes
                  num_warps=warps, num_stages=stages)
 
@@ -151,25 +147,18 @@ def dense_decode_rows() -> list[dict]:
 FP8_CLOCK_FLOPS = 1261e12 / (132 * 1.98e9)
 
 
-def dense_prefill_rows(bf16_too: bool = False) -> list[dict]:
+def dense_prefill_rows() -> list[dict]:
     """The W8A8 GEMM's prefill kernel: the FP8 MMA kernel at its prefill tile (fp8_gemm._tiles:
     64 x 128, one 32-deep K block an iteration, 3 stages): the K loop's issue cycles (warp
-    instructions over 4 a cycle) against its tensor cycles at the measured FP8 peak (bf16: half
-    of it), per iteration. bf16_too: also the FP8 MMA at 128 x 128 (8 warps) and path 'bf16' at
-    both tiles and at 128 x 128 with four K blocks an iteration (native_gemm_bench's candidates)."""
-    rows = []
-    for bm, bn, unroll, warps, bf16 in ((64, 128, 1, 4, False), (128, 128, 1, 8, False), (64, 128, 1, 4, True),
-                                        (128, 128, 1, 8, True), (128, 128, 4, 8, True))[:5 if bf16_too else 1]:
-        k = fp8_gemm(bm, bn, unroll, 3, False, False, warps=warps, bf16=bf16)
-        body = loop_body(k)
-        bk = 32 * unroll
-        rows.append({"kernel": "_fp8_gemm_kernel", "path": "bf16" if bf16 else "mma", "tile": f"{bm}x{bn}x{bk}",
-                     "num_warps": warps, **resources(k),
-                     "thread_instructions_per_weight": per_weight(body, warps, bn * bk),
-                     "loop_issue_cycles": len(body) * warps / 4,
-                     "loop_tensor_cycles": round(2 * bm * bn * bk / FP8_CLOCK_FLOPS * (2 if bf16 else 1), 1),
-                     "loop_mma": sum(op.startswith(("HGMMA", "QGMMA", "HMMA")) for op in body)})
-    return rows
+    instructions over 4 a cycle) against its tensor cycles at the measured FP8 peak, per iteration."""
+    bm, bn, bk, warps = 64, 128, 32, 4
+    k = fp8_gemm(bm, bn, 1, 3, False, False)
+    body = loop_body(k)
+    return [{"kernel": "_fp8_gemm_kernel", "tile": f"{bm}x{bn}x{bk}", "num_warps": warps, **resources(k),
+             "thread_instructions_per_weight": per_weight(body, warps, bn * bk),
+             "loop_issue_cycles": len(body) * warps / 4,
+             "loop_tensor_cycles": round(2 * bm * bn * bk / FP8_CLOCK_FLOPS, 1),
+             "loop_mma": sum(op.startswith(("HGMMA", "QGMMA", "HMMA")) for op in body)}]
 
 
 def skinny_row(w_dtype: str, split_w: bool, bm: int, bn: int, sumsq: bool, stages: int, bk: int = 64) -> dict:
@@ -332,17 +321,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     ap.add_argument("--fp4-mma", action="store_true", help="only fp4_mma.py's GEMVs beside moe_gemv.py's")
     ap.add_argument("--tma", action="store_true", help="only the one-row GEMVs' TMA loads beside their plain loads")
-    ap.add_argument("--dense-prefill", action="store_true",
-                    help="only the W8A8 GEMM's prefill tiles, the FP8 MMA beside the MMA on bf16 values")
     a = ap.parse_args(argv)
     if not tools_present():
         ap.error(f"this Triton build ships no CUDA ptxas/cuobjdump in {NVIDIA_BIN}")
     if a.tma:
         return emit("sm90_build --tma", "the one-row GEMVs with TMA weight loads beside their plain loads, built "
                     "for sm_90 on the CPU", tma_rows(), a.out)
-    if a.dense_prefill:
-        return emit("sm90_build --dense-prefill", "the W8A8 GEMM's prefill tiles, FP8 MMA with per-block promotion "
-                    "beside the MMA on bf16 values, built for sm_90 on the CPU", dense_prefill_rows(True), a.out)
     if a.fp4_mma:
         return emit("sm90_build --fp4-mma", "fp4_mma.py's FP4 expert GEMVs on tensor cores beside moe_gemv.py's, "
                     "built for sm_90 on the CPU", fp4_mma_rows(), a.out)

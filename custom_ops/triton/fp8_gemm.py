@@ -23,13 +23,11 @@ same launch (fp8.py).
 
 For one row (decode at batch 1) the GEMV of fp8_gemv.py runs instead, same grid and split-K.
 
-Path 'bf16' (a knob, not yet timed on a GPU): the same kernel with each block's codes decoded to
-bf16 values times their scales before the dot (BF16_MMA), the dots chained into one FP32
-accumulator, so no per-block promotion waits on the MMA. The values are exact in bf16 (an E4M3
-value's 4 significant bits times a power of two, tests/test_quant.py), and so are the products
-in FP32: the sums differ from the reference's in order only, as with the FP8 dots. It runs at the
-bf16 tensor cores' half rate instead of the FP8 loop's issue bound (its sm_90 builds:
-dense-prefill-build-triton36-cpu.json).
+Path 'bf16' (prefill widths): x's and the weight's codes decoded to bf16 values times their
+scales (`dequant_bf16`: exact, an E4M3 value's 4 significant bits times a power of two within
+bf16's range, tests/test_quant.py), then cuBLAS's bf16 GEMM with FP32 accumulation and no
+reduced-precision split-K reduction: the products are exact and the sums differ from the
+reference's in order only, as with the FP8 dots. The bf16 copy of the weight lives for the call.
 
 fp8_linear from x in the activation dtype: the one-row GEMV quantizes each block of x it reads
 with the act-quant kernel's function (QUANT_X) where its column tiles, each quantizing all of K
@@ -43,7 +41,7 @@ import triton.language as tl
 
 from custom_ops import gemm as _ref
 from custom_ops.registry import register_impl
-from custom_ops.triton.common import TL_DTYPES, pdl, pdl_wait, rows2d, tma_descriptor
+from custom_ops.triton.common import TL_DTYPES, fp8_qat, pdl, pdl_wait, rows2d, tma_descriptor
 from custom_ops.triton.fp8 import GROUP, GROUP_K, e8m0_to_f32, fp8_quant_groups, split_count, store_tile, \
     tile_counters
 from custom_ops.triton.fp8_gemv import _fp8_gemv_kernel
@@ -120,8 +118,7 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr
                      stride_xm, stride_sm, stride_wn, stride_wsn, stride_om, stride_ps, stride_pm, stride_osm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
                      SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, PDL: tl.constexpr = False,
-                     QUANT_OUT: tl.constexpr = False, OUT_DTYPE: tl.constexpr = tl.bfloat16,
-                     BF16_MMA: tl.constexpr = False, MMA_DTYPE: tl.constexpr = tl.bfloat16):
+                     QUANT_OUT: tl.constexpr = False, OUT_DTYPE: tl.constexpr = tl.bfloat16):
     """Program (m, n, s): K blocks [s·KB_SPLIT, (s+1)·KB_SPLIT) of one output tile. KB and
     KB_SPLIT are multiples of UNROLL. Grouped: the tile's weight rows belong to group
     n0 // ROWS_G (ROWS_G a multiple of BLOCK_N), which reads its own KB blocks of x.
@@ -131,9 +128,7 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr
     next call. QUANT_X: x is the activation itself, each 32-wide block quantized here as
     `_act_quant_kernel` would (the same codes and scales; xs unused). QUANT_OUT: the output
     rounded to OUT_DTYPE is act-quantized in the epilogue, codes into o, scales into os
-    (fp8.store_tile). BF16_MMA: both blocks as MMA_DTYPE values (codes times scales: bf16 on
-    CUDA; FP32 under the interpreter, whose bf16 dot multiplies the bits as integers) into one
-    chained dot instead."""
+    (fp8.store_tile)."""
     pdl_wait(PDL)
     n0 = tl.program_id(1) * BLOCK_N
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -166,13 +161,8 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, p_ptr, cnt_ptr, os_ptr
             else:
                 sa = tl.load(sa_ptrs + kb, mask=mmask, other=0.0)[:, None]
             b = tl.load(b_ptrs + kb * GROUP_K, mask=nmask[None, :], other=0.0)
-            sb = column_scales(sb_ptrs + kb, sb_mask, BLOCK_N, BLOCK_M <= 16)[None, :]
-            if BF16_MMA:
-                a16 = (a.to(tl.float32) * sa).to(MMA_DTYPE)
-                acc = tl.dot(a16, (b.to(tl.float32) * sb).to(MMA_DTYPE), acc, input_precision="ieee",
-                             out_dtype=tl.float32)
-            else:
-                acc += tl.dot(a, b, out_dtype=tl.float32) * sa * sb
+            part = tl.dot(a, b, out_dtype=tl.float32)
+            acc += part * sa * column_scales(sb_ptrs + kb, sb_mask, BLOCK_N, BLOCK_M <= 16)[None, :]
         a_ptrs += UNROLL * GROUP_K
         b_ptrs += UNROLL * GROUP_K
         sa_ptrs += UNROLL
@@ -267,8 +257,8 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
     path = path or gemm_path(M)
     if path not in ("gemv", "mma", "bf16"):
         raise ValueError(f"fp8_block_gemm: path {path!r} is not 'gemv', 'mma' or 'bf16'")
-    bf16 = path == "bf16"
-    path = "mma" if bf16 else path
+    bf16 = path == "bf16" and groups == 1 and scales is None and out.dtype == torch.bfloat16
+    path = "mma" if path == "bf16" else path     # grouped, or an act-quant epilogue: the FP8 kernel
     if path == "gemv" and (w.stride(0) % 4 or w.storage_offset() % 4):
         path = "mma"                               # no int32 view of the codes
     tile_n, tile_unroll, stages = (GEMV_BLOCK_N, GEMV_BLOCK_K // GROUP, GEMV_STAGES) if path == "gemv" else _tiles(M)
@@ -281,6 +271,8 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
         return False
     if M == 0 or N == 0:
         return True
+    if bf16:
+        return _bf16_gemm(x, xs, w, ws, out, quant_x)
     KB = K // GROUP
     if path == "mma":
         bm, unroll = block_m or _block_m(M), unroll or (tile_unroll if KB % tile_unroll == 0 else 1)
@@ -322,8 +314,54 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
         x, xs, w, wsc, out, part, counters, os_,
         M, N, KB, per, R, x.stride(0), xs.stride(0), w.stride(0), wsc.stride(0), out.stride(0),
         part.stride(0), part.stride(-2), os_.stride(0), BLOCK_M=bm, BLOCK_N=bn, UNROLL=unroll, SPLIT_K=splits > 1,
-        QUANT_X=quant_x, BF16_MMA=bf16, MMA_DTYPE=tl.bfloat16 if x.is_cuda else tl.float32, **epilogue, **launch,
-        **pdl(out.device))
+        QUANT_X=quant_x, **epilogue, **launch, **pdl(out.device))
+    return True
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, o_ptr, R, C, stride_q, stride_s, stride_o, SCALE_ROWS: tl.constexpr,
+                    E8M0: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = (rows < R)[:, None] & (cols < C)[None, :]
+    q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    at = s_ptr + (rows // SCALE_ROWS).to(tl.int64)[:, None] * stride_s + (cols // GROUP)[None, :]
+    if E8M0:
+        s = e8m0_to_f32(tl.load(at, mask=m, other=127).to(tl.int32))
+    else:
+        s = tl.load(at, mask=m, other=0.0)
+    tl.store(o_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], (q * s).to(o_ptr.dtype.element_ty), mask=m)
+
+
+def dequant_bf16(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """bf16 [R, C] values of E4M3 codes q [R, C] times their scales: s E8M0 [⌈R/32⌉, C/32] (a
+    weight's 32x32 blocks) or FP32 [R, C/32] (an activation's groups of 32)."""
+    R, C = q.shape
+    o = torch.empty(R, C, dtype=torch.bfloat16, device=q.device)
+    e8m0 = s.dtype != torch.float32
+    block_c = min(128, triton.next_power_of_2(C))
+    _dequant_kernel[(triton.cdiv(R, 32), triton.cdiv(C, block_c))](
+        q, s.view(torch.uint8) if e8m0 else s, o, R, C, q.stride(0), s.stride(0), o.stride(0),
+        SCALE_ROWS=GROUP if e8m0 else 1, E8M0=e8m0, BLOCK_R=32, BLOCK_C=block_c, num_warps=4, **pdl(q.device))
+    return o
+
+
+def _bf16_gemm(x, xs, w, ws, out, quant_x: bool) -> bool:
+    """Path 'bf16': out <- x's values @ w's values, both in bf16 (x quantized to its FP8 values
+    first where `quant_x`), by cuBLAS with FP32 sums throughout."""
+    if quant_x:
+        xb = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+        fp8_qat(x, xb)
+    else:
+        xb = dequant_bf16(x, xs)
+    wb = dequant_bf16(w, ws)
+    flag = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        torch.mm(xb, wb.t(), out=out)
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flag
     return True
 
 
