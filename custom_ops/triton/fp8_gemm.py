@@ -58,6 +58,8 @@ FUSED_QUANT_WORK = 1 << 17
 # GEMV lost on every shape. flash-slice's native decode at batch 2: 13.12 against 14.13 ms of
 # device time (gemv-two-rows-h100.json)
 GEMV_M = 2
+# from this many rows cuBLAS's bf16 GEMM on the decoded values (path 'bf16'): not yet timed
+BF16_M = 1024
 # the GEMV's weight rows a program, K block, pipeline stages of its plain loads. With the TMA
 # loads, 64 rows: flash-slice's batch-1 FULL decode on an H100, 9.97 against 10.09 ms of device
 # time at 128 (128 was fastest with the plain loads, native-gemm-one-row-h200.json); 256-wide K
@@ -229,12 +231,12 @@ def triton_fp8_linear(x, w, ws, out, groups: int = 1, **knobs) -> None:
 
 
 def gemm_path(M: int) -> str:
-    """'gemv' up to GEMV_M rows, 'mma' (FP8 tensor cores, per-32 promotion) beyond ('bf16', the
-    MMA kernel on bf16 values, is a knob only). H200, Flash's
-    five dense shapes in one run (native-gemm-paths-h200.json): at one row the unpipelined GEMV took
-    0.83-0.93x the MMA kernel's time from codes and 0.72-0.81x from bf16 x (fp8_linear); three
-    pipeline stages made it 1.7-3.1x slower than the MMA kernel; at eight rows and more it lost."""
-    return "gemv" if M <= GEMV_M else "mma"
+    """'gemv' up to GEMV_M rows, 'mma' (FP8 tensor cores, per-32 promotion) beyond, 'bf16' (cuBLAS
+    on the decoded values) from BF16_M rows. H200, Flash's five dense shapes in one run
+    (native-gemm-paths-h200.json): at one row the unpipelined GEMV took 0.83-0.93x the MMA
+    kernel's time from codes and 0.72-0.81x from bf16 x (fp8_linear); three pipeline stages made it
+    1.7-3.1x slower than the MMA kernel; at eight rows and more it lost."""
+    return "gemv" if M <= GEMV_M else "bf16" if M >= BF16_M else "mma"
 
 
 def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | None = None,
