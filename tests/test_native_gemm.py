@@ -99,7 +99,7 @@ else:
     @pytest.mark.parametrize("M,G,kw", [(1, 1, {}), (7, 1, {"split_k": 3}), (16, 3, {}), (5, 3, {"split_k": 2}),
                                         (33, 1, {}), (33, 3, {"split_k": 2}), (1, 1, {"path": "mma"}),
                                         (2, 3, {"split_k": 2}), (3, 1, {"path": "gemv"}), (1, 1, {"path": "bf16"}),
-                                        (33, 3, {"path": "bf16"})])
+                                        (33, 1, {"path": "bf16"}), (33, 3, {"path": "bf16"})])
     def test_fp8_linear_equals_quant_then_gemm(g, dtype, M, G, kw):
         """`fp8_linear` on x in the activation dtype == `fp8_act_quant` then `fp8_block_gemm`,
         bitwise: x quantized inside the GEMV (or, path "mma" at one row, the MMA tile) gives the

@@ -219,9 +219,10 @@ def quantizes_inside(M: int, N: int, K: int) -> bool:
 
 def triton_fp8_linear(x, w, ws, out, groups: int = 1, **knobs) -> None:
     """`v41::fp8_linear` (same signature): x is quantized inside the GEMV where
-    `quantizes_inside` says so (each program quantizes the blocks it reads), else by
-    `triton_fp8_act_quant` first. Knobs: `_gemm`'s."""
-    if not quantizes_inside(x.shape[0], w.shape[0], w.shape[1]) or x.dtype not in TL_DTYPES:
+    `quantizes_inside` says so (each program quantizes the blocks it reads), to its FP8 values in
+    bf16 in one pass on path 'bf16', else by `triton_fp8_act_quant` first. Knobs: `_gemm`'s."""
+    bf16 = (knobs.get("path") or gemm_path(x.shape[0])) == "bf16" and groups == 1 and out.dtype == torch.bfloat16
+    if not (bf16 or quantizes_inside(x.shape[0], w.shape[0], w.shape[1])) or x.dtype not in TL_DTYPES:
         q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
         s = torch.empty(x.shape[0], x.shape[1] // GROUP, dtype=torch.float32, device=x.device)
         triton_fp8_act_quant(x, q, s)
@@ -274,7 +275,8 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
     if M == 0 or N == 0:
         return True
     if bf16:
-        return _bf16_gemm(x, xs, w, ws, out, quant_x)
+        _bf16_gemm(x, xs, w, ws, out, quant_x)
+        return True
     KB = K // GROUP
     if path == "mma":
         bm, unroll = block_m or _block_m(M), unroll or (tile_unroll if KB % tile_unroll == 0 else 1)
@@ -349,7 +351,7 @@ def dequant_bf16(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return o
 
 
-def _bf16_gemm(x, xs, w, ws, out, quant_x: bool) -> bool:
+def _bf16_gemm(x, xs, w, ws, out, quant_x: bool) -> None:
     """Path 'bf16': out <- x's values @ w's values, both in bf16 (x quantized to its FP8 values
     first where `quant_x`), by cuBLAS with FP32 sums throughout."""
     if quant_x:
@@ -364,7 +366,6 @@ def _bf16_gemm(x, xs, w, ws, out, quant_x: bool) -> bool:
         torch.mm(xb, wb.t(), out=out)
     finally:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flag
-    return True
 
 
 register_impl("fp8_act_quant", "triton", triton_fp8_act_quant, device_type="cuda")
