@@ -33,6 +33,19 @@ def test_fp8_gemm_builds_for_hopper(M, split_k, quant_x):
     assert 0 < registers(B.fp8_gemm(min(64, max(16, M)), block_n, unroll, stages, split_k, quant_x)) <= 255
 
 
+@pytest.mark.parametrize("e8m0", [True, False])
+def test_dequant_builds_for_hopper(e8m0):
+    """Path 'bf16's decode of a weight's codes (E8M0 block scales) or an activation's (FP32 group
+    scales) into bf16 values."""
+    from custom_ops.triton.fp8_gemm import _dequant_kernel
+    sig = {"q_ptr": "*fp8e4nv", "s_ptr": "*u8" if e8m0 else "*fp32", "o_ptr": "*bf16",
+           **dict.fromkeys(("R", "C", "stride_q", "stride_s", "stride_o"), "i32"),
+           **dict.fromkeys(("SCALE_ROWS", "E8M0", "BLOCK_R", "BLOCK_C"), "constexpr")}
+    k = build(_dequant_kernel, sig, {"SCALE_ROWS": 32 if e8m0 else 1, "E8M0": e8m0, "BLOCK_R": 32, "BLOCK_C": 128},
+              aligned=("C", "stride_q", "stride_s", "stride_o"))
+    assert 0 < registers(k) <= 255
+
+
 def test_fp8_gemv_builds_for_hopper():
     """The W8A8 GEMV at 1 and 2 rows, x quantized inside or not: no spills, the weights decoded
     by the hardware's FP8 conversion, its loads pipelined, and at its default tile fewer

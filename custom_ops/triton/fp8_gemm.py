@@ -58,8 +58,10 @@ FUSED_QUANT_WORK = 1 << 17
 # GEMV lost on every shape. flash-slice's native decode at batch 2: 13.12 against 14.13 ms of
 # device time (gemv-two-rows-h100.json)
 GEMV_M = 2
-# from this many rows cuBLAS's bf16 GEMM on the decoded values (path 'bf16'): not yet timed
-BF16_M = 1024
+# from this many rows cuBLAS's bf16 GEMM on the decoded values (path 'bf16', the decode included):
+# H100, Flash's five dense shapes at 2,048 rows, 121.5-482.3 µs against the FP8 MMA kernel's
+# 176.6-853.4, 1.45-1.77x faster (dense-prefill-cublas-h100.json); fewer rows not timed
+BF16_M = 2048
 # the GEMV's weight rows a program, K block, pipeline stages of its plain loads. With the TMA
 # loads, 64 rows: flash-slice's batch-1 FULL decode on an H100, 9.97 against 10.09 ms of device
 # time at 128 (128 was fastest with the plain loads, native-gemm-one-row-h200.json); 256-wide K
@@ -330,7 +332,7 @@ def _dequant_kernel(q_ptr, s_ptr, o_ptr, R, C, stride_q, stride_s, stride_o, SCA
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = (rows < R)[:, None] & (cols < C)[None, :]
     q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    at = s_ptr + (rows // SCALE_ROWS).to(tl.int64)[:, None] * stride_s + (cols // GROUP)[None, :]
+    at = s_ptr + (rows // SCALE_ROWS).to(tl.int64)[:, None] * stride_s + (cols // GROUP_K)[None, :]
     if E8M0:
         s = e8m0_to_f32(tl.load(at, mask=m, other=127).to(tl.int32))
     else:
