@@ -17,8 +17,8 @@ the splitting ops, its token pieces captured at buckets 1-512; the 1x512 prefill
 steps run that compile without graphs). They alternate case by case.
 `--weight-format native` runs the same with the FP8/FP4 weights kept native. `--knob-variants`
 adds FULL-graph variants of the same compile, each captured with some kernel launchers' module
-constants set (a kernel default against its alternative in one engine: one compile, not one a
-tree). `--profile FILE`
+constants set and its steps run with them set (so its prefill steps, which no graph holds, take
+them too): a kernel default against its alternative in one engine, one compile, not one a tree. `--profile FILE`
 also appends torch.profiler tables of one decode step (batch 1 and 64; `--decode-only`: each of
 `--batches`) and one prefill step (1x4096),
 the engine's phases (schedule, prepare, run, sample, logprobs, postprocess) as named ranges,
@@ -285,7 +285,7 @@ def main():
         if "tr_hybrid" in variants:
             cases.append(("prefill", 1, 512))      # the largest token bucket: a prefill that replays
         profiled = [("decode", 1), ("decode", 64), ("prefill", 1)]
-    run_cases(eng, cases, variants, use, a.steps, res, save)
+    run_cases(eng, cases, variants, use, a.steps, res, save, a.knob_variants)
     if a.profile:
         for v in variants:
             use(v)
@@ -313,15 +313,18 @@ def module_constants(constants: dict):
             setattr(m, name, value)
 
 
-def run_cases(eng, cases, variants, use, steps: int, res: dict, save) -> None:
+def run_cases(eng, cases, variants, use, steps: int, res: dict, save, knob_variants: dict | None = None) -> None:
+    """Each case in every variant, the variants alternating case by case; a knob variant's
+    steps run with its module constants set."""
     for kind, n, length in cases:
         floor = step_floor(eng.runner.model, kind, n, length, held_state_bytes(eng.runner.cache.geo, n, length))
-        for v in variants:  # alternate variants case by case
+        for v in variants:
             use(v)
-            if kind == "decode":
-                ms, dev, host, extra = decode_ms(eng, n, length, steps)
-            else:
-                (ms, dev), host, extra = prefill_ms(eng, n, length, 3), None, {}
+            with module_constants((knob_variants or {}).get(v, {})):
+                if kind == "decode":
+                    ms, dev, host, extra = decode_ms(eng, n, length, steps)
+                else:
+                    (ms, dev), host, extra = prefill_ms(eng, n, length, 3), None, {}
             res["results"].append({"variant": v, "step": kind, "requests": n, "tokens_each": length,
                                    "ms": round(ms, 3), "device_ms": round(dev, 3), **floor,
                                    **({"host_ms_by_phase": host} if host is not None else {}), **extra})

@@ -28,3 +28,22 @@ def test_module_constants_refuse_an_unknown_name():
                                "custom_ops.triton.fp8_gemm.GEMV_TMAX": True}):
             pass
     assert fp8_gemm.GEMV_TMA == before
+
+
+def test_knob_variant_steps_run_with_its_constants(monkeypatch):
+    """run_cases: a knob variant's steps (prefill included, which no captured graph holds) see its
+    constants; the other variants' see the module's own values."""
+    from types import SimpleNamespace
+
+    from benchmarks import step_bench as sb
+    seen = []
+    monkeypatch.setattr(sb, "step_floor", lambda *a: {})
+    monkeypatch.setattr(sb, "held_state_bytes", lambda *a: 0)
+    monkeypatch.setattr(sb, "decode_ms", lambda *a: (seen.append(("decode", fp8_gemm.BF16_M)), (1.0, 1.0, None, {}))[1])
+    monkeypatch.setattr(sb, "prefill_ms", lambda *a: (seen.append(("prefill", fp8_gemm.BF16_M)), (1.0, 1.0))[1])
+    eng = SimpleNamespace(runner=SimpleNamespace(model=None, cache=SimpleNamespace(geo=None)))
+    res, default = {"results": []}, fp8_gemm.BF16_M
+    sb.run_cases(eng, [("decode", 1, 8), ("prefill", 1, 8)], ["full", "mma"], lambda v: None, 1, res,
+                 lambda: None, {"mma": {"custom_ops.triton.fp8_gemm.BF16_M": 1 << 30}})
+    assert seen == [("decode", default), ("decode", 1 << 30), ("prefill", default), ("prefill", 1 << 30)]
+    assert [r["variant"] for r in res["results"]] == ["full", "mma", "full", "mma"] and fp8_gemm.BF16_M == default

@@ -45,6 +45,8 @@
 #                                     # ops at 1-512 tokens, 16 and 384 experts (its figures set moe_tiles.FUSED_PAIRS)
 #   tools/gpu_checks.sh OUT mhc       # kernel_bench --mhc: mhc_mix at 1-4,096 tokens, its projection split more ways,
 #                                     # token tiles against one token a coefficient program (~1 min)
+#   tools/gpu_checks.sh OUT native-prefill  # step_bench native: prefill steps with the dense GEMMs' cuBLAS path
+#                                     # (the default from fp8_gemm.BF16_M rows) against the FP8 MMA kernel, one compile
 #   tools/gpu_checks.sh OUT formats   # weight_formats_bench: bf16 and native engines in one run, alternating;
 #                                     # then each engine's batch-1 decode step profiled, every kernel listed
 #   tools/gpu_checks.sh OUT slice-experts  # native_gemm_bench --slice-experts: flash-slice's expert paths,
@@ -216,6 +218,14 @@ knobs)
     --no-agreement --decode-only --batches "${BATCHES:-1}" --knob-variants "$knobs" --profile "$OUT/knobs-profiles.txt" \
     --out "$OUT/knobs.json" > "$OUT/knobs.log" 2>&1
   echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/knobs.log" | cut -c1-200 ;;
+native-prefill)
+  # the dense prefill GEMMs' paths in whole native steps, one compile: the default (cuBLAS on bf16 values from
+  # fp8_gemm.BF16_M rows) against the FP8 MMA kernel at every width (variant mma), cases alternating
+  step "step_bench native, prefill 1x4096 and 8x1024 (and decode at batch 1), BF16_M default against off"
+  timeout $(( ${LIMIT:-585} - SECONDS )) $py benchmarks/step_bench.py --weight-format native --variants full \
+    --no-agreement --batches 1 --knob-variants '{"mma": {"custom_ops.triton.fp8_gemm.BF16_M": 1073741824}}' \
+    --out "$OUT/native-prefill-$card.json" > "$OUT/native-prefill.log" 2>&1
+  echo "rc=$?"; grep -E '^\{"variant|Error' "$OUT/native-prefill.log" | cut -c1-200 ;;
 formats)
   # bf16 and native engines side by side, alternating cases; both compile at once (2026-12-05, a cold bf16 compile
   # beside a warm native one: 248 s, the whole part 392 s; native-weights-flash-slice-h200.json `setup`)
