@@ -111,6 +111,14 @@ def step_words(w, mask, GROUPS: tl.constexpr):
 
 
 @triton.jit
+def step_loads(w0, w1, s0, s1, m0, m1, GROUPS: tl.constexpr, SCALE_WORDS: tl.constexpr):
+    """A K step's loads of one weight matrix's two rows of a lane: their `step_words` and their
+    scale words (`scale_word`; w0, w1, s0, s1 at the step)."""
+    return (step_words(w0, m0, GROUPS), step_words(w1, m1, GROUPS), scale_word(s0, m0, SCALE_WORDS),
+            scale_word(s1, m1, SCALE_WORDS))
+
+
+@triton.jit
 def group_word(words, c: tl.constexpr):
     """The word of group c out of `step_words`' words (each lane's own registers)."""
     ab, cd = tl.split(words)
@@ -226,17 +234,14 @@ def _fp4_mma_up(xa_ptr, xo_ptr, ids_ptr, order_ptr, meta_ptr, wts_ptr, w1_ptr, w
     # the weights' words and scale words of the next K step are loaded before this step's MMAs
     # (one step in flight: the loads' latency behind a step's arithmetic)
     k_hi = tl.minimum(D, k_lo + k_split)
-    gv0, gv1, uv0, uv1 = step_words(g_0, m0, G), step_words(g_1, m1, G), step_words(u_0, m0, G), step_words(u_1, m1, G)
-    gw0, gw1 = scale_word(gs0, m0, SCALE_WORDS), scale_word(gs1, m1, SCALE_WORDS)
-    uw0, uw1 = scale_word(us0, m0, SCALE_WORDS), scale_word(us1, m1, SCALE_WORDS)
+    gv0, gv1, gw0, gw1 = step_loads(g_0, g_1, gs0, gs1, m0, m1, G, SCALE_WORDS)
+    uv0, uv1, uw0, uw1 = step_loads(u_0, u_1, us0, us1, m0, m1, G, SCALE_WORDS)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         g_0, g_1, u_0, u_1 = g_0 + step_w, g_1 + step_w, u_0 + step_w, u_1 + step_w
         more = tl.full([LANES], BLOCK_K, tl.int32) + k0 < k_hi      # a step after this one
         n0_, n1_ = m0 & more, m1 & more
-        ngv0, ngv1 = step_words(g_0, n0_, G), step_words(g_1, n1_, G)
-        nuv0, nuv1 = step_words(u_0, n0_, G), step_words(u_1, n1_, G)
-        ngw0, ngw1 = scale_word(gs0 + step_s, n0_, SCALE_WORDS), scale_word(gs1 + step_s, n1_, SCALE_WORDS)
-        nuw0, nuw1 = scale_word(us0 + step_s, n0_, SCALE_WORDS), scale_word(us1 + step_s, n1_, SCALE_WORDS)
+        ngv0, ngv1, ngw0, ngw1 = step_loads(g_0, g_1, gs0 + step_s, gs1 + step_s, n0_, n1_, G, SCALE_WORDS)
+        nuv0, nuv1, nuw0, nuw1 = step_loads(u_0, u_1, us0 + step_s, us1 + step_s, n0_, n1_, G, SCALE_WORDS)
         for c in tl.static_range(G):
             a0, a1, a2, a3 = act_words(a_lane, c, colm)
             off_a, off_b = tl.load(o_a + c, mask=cam, other=0), tl.load(o_b + c, mask=cbm, other=0)
@@ -294,13 +299,11 @@ def _fp4_mma_down(ha_ptr, ho_ptr, ids_ptr, order_ptr, meta_ptr, w2_ptr, s2_ptr, 
     acc00 = tl.zeros([LANES], tl.float32)
     acc01, acc10, acc11 = acc00, acc00, acc00
     k_hi = tl.minimum(I, k_lo + k_split)           # the next step's words in flight as in _fp4_mma_up
-    v0, v1 = step_words(w0, m0, G), step_words(w1, m1, G)
-    sw0, sw1 = scale_word(s0, m0, SCALE_WORDS), scale_word(s1, m1, SCALE_WORDS)
+    v0, v1, sw0, sw1 = step_loads(w0, w1, s0, s1, m0, m1, G, SCALE_WORDS)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w0, w1 = w0 + step_w, w1 + step_w
         more = tl.full([LANES], BLOCK_K, tl.int32) + k0 < k_hi
-        nv0, nv1 = step_words(w0, m0 & more, G), step_words(w1, m1 & more, G)
-        nsw0, nsw1 = scale_word(s0 + step_s, m0 & more, SCALE_WORDS), scale_word(s1 + step_s, m1 & more, SCALE_WORDS)
+        nv0, nv1, nsw0, nsw1 = step_loads(w0, w1, s0 + step_s, s1 + step_s, m0 & more, m1 & more, G, SCALE_WORDS)
         for c in tl.static_range(G):
             a0, a1, a2, a3 = act_words(a_lane, c, colm)
             off_a, off_b = tl.load(o_a + c, mask=cam, other=0), tl.load(o_b + c, mask=cbm, other=0)

@@ -223,7 +223,7 @@ def triton_fp8_linear(x, w, ws, out, groups: int = 1, **knobs) -> None:
     """`v41::fp8_linear` (same signature): x is quantized inside the GEMV where
     `quantizes_inside` says so (each program quantizes the blocks it reads), to its FP8 values in
     bf16 in one pass on path 'bf16', else by `triton_fp8_act_quant` first. Knobs: `_gemm`'s."""
-    bf16 = (knobs.get("path") or gemm_path(x.shape[0])) == "bf16" and groups == 1 and out.dtype == torch.bfloat16
+    bf16 = cublas_applies(knobs.get("path") or gemm_path(x.shape[0]), groups, out)
     if not (bf16 or quantizes_inside(x.shape[0], w.shape[0], w.shape[1])) or x.dtype not in TL_DTYPES:
         q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
         s = torch.empty(x.shape[0], x.shape[1] // GROUP, dtype=torch.float32, device=x.device)
@@ -240,6 +240,11 @@ def gemm_path(M: int) -> str:
     kernel's time from codes and 0.72-0.81x from bf16 x (fp8_linear); three pipeline stages made it
     1.7-3.1x slower than the MMA kernel; at eight rows and more it lost."""
     return "gemv" if M <= GEMV_M else "bf16" if M >= BF16_M else "mma"
+
+
+def cublas_applies(path: str, groups: int, out: torch.Tensor) -> bool:
+    """Whether path 'bf16' runs as asked: ungrouped, into a bf16 output (elsewhere the FP8 MMA kernel)."""
+    return path == "bf16" and groups == 1 and out.dtype == torch.bfloat16
 
 
 def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | None = None,
@@ -262,7 +267,7 @@ def _gemm(x, xs, w, ws, out, groups: int, *, quant_x: bool = False, path: str | 
     path = path or gemm_path(M)
     if path not in ("gemv", "mma", "bf16"):
         raise ValueError(f"fp8_block_gemm: path {path!r} is not 'gemv', 'mma' or 'bf16'")
-    bf16 = path == "bf16" and groups == 1 and scales is None and out.dtype == torch.bfloat16
+    bf16 = scales is None and cublas_applies(path, groups, out)
     path = "mma" if path == "bf16" else path     # grouped, or an act-quant epilogue: the FP8 kernel
     if path == "gemv" and (w.stride(0) % 4 or w.storage_offset() % 4):
         path = "mma"                               # no int32 view of the codes
