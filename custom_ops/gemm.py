@@ -14,7 +14,8 @@ from it only in the order of the FP32 sums.
   codes and scales.
 - `moe_experts_w4a8`: `v41::moe_experts` with FP4 E2M1 expert weights and E8M0 per-32 scales.
 
-`native_weights` is the one place that decides, at load, whether weights stay native.
+`native_weights` is the one place that decides, at load, whether weights stay native;
+`check_native` refuses, at load, a native weight the kernels cannot multiply exactly.
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ from custom_ops.registry import define, selected
 from v41 import quant
 
 FP8_GROUP = 32
+# FP4 experts' largest E8M0 scale code (2^1, weights up to 12) that the Triton tile kernels'
+# bf16 decode applies exactly (custom_ops/triton/fp4.py: one bf16 multiply by 2^(code-1))
+FP4_MAX_SCALE_CODE = 128
 NATIVE_OPS = ("fp8_act_quant", "fp8_block_gemm", "fp8_block_gemm_act_quant", "fp8_linear", "moe_experts_w4a8")
 
 
@@ -103,6 +107,15 @@ def moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out) -> Non
     (exact) and run by the moe_experts reference."""
     deq = [quant.dequant_fp4_expert(w, s, x.dtype) for w, s in ((w1, s1), (w3, s3), (w2, s2))]
     _moe.moe_experts(x, ids, weights, *deq, limit, out)
+
+
+def check_native(name: str, w: quant.BlockScaled) -> None:
+    """Refuse native FP4 expert weights whose scales the native kernels do not apply exactly
+    (codes above FP4_MAX_SCALE_CODE, NaN's 255 among them), naming the tensor."""
+    if w.fmt == "fp4" and w.scale.numel() and int(w.scale.max()) > FP4_MAX_SCALE_CODE:
+        raise ValueError(f"{name}: FP4 scale code {int(w.scale.max())} (2^{int(w.scale.max()) - 127}) is above "
+                         f"{FP4_MAX_SCALE_CODE} (2^{FP4_MAX_SCALE_CODE - 127}), the largest the native expert kernels "
+                         "apply exactly; load this checkpoint with dequantized weights")
 
 
 def native_weights(device, dtype: torch.dtype) -> bool:

@@ -127,13 +127,17 @@ def test_fp4_tile_kernels_build_for_hopper(block_m, block_n, block_k, warps, spl
     decode widths' 16-row tiles and at 64: no spills, and the dots run on tensor cores
     (Hopper's warpgroup MMA from 64 rows). Split at 16 rows, the registers stay near the
     unsplit build's (96 and 72 in sm90-build-cpu.json). Unsplit, the K loop spends under 8
-    instructions a weight (the tile decoded from int32 words; byte by byte it took 8.2-11.0)."""
+    instructions a weight (the tile decoded from int32 words; byte by byte it took 8.2-11.0).
+    The weights reach bf16 without FP32 (fp4.e2m1_bf16_tile: bits placed, then a bf16 multiply
+    by the scale): no f16 -> FP32 widening or FP32 -> bf16 packing in the loop."""
     for which, per in (("up", 2), ("down", 1)):
         k = B.fp4_tiles(which, block_m, block_n, block_k, warps, split=split)
         assert 0 < registers(k) <= 255
         mma = "HGMMA" if block_m >= 64 else "HMMA"       # a 16-row tile: the warp-level MMA
         body = S.loop_body(k)
         assert any(op.startswith(mma) for op in body)
+        assert any(op.startswith("HMUL2.BF16") for op in body)
+        assert not any(op.startswith(("HADD2.F32", "F2FP.BF16.F32")) for op in body)
         if split and block_m == 16:
             assert registers(k) <= 128
         if not split:

@@ -65,17 +65,21 @@ else:
     @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
     def test_fp4_tile_dequantizes_exactly(g, monkeypatch, out_dtype, block_k, words):
         """`fp4_tile` (the 'tiles' path's dequantization, K blocks of int32 words) gives the
-        reference dequantization's bits in element order: every packed byte, scale codes 0
-        (the subnormal 2^-127), 1-248 and 255 (NaN); rows past N are zeros. The scale codes
-        loaded byte by byte or (`words`) as int32 words of four, one or two a K block."""
+        reference dequantization's bits in element order: every packed byte; to FP32 (through
+        E4M3 values) scale codes 0 (the subnormal 2^-127), 1-248 and 255 (NaN), to bf16 (the
+        bits placed straight, `fp4.e2m1_bf16_tile`) codes 0-128 (FP4_MAX_SCALE_CODE); rows
+        past N are zeros. The scale codes loaded byte by byte or (`words`) as int32 words of
+        four, one or two a K block."""
+        from custom_ops.gemm import FP4_MAX_SCALE_CODE
         from custom_ops.triton.fp4 import scale_words
         assert scale_words(256, block_k, 256, 16) == words or not words
         rne_bf16_casts(monkeypatch)         # (the interpreter's own cast flushes bf16 subnormals)
         N, K = 16, 256
         packed = torch.arange(N * K // 2, dtype=torch.int32).remainder(256).to(torch.uint8).view(N, K // 2)
         packed = packed[:, torch.randperm(K // 2, generator=g)].contiguous()
-        codes = torch.randint(1, 249, (N, K // 32), generator=g, dtype=torch.int32)
-        codes[0, 0], codes[1, 1], codes[2, 2] = 0, 248, 255
+        top = 248 if out_dtype == torch.float32 else FP4_MAX_SCALE_CODE
+        codes = torch.randint(1, top + 1, (N, K // 32), generator=g, dtype=torch.int32)
+        codes[0, 0], codes[1, 1], codes[2, 2] = 0, top, 255 if out_dtype == torch.float32 else 1
         scales = codes.to(torch.uint8)
         want = quant.dequant_fp4_expert(packed.view(torch.int8), scales.view(torch.float8_e8m0fnu), torch.float32)
         out = torch.full((32, K), float("nan"), dtype=out_dtype)      # BLOCK_N rows, N of them real
@@ -83,7 +87,7 @@ else:
                                BLOCK_N=32, BLOCK_K=block_k, OUT=tl.float32 if out_dtype == torch.float32 else tl.bfloat16,
                                SCALE_WORDS=words)
         got = out[:N].float()
-        assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()
+        assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any() == (out_dtype == torch.float32)
         ok = ~want.isnan()
         assert torch.equal(got[ok], want.to(out_dtype).float()[ok])
         assert (out[N:] == 0).all()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the PTX lives in the Triton kernels' module: needs triton (the test extra)")
+from custom_ops.gemm import FP4_MAX_SCALE_CODE  # noqa: E402
 from custom_ops.triton import fp4, fp8  # noqa: E402
 from v41 import quant  # noqa: E402
 
@@ -40,18 +41,38 @@ def f16_halves(word: int) -> tuple[float, float]:
     return tuple(float(np.uint16((word >> s) & 0xFFFF).view(np.float16)) for s in (0, 16))
 
 
+def bf16_halves(word: int) -> tuple[float, float]:
+    return tuple(float(torch.tensor([(word >> s) & 0xFFFF], dtype=torch.int32).to(torch.int16)
+                       .view(torch.bfloat16).double()) for s in (0, 16))
+
+
+def bf16_word(lo: float, hi: float) -> int:
+    """A 32-bit register of two bf16 values (float64 rounded once, to nearest even), lo in the low half."""
+    h = torch.tensor([lo, hi], dtype=torch.float64).to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
+    return int(h[0]) | int(h[1]) << 16
+
+
 def step(regs: dict, op: str, args: str) -> None:
     """One lane's instruction on its registers (32-bit words, or Python floats for .f32)."""
     val = lambda x: int(x, 0) if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", x) else regs[x]  # noqa: E731
-    if op == "mov.b32":                                          # mov.b32 {lo, hi}, r: r's low and high halves
+    if op == "mov.b32" and args.startswith("{"):                 # mov.b32 {lo, hi}, r: r's low and high halves
         lo, hi, r = re.fullmatch(r"\{\s*(\S+),\s*(\S+)\s*\},\s*(\S+)", args).groups()
         regs[lo], regs[hi] = val(r) & 0xFFFF, val(r) >> 16
         return
     d, *a = [x.strip() for x in args.split(",")]
     if op == "shl.b32":
         regs[d] = (val(a[0]) << val(a[1])) & M32
-    elif op == "shr.b32":                                        # .b32: a logical shift
+    elif op in ("shr.b32", "shr.u32"):                          # logical shifts
         regs[d] = (val(a[0]) & M32) >> val(a[1])
+    elif op == "mov.b32":
+        regs[d] = val(a[0]) & M32
+    elif op == "prmt.b32":                                       # default mode: byte i from selector nibble i
+        pool = (val(a[0]) & M32) | (val(a[1]) & M32) << 32       # of {b, a}'s 8 bytes; bit 3: the byte's sign
+        picks = [(pool >> (8 * (n & 7))) & 0xFF for n in ((val(a[2]) >> (4 * i)) & 0xF for i in range(4))]
+        signs = [(val(a[2]) >> (4 * i + 3)) & 1 for i in range(4)]
+        regs[d] = sum(((0xFF if p >> 7 else 0) if sg else p) << (8 * i) for i, (p, sg) in enumerate(zip(picks, signs)))
+    elif op == "mul.rn.bf16x2":                                  # each half, rounded to nearest even
+        regs[d] = bf16_word(*(x * y for x, y in zip(bf16_halves(val(a[0])), bf16_halves(val(a[1])))))
     elif op == "and.b32":
         regs[d] = val(a[0]) & val(a[1]) & M32
     elif op == "or.b32":
@@ -145,6 +166,28 @@ def test_word_ptx_decodes_every_nibble_in_every_position():
     for nibbles, word in words(4):
         out = run_ptx(fp4.E2M1_WORD_PTX.value, {8: word})
         assert [out[i] for i in range(8)] == [nibble_value(c) for c in nibbles], nibbles
+
+
+def test_bf16_ptx_decodes_every_nibble_in_every_position_of_both_words():
+    """E2M1_BF16_PTX (the tile kernels' bf16 tiles): output i holds element i of the first word
+    in its low half and of the second in its high one, as the bf16 of 2^-126 times its E2M1
+    value (0.5 the subnormal 2^-127); every code in each of the eight places of each word.
+    Then BF16X2_MUL_PTX by 2^(c-1) gives the value times its scale 2^(c-127) for every code c
+    up to FP4_MAX_SCALE_CODE."""
+    e2m1 = lambda c: nibble_value(c) * 2.0**6       # noqa: E731
+    pairs = list(words(4))
+    for i, (nibbles, word) in enumerate(pairs):
+        other_nibbles, other = pairs[-1 - i]
+        out = run_ptx(fp4.E2M1_BF16_PTX.value, {8: word, 9: other})
+        assert [bf16_halves(out[j]) for j in range(8)] == \
+            [(e2m1(a) * 2.0**-126, e2m1(b) * 2.0**-126) for a, b in zip(nibbles, other_nibbles)], nibbles
+    for c in range(FP4_MAX_SCALE_CODE + 1):
+        s = bf16_word(2.0 ** (c - 1), 2.0 ** (c - 1))
+        assert s == ((c + 126) << 7) * 0x10001               # the kernel's bits of 2^(c-1) in each half
+        for v in range(16):
+            bits = run_ptx(fp4.E2M1_BF16_PTX.value, {8: v, 9: 15 - v})[0]
+            got = run_ptx(fp4.BF16X2_MUL_PTX.value, {1: bits, 2: s})[0]
+            assert bf16_halves(got) == (e2m1(v) * 2.0 ** (c - 127), e2m1(15 - v) * 2.0 ** (c - 127)), (c, v)
 
 
 def test_e4m3_word_ptx_decodes_every_byte_in_every_position():

@@ -12,7 +12,7 @@ import logging
 import torch
 from torch import nn
 
-from custom_ops.gemm import native_weights
+from custom_ops.gemm import check_native, native_weights
 from v41 import quant
 from v41.attention import Attention
 from v41.config import V41Config
@@ -155,6 +155,8 @@ def prepare_weights(cfg: V41Config, weights: dict, dtype, device, native: bool |
             continue
         if t.dtype in (torch.float8_e4m3fn, torch.int8):      # FP8 block / packed FP4 expert
             t = quant.BlockScaled(t, weights[name[: -len("weight")] + "scale"])
+            if native:
+                check_native(name, t)
             t = t.to(device) if native else t.dequant(dtype)
         if not name.startswith("layers."):
             out[name] = t.to(device=device, dtype=dtype)

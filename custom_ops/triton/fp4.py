@@ -11,6 +11,12 @@ word's conversions run in inline PTX, since the instructions spent per weight, n
 bound these kernels (benchmarks/sm90_build.py); under the interpreter, which runs no PTX, the same
 masks and shifts run as Triton ops. tests/test_ptx.py runs the PTX through an emulator of its
 instructions.
+
+The tile kernels' bf16 tiles skip E4M3 and FP32: a nibble's sign bit moves to bf16's bit 15 and
+its exponent and mantissa bits to bits 6-8, which makes the bf16 of 2^-126 times its value (E2M1's
+0.5 lands on bf16's subnormal 2^-127, its 0 on 0), exactly; one bf16 multiply by 2^(c-1) then
+applies the scale 2^(c-127), exact for scale codes c up to 128 (custom_ops.gemm.FP4_MAX_SCALE_CODE,
+which `check_native` enforces at load).
 """
 from __future__ import annotations
 
@@ -94,6 +100,59 @@ def word_aligned(*codes) -> bool:
                for t in codes)
 
 
+def _bf16_field_lines(out: str, src: str, em_shift: int, sign_shift: int) -> str:
+    """PTX: a nibble of each half of src (its bits 0-2 shifted by em_shift land on 6-8, its bit 3
+    shifted by sign_shift on 15) as the bf16 bits of out's halves, all else cleared."""
+    em = f"shl.b32 t, {src}, {em_shift};" if em_shift >= 0 else f"shr.u32 t, {src}, {-em_shift};"
+    sign = f"shl.b32 u, {src}, {sign_shift};" if sign_shift else f"mov.b32 u, {src};"
+    return f"{em} and.b32 t, t, 0x01C001C0; {sign} and.b32 u, u, 0x80008000; or.b32 {out}, t, u;"
+
+
+# two int32 words of packed E2M1 ($8, $9) -> eight bf16 pairs $0..$7: $i holds element i of
+# word $8 in its low half and of word $9 in its high one, each the bf16 of 2^-126 times its
+# E2M1 value. prmt gathers the words' bytes 0-1 (elements 0-3) as p's halves and bytes 2-3
+# (elements 4-7) as q's; element j of a half sits at its bits 4j..4j+3.
+E2M1_BF16_PTX = tl.constexpr("\n".join(
+    ["{", ".reg .b32 p, q, t, u;", "prmt.b32 p, $8, $9, 0x5410;", "prmt.b32 q, $8, $9, 0x7632;"] +
+    [_bf16_field_lines(f"${j + 4 * h}", "pq"[h], 6 - 4 * j, 12 - 4 * j) for j in range(4) for h in range(2)] +
+    ["}"]))
+BF16X2_MUL_PTX = tl.constexpr("mul.rn.bf16x2 $0, $1, $2;")
+
+
+@triton.jit
+def _nibble_f32(w, i: tl.constexpr):
+    """Element i of int32 words w of packed E2M1 as the FP32 of 2^-126 times its value: the
+    nibble's sign to bit 31, its exponent and mantissa bits to 22-24 (E2M1_BF16_PTX's places,
+    16 up)."""
+    n = w >> (4 * i)
+    return (((n & 7) << 22) | ((n & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_bf16_tile(w, c, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] bf16: the int32 words w [BLOCK_N, BLOCK_K / 8] of packed E2M1, each
+    value times its word's scale 2^(c-127) (c: int32 codes up to FP4_MAX_SCALE_CODE), exactly.
+    ASM (CUDA): E2M1_BF16_PTX, then a bf16 multiply by 2^(c-1) after the interleave (Triton 3.6
+    derives no wgmma shared layout when the interleave is the tile's last step); else (the
+    interpreter, which flushes bf16 subnormals) the same bits in FP32."""
+    if ASM:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            E2M1_BF16_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+    else:
+        v0, v1, v2, v3 = _nibble_f32(w, 0), _nibble_f32(w, 1), _nibble_f32(w, 2), _nibble_f32(w, 3)
+        v4, v5, v6, v7 = _nibble_f32(w, 4), _nibble_f32(w, 5), _nibble_f32(w, 6), _nibble_f32(w, 7)
+    # t[n, j, a, b, c] = value 4a + 2b + c of word j: each join adds the innermost axis
+    t = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    t = tl.reshape(t, [BLOCK_N, BLOCK_K // 8, 8])
+    if ASM:
+        s = ((c + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        t = tl.inline_asm_elementwise(BF16X2_MUL_PTX, "=r,r,r", [t, tl.broadcast_to(s[:, :, None], t.shape)],
+                                      dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        t = (t * ((c + 126) << 23).to(tl.float32, bitcast=True)[:, :, None]).to(tl.bfloat16)
+    return tl.reshape(t, [BLOCK_N, BLOCK_K])
+
+
 @triton.jit
 def fp4_tile(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, OUT: tl.constexpr,
              ASM: tl.constexpr, SCALE_WORDS: tl.constexpr = 0, WGMMA: tl.constexpr = False):
@@ -101,19 +160,19 @@ def fp4_tile(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.const
     packed E2M1 weights (w_rows: each row's int32 words, eight values a word; s_rows: its E8M0
     scales, as `word_scale_codes` reads them), dequantized: each value times its group's scale,
     exactly (an E2M1 value has two significant bits, the scale is a power of two: the product is
-    exact in FP32 and in bf16). BLOCK_K is a multiple of 32 dividing K. A word's eight values come
-    from `e2m1_word_values` (on CUDA the GEMVs' PTX); the sm_90 builds take about two thirds of
-    the instructions a weight that decoding byte by byte took (benchmarks/sm90_build.py,
-    `tile_rows`).
+    exact in FP32 and in bf16). BLOCK_K is a multiple of 32 dividing K. In bf16, `e2m1_bf16_tile`
+    (scale codes up to FP4_MAX_SCALE_CODE); in FP32, each word's eight values from
+    `e2m1_word_values` (on CUDA the GEMVs' PTX) times its scale.
 
-    WGMMA: the tile feeds a 64- or 128-row tile's wgmma, whose shared-memory operand layout
-    Triton 3.6 fails to derive from the interleave ("Illegal shared layout") when the join is
-    the tile's last step; the scales then multiply the interleaved tile. Otherwise each word's
-    values are scaled before the interleave, which Triton 3.9 builds into fewer instructions a
-    weight (3.6 into the same either way; benchmarks/sm90_build.py)."""
+    WGMMA (FP32 tiles): the tile feeds a 64- or 128-row tile's wgmma, whose shared-memory operand
+    layout Triton 3.6 fails to derive from the interleave ("Illegal shared layout") when the join
+    is the tile's last step; the scales then multiply the interleaved tile."""
     j = tl.arange(0, BLOCK_K // 8)
     w = tl.load(w_rows[:, None] + (k0 // 8 + j)[None, :], mask=nmask[:, None], other=0)
-    s = e2m1_scale(word_scale_codes(s_rows, k0, nmask, BLOCK_K, BLOCK_N, SCALE_WORDS))
+    c = word_scale_codes(s_rows, k0, nmask, BLOCK_K, BLOCK_N, SCALE_WORDS)
+    if OUT == tl.bfloat16:
+        return tl.trans(e2m1_bf16_tile(w, c, BLOCK_N, BLOCK_K, ASM))
+    s = e2m1_scale(c)
     v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word_values(w, ASM)
     if not WGMMA:
         v0, v1, v2, v3 = (v0 * s).to(OUT), (v1 * s).to(OUT), (v2 * s).to(OUT), (v3 * s).to(OUT)
