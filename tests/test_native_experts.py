@@ -173,9 +173,11 @@ else:
         assert scale_words(2304, 64, 1216, 16) == 0 and scale_words(192, 64, 192, 16) == 0
         assert scale_words(5120, 64, 5120, 64) == 0
 
-    @pytest.mark.parametrize("kw", [{}, {"splits": 2, "block_k": 128}, {"block_k": 256}])
+    @pytest.mark.parametrize("kw", [{}, {"splits": 2, "block_k": 128}, {"block_k": 256},
+                                    {"block_m": 64, "scale_words": True}])
     def test_tiles_read_scale_words_where_k_allows(g, monkeypatch, kw):
-        """With D and I multiples of 128 the 16-row tile kernels read the scale codes as int32
+        """With D and I multiples of 128 the 16-row tile kernels (and, with the `scale_words`
+        knob, the 64-row ones) read the scale codes as int32
         words of four (`fp4.scale_words`: one or, at 256-wide K blocks, two a block; the up GEMM
         split at 128 in the second case): w2's input rows and the
         per-pair outputs equal, bit for bit, those of the same kernels reading them byte by
