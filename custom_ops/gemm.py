@@ -109,13 +109,14 @@ def moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out) -> Non
     _moe.moe_experts(x, ids, weights, *deq, limit, out)
 
 
-def check_native(name: str, w: quant.BlockScaled) -> None:
+def check_native(scale_name: str, w: quant.BlockScaled) -> None:
     """Refuse native FP4 expert weights whose scales the native kernels do not apply exactly
-    (codes above FP4_MAX_SCALE_CODE, NaN's 255 among them), naming the tensor."""
-    if w.fmt == "fp4" and w.scale.numel() and int(w.scale.max()) > FP4_MAX_SCALE_CODE:
-        raise ValueError(f"{name}: FP4 scale code {int(w.scale.max())} (2^{int(w.scale.max()) - 127}) is above "
-                         f"{FP4_MAX_SCALE_CODE} (2^{FP4_MAX_SCALE_CODE - 127}), the largest the native expert kernels "
-                         "apply exactly; load this checkpoint with dequantized weights")
+    (codes above FP4_MAX_SCALE_CODE, NaN's 255 among them), naming the scale tensor."""
+    top = int(w.scale.max()) if w.fmt == "fp4" and w.scale.numel() else 0
+    if top > FP4_MAX_SCALE_CODE:
+        raise ValueError(f"{scale_name}: FP4 scale code {top} (2^{top - 127}) is above {FP4_MAX_SCALE_CODE} "
+                         f"(2^{FP4_MAX_SCALE_CODE - 127}), the largest the native expert kernels apply exactly; "
+                         "load this checkpoint with dequantized weights")
 
 
 def native_weights(device, dtype: torch.dtype) -> bool:

@@ -44,15 +44,15 @@ def test_native_layout_and_memory_report(toy_cfg, toy_weights, caplog):
 
 
 def test_native_refuses_fp4_scales_its_kernels_do_not_apply_exactly(toy_cfg, toy_weights):
-    """An FP4 expert scale code above gemm.FP4_MAX_SCALE_CODE is refused at load by the tensor's
-    name when the weights stay native; at the largest allowed code, and dequantized, it loads."""
+    """An FP4 expert scale code above gemm.FP4_MAX_SCALE_CODE is refused at load by the scale
+    tensor's name when the weights stay native; at the largest allowed code, and dequantized, it loads."""
     name = "layers.1.ffn.experts.2.w3.scale"
     for code, native, refused in ((129, True, True), (255, True, True), (128, True, False), (129, False, False)):
         codes = toy_weights[name].view(torch.uint8).clone()
         codes[0, 0] = code
         weights = {**toy_weights, name: codes.view(torch.float8_e8m0fnu)}
         if refused:
-            with pytest.raises(ValueError, match=rf"layers\.1\.ffn\.experts\.2\.w3\.weight: FP4 scale code {code}"):
+            with pytest.raises(ValueError, match=rf"layers\.1\.ffn\.experts\.2\.w3\.scale: FP4 scale code {code}"):
                 prepare_weights(toy_cfg, weights, torch.bfloat16, "cpu", native=native)
         else:
             prepare_weights(toy_cfg, weights, torch.bfloat16, "cpu", native=native)

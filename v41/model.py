@@ -154,9 +154,10 @@ def prepare_weights(cfg: V41Config, weights: dict, dtype, device, native: bool |
         if name.endswith(".scale") or ".engram.embed." in name or name.startswith("mtp."):
             continue
         if t.dtype in (torch.float8_e4m3fn, torch.int8):      # FP8 block / packed FP4 expert
-            t = quant.BlockScaled(t, weights[name[: -len("weight")] + "scale"])
+            scale_name = name[: -len("weight")] + "scale"
+            t = quant.BlockScaled(t, weights[scale_name])
             if native:
-                check_native(name, t)
+                check_native(scale_name, t)
             t = t.to(device) if native else t.dequant(dtype)
         if not name.startswith("layers."):
             out[name] = t.to(device=device, dtype=dtype)
