@@ -129,6 +129,15 @@ def _nibble_f32(w, i: tl.constexpr):
 
 
 @triton.jit
+def word_order(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Values 0..7 of each of [BLOCK_N, BLOCK_K / 8] words interleaved: [BLOCK_N, BLOCK_K / 8, 8]
+    in K order."""
+    # t[n, j, a, b, c] = value 4a + 2b + c of word j: each join adds the innermost axis
+    t = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    return tl.reshape(t, [BLOCK_N, BLOCK_K // 8, 8])
+
+
+@triton.jit
 def e2m1_bf16_tile(w, c, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
     """[BLOCK_N, BLOCK_K] bf16: the int32 words w [BLOCK_N, BLOCK_K / 8] of packed E2M1, each
     value times its word's scale 2^(c-127) (c: int32 codes up to FP4_MAX_SCALE_CODE), exactly.
@@ -141,9 +150,7 @@ def e2m1_bf16_tile(w, c, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.c
     else:
         v0, v1, v2, v3 = _nibble_f32(w, 0), _nibble_f32(w, 1), _nibble_f32(w, 2), _nibble_f32(w, 3)
         v4, v5, v6, v7 = _nibble_f32(w, 4), _nibble_f32(w, 5), _nibble_f32(w, 6), _nibble_f32(w, 7)
-    # t[n, j, a, b, c] = value 4a + 2b + c of word j: each join adds the innermost axis
-    t = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
-    t = tl.reshape(t, [BLOCK_N, BLOCK_K // 8, 8])
+    t = word_order(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, BLOCK_K)
     if ASM:
         s = ((c + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
         t = tl.inline_asm_elementwise(BF16X2_MUL_PTX, "=r,r,r", [t, tl.broadcast_to(s[:, :, None], t.shape)],
@@ -155,33 +162,24 @@ def e2m1_bf16_tile(w, c, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.c
 
 @triton.jit
 def fp4_tile(w_rows, s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, OUT: tl.constexpr,
-             ASM: tl.constexpr, SCALE_WORDS: tl.constexpr = 0, WGMMA: tl.constexpr = False):
+             ASM: tl.constexpr, SCALE_WORDS: tl.constexpr = 0):
     """[BLOCK_K, BLOCK_N] tile in dtype OUT of K block [k0, k0 + BLOCK_K) of the [BLOCK_N] rows of
     packed E2M1 weights (w_rows: each row's int32 words, eight values a word; s_rows: its E8M0
     scales, as `word_scale_codes` reads them), dequantized: each value times its group's scale,
     exactly (an E2M1 value has two significant bits, the scale is a power of two: the product is
     exact in FP32 and in bf16). BLOCK_K is a multiple of 32 dividing K. In bf16, `e2m1_bf16_tile`
     (scale codes up to FP4_MAX_SCALE_CODE); in FP32, each word's eight values from
-    `e2m1_word_values` (on CUDA the GEMVs' PTX) times its scale.
-
-    WGMMA (FP32 tiles): the tile feeds a 64- or 128-row tile's wgmma, whose shared-memory operand
-    layout Triton 3.6 fails to derive from the interleave ("Illegal shared layout") when the join
-    is the tile's last step; the scales then multiply the interleaved tile."""
+    `e2m1_word_values` (on CUDA the GEMVs' PTX), interleaved, times its scale (after the
+    interleave, as for bf16: Triton 3.6 derives no wgmma shared layout from a join that ends the
+    tile)."""
     j = tl.arange(0, BLOCK_K // 8)
     w = tl.load(w_rows[:, None] + (k0 // 8 + j)[None, :], mask=nmask[:, None], other=0)
     c = word_scale_codes(s_rows, k0, nmask, BLOCK_K, BLOCK_N, SCALE_WORDS)
     if OUT == tl.bfloat16:
         return tl.trans(e2m1_bf16_tile(w, c, BLOCK_N, BLOCK_K, ASM))
-    s = e2m1_scale(c)
     v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word_values(w, ASM)
-    if not WGMMA:
-        v0, v1, v2, v3 = (v0 * s).to(OUT), (v1 * s).to(OUT), (v2 * s).to(OUT), (v3 * s).to(OUT)
-        v4, v5, v6, v7 = (v4 * s).to(OUT), (v5 * s).to(OUT), (v6 * s).to(OUT), (v7 * s).to(OUT)
-    # t[n, j, a, b, c] = value 4a + 2b + c of word j: each join adds the innermost axis
-    t = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
-    if WGMMA:
-        t = (tl.reshape(t, [BLOCK_N, BLOCK_K // 8, 8]) * s[:, :, None]).to(OUT)
-    return tl.trans(tl.reshape(t, [BLOCK_N, BLOCK_K]))
+    t = word_order(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, BLOCK_K) * e2m1_scale(c)[:, :, None]
+    return tl.trans(tl.reshape(t.to(OUT), [BLOCK_N, BLOCK_K]))
 
 
 @triton.jit

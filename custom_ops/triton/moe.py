@@ -94,8 +94,8 @@ def _moe_up_kernel(xq_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, wts_ptr, m
         kmask = ks < k_len
         a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         if FP4:
-            wg = fp4_tile(b1, s1_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM, SCALE_WORDS, BLOCK_M >= 64)
-            wu = fp4_tile(b3, s3_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM, SCALE_WORDS, BLOCK_M >= 64)
+            wg = fp4_tile(b1, s1_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM, SCALE_WORDS)
+            wu = fp4_tile(b3, s3_ptr + sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM, SCALE_WORDS)
         else:
             bm = kmask[:, None] & nmask[None, :]
             wg = tl.load(b1[None, :] + ks[:, None], mask=bm, other=0.0)
@@ -165,7 +165,7 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, meta_ptr, y_ptr, part_ptr
         kmask = ks < k_len
         a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         if FP4:
-            w = fp4_tile(b, sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM, SCALE_WORDS, BLOCK_M >= 64)
+            w = fp4_tile(b, sc, k0, nmask, BLOCK_K, BLOCK_N, a.dtype, ASM, SCALE_WORDS)
         else:
             w = tl.load(b[None, :] + ks[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
         if DOT_F32:
