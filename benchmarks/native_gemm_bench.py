@@ -77,7 +77,7 @@ SWEEP_M = (1, 8, 64)
 # --slice-experts: the 'tiles' path's candidates at flash-slice's widths (its K loops pipelined
 # by Triton's default; the GEMVs ran 2-3.5x faster unpipelined, native-gemm-paths-h200.json),
 # split over K (the tiles of a verify step are about one per expert: 16 x 36 programs for 132 SMs)
-SLICE_TILES_SWEEP = ({"scale_words": True}, {"num_stages": 1}, {"num_stages": 2}, {"splits": 2}, {"splits": 4}, {"splits": 8},
+SLICE_TILES_SWEEP = ({"num_stages": 1}, {"num_stages": 2}, {"splits": 2}, {"splits": 4}, {"splits": 8},
                      {"splits": 4, "num_stages": 1}, {"splits": 4, "num_stages": 2}, {"block_k": 128},
                      {"block_k": 128, "num_stages": 1}, {"block_n_up": 32, "block_n_down": 32},
                      {"block_n_up": 128, "block_n_down": 128}, {"num_warps": 8}, {"block_m": 16},

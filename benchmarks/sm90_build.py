@@ -194,16 +194,14 @@ def head_rows() -> list[dict]:
 
 
 def fp4_tiles(which: str, block_m: int, block_n: int, block_k: int, warps: int, fp4: bool = True,
-              split: bool = False, scale_bytes: bool = False, scale_words_at_any_rows: bool = False):
+              split: bool = False, scale_bytes: bool = False):
     """moe.py's MMA tile kernel `which` ('up' or 'down') on FP4 weights dequantized per tile to
     bf16 (run_experts(tiles=True), the W4A8 op's 'tiles' path), PTX codes, the scale codes read
-    as run_experts reads them at Flash's K (`fp4.scale_words`: words of four at 16-row tiles;
-    `scale_bytes`: byte by byte; `scale_words_at_any_rows`: words at this tile whatever its
-    rows); fp4 False: on bf16 weights (the dequantized engine's experts)."""
+    as run_experts reads them at Flash's K (`fp4.scale_words`: words of four; `scale_bytes`:
+    byte by byte); fp4 False: on bf16 weights (the dequantized engine's experts)."""
     from custom_ops.triton.fp4 import scale_words
     from custom_ops.triton.moe import _moe_down_kernel, _moe_up_kernel
-    rule_rows = 16 if scale_words_at_any_rows else block_m
-    words = 0 if scale_bytes or not fp4 else scale_words(5120 if which == "up" else 2304, block_k, 128, rule_rows)
+    words = 0 if scale_bytes or not fp4 else scale_words(5120 if which == "up" else 2304, block_k, 128)
     consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split, "DOT_F32": False,
               "PREC": "tf32", "FP4": fp4, "ASM": True, "SCALE_WORDS": words}
     wt = "*i32" if fp4 else "*bf16"     # packed FP4: int32 words
@@ -338,10 +336,8 @@ def main(argv=None) -> dict:
                            (128, 128, 32, 8)):
         for which, per in (("up", 2), ("down", 1)):      # the 'tiles' path: weights dequantized to bf16 per tile
             rows.append(tile_row(which, per, bm, bn, bk, nw, "FP4"))
-            if bm == 16:        # the decode tile with its scale codes read byte by byte
+            if (bm, bn, bk, nw) in ((16, 64, 64, 4), (64, 64, 64, 4), (128, 128, 64, 8)):   # scale codes as bytes
                 rows.append(tile_row(which, per, bm, bn, bk, nw, "FP4 scale bytes", scale_bytes=True))
-            if (bm, bn, bk, nw) in ((64, 64, 64, 4), (128, 128, 64, 8)):      # words where the rule reads bytes
-                rows.append(tile_row(which, per, bm, bn, bk, nw, "FP4 scale words", scale_words_at_any_rows=True))
             if (bm, bn, bk, nw) in ((16, 64, 64, 4), (64, 64, 64, 4)):        # split over K (the splits knob)
                 rows.append(tile_row(which, per, bm, bn, bk, nw, "FP4 split", split=True))
             if (bm, bn, bk, nw) in ((64, 64, 64, 4), (128, 128, 64, 8)):      # the same tiles on bf16 weights

@@ -72,7 +72,7 @@ else:
         four, one or two a K block."""
         from custom_ops.gemm import FP4_MAX_SCALE_CODE
         from custom_ops.triton.fp4 import scale_words
-        assert scale_words(256, block_k, 256, 16) == words or not words
+        assert scale_words(256, block_k, 256) == words or not words
         rne_bf16_casts(monkeypatch)         # (the interpreter's own cast flushes bf16 subnormals)
         N, K = 16, 256
         packed = torch.arange(N * K // 2, dtype=torch.int32).remainder(256).to(torch.uint8).view(N, K // 2)
@@ -165,19 +165,16 @@ else:
         assert float((out - r).double().norm() / r.double().norm()) < 2e-2
 
     def test_scale_words_rule():
-        """Words of scale codes at 16-row tiles where K and the split start are multiples of 128,
-        one word per 128 of a K block (at least one); bytes otherwise."""
+        """Words of scale codes where K and the split start are multiples of 128, one word per
+        128 of a K block (at least one); bytes otherwise."""
         from custom_ops.triton.fp4 import scale_words
-        assert [scale_words(5120, bk, 5120, 16) for bk in (32, 64, 128, 256)] == [1, 1, 1, 2]
-        assert scale_words(5120, 64, 2560, 16) == 1 and scale_words(2304, 64, 1152, 16) == 1
-        assert scale_words(2304, 64, 1216, 16) == 0 and scale_words(192, 64, 192, 16) == 0
-        assert scale_words(5120, 64, 5120, 64) == 0
+        assert [scale_words(5120, bk, 5120) for bk in (32, 64, 128, 256)] == [1, 1, 1, 2]
+        assert scale_words(5120, 64, 2560) == 1 and scale_words(2304, 64, 1152) == 1
+        assert scale_words(2304, 64, 1216) == 0 and scale_words(192, 64, 192) == 0
 
-    @pytest.mark.parametrize("kw", [{}, {"splits": 2, "block_k": 128}, {"block_k": 256},
-                                    {"block_m": 64, "scale_words": True}])
+    @pytest.mark.parametrize("kw", [{}, {"splits": 2, "block_k": 128}, {"block_k": 256}, {"block_m": 64}])
     def test_tiles_read_scale_words_where_k_allows(g, monkeypatch, kw):
-        """With D and I multiples of 128 the 16-row tile kernels (and, with the `scale_words`
-        knob, the 64-row ones) read the scale codes as int32
+        """With D and I multiples of 128 the tile kernels, 16 or 64 rows, read the scale codes as int32
         words of four (`fp4.scale_words`: one or, at 256-wide K blocks, two a block; the up GEMM
         split at 128 in the second case): w2's input rows and the
         per-pair outputs equal, bit for bit, those of the same kernels reading them byte by

@@ -88,7 +88,7 @@ def test_bench_slice_experts(tmp_path):
     res = dry_run(tmp_path, "native_gemm_bench.py", "--slice-experts")
     assert [(row["M"], row["path"], row.get("mma_cols")) for row in res["experts"]] == SLICE_ROWS
     assert [(row["M"], row["knobs"]) for row in res["sweep"]] == \
-        [(T, {"path": "tiles", **kw}) for T in (1, 6) for kw in ({"scale_words": True}, {"num_stages": 1})]
+        [(T, {"path": "tiles", **kw}) for T in (1, 6) for kw in ({"num_stages": 1}, {"num_stages": 2})]
     assert all(row["us"] > 0 and row["pct_read"] > 0 for row in res["experts"] + res["sweep"])
 
 

@@ -83,15 +83,16 @@ def word_scale_codes(s_rows, k0, nmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.const
         return tl.load(s_rows[:, None] + g[None, :], mask=nmask[:, None], other=127).to(tl.int32)
 
 
-def scale_words(K: int, block_k: int, k_split: int, block_m: int) -> int:
-    """`fp4_tile`'s SCALE_WORDS for a GEMM over K in blocks of block_k, its K split k_split wide,
-    in tiles of block_m rows: the int32 words of scale codes a row per block, or 0 (bytes). Words
-    need K and each split's start to be multiples of 128, and serve the 16-row tiles of decode
-    widths, whose decoding is most of their instructions: in the sm_90 builds words took their
-    K loop from 6.81 / 7.44 to 5.80 / 6.66 instructions a weight (up / down, 16 x 64 x 64) with
-    every load in it asynchronous, but took the 64- and 128-row tiles' from 6.23-7.41 to
-    6.52-8.41 (sm90-build-cpu.json: "FP4 scale words" rows)."""
-    return max(block_k // 128, 1) if block_m <= 16 and K % 128 == 0 and k_split % 128 == 0 else 0
+def scale_words(K: int, block_k: int, k_split: int) -> int:
+    """`fp4_tile`'s SCALE_WORDS for a GEMM over K in blocks of block_k, its K split k_split wide:
+    the int32 words of scale codes a row per block, or 0 (bytes). Words need K and each split's
+    start to be multiples of 128. Read byte by byte, the codes are synchronous loads consumed in
+    the iteration that issues them; as words every load of the K loop is asynchronous (Triton
+    3.6's sm_90 builds of the 64-row tiles: 0 synchronous loads against 8 and 3 barriers an
+    iteration against 7 up / 5 down, tiles-decode-sm90-triton36-cpu.json). On an H100
+    (experts-scale-words-h100.json, flash-slice's experts, 64-row tiles, alternating) words took
+    96 tokens from 388-393 to 308-316 us and 1,024 from 1,968-1,995 to 1,453-1,470."""
+    return max(block_k // 128, 1) if K % 128 == 0 and k_split % 128 == 0 else 0
 
 
 def word_aligned(*codes) -> bool:

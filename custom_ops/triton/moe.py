@@ -221,16 +221,14 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
                 block_n_up: int | None = None, block_n_down: int | None = None,
                 block_k: int | None = None, splits: int | None = None, num_warps: int = 4,
                 num_stages: int | None = None, tiles: bool = False, prefetch: bool = False, tma: bool | None = None,
-                mma: bool = False, mma_cols: int | None = None, scale_words: bool = False,
+                mma: bool = False, mma_cols: int | None = None,
                 hidden: list | None = None) -> None:
     """Steps 0-3 on dequantized experts (`scales` None: the tile kernels) or packed FP4 ones
     (`scales` = their E8M0 scales as uint8, (s1, s3, s2): a GEMV per pair, both GEMMs split
     over K, `splits` or `fp4_splits` of each GEMM's K, their FP32 partials summed in split
     order by each output block's last split, their loads pipelined `num_stages` deep (FP4_STAGES: 1,
     not pipelined); `tiles`: the tile kernels, each weight tile dequantized exactly to x's dtype
-    in registers, `splits` (default 1) and `num_stages` (default Triton's) as `tile_gemms`;
-    `scale_words`: their scale codes read as int32 words at any tile height where K allows,
-    not only at the 16-row tiles `fp4.scale_words` names).
+    in registers, `splits` (default 1) and `num_stages` (default Triton's) as `tile_gemms`).
     `prefetch`: the FP4 GEMVs load each next K block during this one's products; `tma` (default
     FP4_TMA): they load their weights through tensor descriptors, `num_stages` deep
     (FP4_TMA_STAGES). `mma`: the
@@ -258,7 +256,7 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
         if scales is None or tiles:
             order, meta, n_tiles = expert_tiles(ids, E, bm)
             tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, bm, k, block_n_up,
-                       block_n_down, block_k, splits or 1, num_warps, num_stages, scale_words)
+                       block_n_down, block_k, splits or 1, num_warps, num_stages)
         else:
             # one token's pairs are distinct experts: nothing to share, so no sort (a launch less)
             order = expert_tiles(ids, E, bm)[0] if T > 1 else None
@@ -270,15 +268,12 @@ def run_experts(x, ids, weights, w1, w3, w2, scales, limit, out, *, block_m: int
 
 
 def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, bm, k, block_n_up, block_n_down,
-               block_k, splits, num_warps, stages, words_any_rows: bool = False) -> None:
+               block_k, splits, num_warps, stages) -> None:
     """Steps 1-2 as MMA tiles (FP4 `scales` given: each weight tile dequantized in registers):
     the up tiles and their epilogue -> h, the down tiles -> y; with `splits` > 1 each GEMM's K
     is split as the GEMVs' is (`_k_split`), its FP32 partials summed in split order by the same
-    tile-wise kernels. `stages` None: Triton's default pipelining of the K loop.
-    `words_any_rows`: the scale codes as words wherever K allows, whatever the tile height (the
-    64-row tiles' sm_90 build under Triton 3.6 then loads nothing synchronously in its K loop and
-    passes 3 barriers an iteration instead of 7 (up) / 5 (down), for about the same instructions:
-    tiles-decode-sm90-triton36-cpu.json; not yet timed)."""
+    tile-wise kernels. `stages` None: Triton's default pipelining of the K loop. FP4 scale codes
+    come as int32 words wherever K allows (`fp4.scale_words`)."""
     P, I = h.shape
     D = y.shape[1]
     interp = xq.device.type == "cpu"
@@ -291,9 +286,8 @@ def tile_gemms(xq, w1, w3, w2, scales, order, meta, n_tiles, wts, limit, h, y, b
     bku, bkd = (math.gcd(bk, D), math.gcd(bk, I)) if fp4 else (bk, bk)      # FP4: dividing K
     ku, su = k_split(D, bku, splits)
     kd, sd = k_split(I, bkd, splits)
-    rule_rows = 16 if words_any_rows else bm        # fp4.scale_words reads words at 16-row tiles
-    swu = scale_words(D, bku, ku, rule_rows) if fp4 and word_aligned(s1, s3) else 0
-    swd = scale_words(I, bkd, kd, rule_rows) if fp4 and word_aligned(s2) else 0
+    swu = scale_words(D, bku, ku) if fp4 and word_aligned(s1, s3) else 0
+    swd = scale_words(I, bkd, kd) if fp4 and word_aligned(s2) else 0
     if swu:             # the scale codes as int32 words of four (fp4.word_scale_codes)
         s1, s3 = s1.view(torch.int32), s3.view(torch.int32)
     if swd:

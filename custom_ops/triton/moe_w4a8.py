@@ -60,8 +60,7 @@ def triton_moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out,
     tile kernels with each FP4 weight tile dequantized exactly to x's dtype in registers (no
     per-32 scale promotion after the dots: the scales are in the tile). Every product is exact
     in FP32, so only the order of the FP32 sums differs from the reference. Knobs: run_experts'
-    (block_m, block_n_up, block_n_down, block_k, splits, num_warps, num_stages, prefetch,
-    scale_words)."""
+    (block_m, block_n_up, block_n_down, block_k, splits, num_warps, num_stages, prefetch)."""
     if x.dtype not in TL_DTYPES or w1.dtype != torch.int8 or w1.stride() != w3.stride() or \
             s1.stride() != s3.stride() or not fits(x, (w1, w3, w2, s1, s3, s2), w1.shape[1], out, knobs):
         return _ref.moe_experts_w4a8(x, ids, weights, w1, s1, w3, s3, w2, s2, limit, out)
