@@ -41,6 +41,13 @@ def exact_dots(q, k, eq: str):
     return torch.einsum(eq, q.double(), k.double()).to(q.dtype)
 
 
+def visible_width(vis, max_position, ratio: int) -> int:
+    """The most compressed rows a token of the step sees: from the host's `max_position` (an
+    upper bound: the scorers mask each token's columns at its own count), else from `vis` on the
+    device, which waits for it."""
+    return (int(max_position[0]) + 1) // ratio if max_position is not None else int(vis.max())
+
+
 def _stable_topk(score, k: int):
     """Indices of the k best scores, smaller index first among equals."""
     return torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :k]
@@ -48,16 +55,18 @@ def _stable_topk(score, k: int):
 
 @define("index_topk(Tensor q, Tensor w, Tensor plane, Tensor plane_scale, Tensor block_table, "
         "Tensor batch_ids, Tensor positions, int ratio, int rows_per_page, str fmt, Tensor? cand, "
-        "int cand_block, Tensor(a!) topk, Tensor(b!)? cand_out) -> ()")
+        "int cand_block, Tensor(a!) topk, Tensor(b!)? cand_out, Tensor? max_position=None) -> ()")
 def index_topk(q, w, plane, plane_scale, block_table, batch_ids, positions, ratio, rows_per_page,
-               fmt, cand, cand_block, topk, cand_out) -> None:
+               fmt, cand, cand_block, topk, cand_out, max_position=None) -> None:
     """q [T, h, d] rotated index queries on the plane format's grid (`quant.index_query_qat`:
     the model rounds them, so the compiled step fuses the rounding); w [T, h] head weights
     (already scaled).
     topk [T, K] <- the selected rows of each token, ascending, -1 padded.
     cand: [T, C] candidate blocks, ascending, -1 padded (REINDEX: score only inside them; a
     producer's cand_out), or None (score every visible row). cand_out: [T, C] <- this layer's
-    own candidate blocks (the producer), ascending, -1 padded."""
+    own candidate blocks (the producer), ascending, -1 padded. max_position: [1] on the host, at
+    least the largest position of a row with batch_ids >= 0 (`Batch.max_position`), or None: the
+    scored width comes from it without reading the device."""
     T, K = topk.shape
     acc = w.dtype
     qr = q.to(acc)
@@ -68,7 +77,7 @@ def index_topk(q, w, plane, plane_scale, block_table, batch_ids, positions, rati
     if T == 0:
         return
     if cand is None:
-        width = int(vis.max())
+        width = visible_width(vis, max_position, ratio)
         cols = torch.arange(width, device=q.device).expand(T, width)
     else:
         off = torch.arange(cand_block, device=q.device)

@@ -40,6 +40,7 @@ class Batch:
     engram_rows: dict              # layer -> [T, width] gathered table rows
     image_dest: torch.Tensor | None = None  # [T] checkpoint-image ring row, or -1 (copy mode)
     decoder: object = None         # runtime.replay.DecoderRows, or None: every row runs every layer
+    max_position: torch.Tensor | None = None   # [1] on the host: the largest position of a row (None: unknown)
 
 
 def step_fields(T: int, B: int, W: int, max_pages: int, engram_ids: dict, page: int) -> dict:

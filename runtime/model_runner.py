@@ -63,6 +63,8 @@ class ModelRunner:
         self.fast_steps = 0             # steps StepRows.decode prepared
         self._table = None              # (block tables, rows) on the device's block_table buffer
         self._row_views = {}            # rows -> the Batch fields' and Engram rows' first rows (batch_view)
+        # the step's largest position, on the host: the indexer sizes its scores without a device read
+        self.max_position = torch.zeros(1, dtype=torch.long)
         self._ones, self._rows = np.ones(max_num_batched_tokens, np.int64), np.arange(max_num_batched_tokens)
         self.graphs = None              # runtime.cuda_graph.graph_runner (FULL, TR_HYBRID), when captured
         self.use_forward(self.model, static_shapes=False)
@@ -124,9 +126,11 @@ class ModelRunner:
             fields["image_dest"] = self.plan_captures(sb, starts, np.cumsum(n) - n, T, host)
         if sb.spec:
             self.spec.stage(sb, fields, starts, n)
+        self.max_position[0] = int(fields["positions"].max())
         for k, a in fields.items():
             h = host[k]
-            h[:T] = a
+            if not np.may_share_memory(h, a):      # (the window rows are written in place)
+                h[:T] = a
             if Tr > T:
                 h[T:Tr] = PAD[k]
         hi = self.max_seqs if self.static_shapes else Br
@@ -187,6 +191,7 @@ class ModelRunner:
             self.buf[k][:tokens].fill_(pad)
         self.block_table_rows(1).fill_(0)
         self._table = None
+        self.max_position[0] = 0
         batch = self.batch_view(tokens, 1, [])
         for b in batch.engram_rows.values():
             b.zero_()
@@ -200,7 +205,7 @@ class ModelRunner:
                                          | {"engram": {l: b[:rows] for l, b in self.engram_buf.items()}})
         return Batch(v["input_ids"], v["positions"], v["batch_ids"], self.block_table_rows(bs), v["win_idx"],
                      v["ring_dest"], {1: v["dest1"], 2: v["dest2"]}, v["tail_src"], v["tail_dst"],
-                     v["engram"], self.image_rows(captures, v["image_dest"]))
+                     v["engram"], self.image_rows(captures, v["image_dest"]), max_position=self.max_position)
 
     def resume(self, sb: ScheduledBatch, host: dict) -> None:
         """A prefix hit's fresh slot gets its state: the checkpoint image (copy), or, for

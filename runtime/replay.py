@@ -110,7 +110,7 @@ def decoder_rows(batch, dev: dict, batch_cls) -> DecoderRows:
     sub = batch_cls(dev["dec_input_ids"], dev["dec_positions"], dev["dec_batch_ids"], batch.block_table, w,
                     dev["dec_ring_dest"], {k: none for k in batch.owner_dest}, none, none,
                     {l: e[r] for l, e in batch.engram_rows.items()},
-                    None if batch.image_dest is None else dev["dec_image_dest"])
+                    None if batch.image_dest is None else dev["dec_image_dest"], max_position=batch.max_position)
     qr = dev["dec_queries"]
     return DecoderRows(r, sub, QueryRows(qr, sub.positions[qr], sub.batch_ids[qr], w[qr], batch.block_table))
 

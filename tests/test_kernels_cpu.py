@@ -163,6 +163,20 @@ else:
             assert torch.equal(out, ref), (kw, out, ref)
             if produce:
                 assert torch.equal(out_c, ref_c), (kw, out_c, ref_c)
+        # the step's largest position from the host (Batch.max_position) sizes the scores: exact
+        # or above every row, the same selection; below it (a wrong bound, shown where no
+        # candidate blocks are published) fewer rows are scored
+        top = int(step.positions[step.batch_ids >= 0].max())
+        for mp in (top, top + 5) + (() if produce else (top // 2,)):
+            outs = []
+            for fn in (ref_index.index_topk, triton_index_topk):
+                out = torch.full((T, K), -7, dtype=torch.long)
+                out_c = torch.full((T, C), -7, dtype=torch.long) if produce else None
+                fn(*args, out, out_c, torch.tensor([mp]))
+                outs.append((out, out_c))
+            for out, out_c in outs:
+                same = torch.equal(out, ref) and (not produce or torch.equal(out_c, ref_c))
+                assert same == (mp >= top or mode == "reindex"), (mp, top)
 
     def test_index_topk_ties(g):
         """Many exact ties (all-zero keys): smaller row first, like the reference."""

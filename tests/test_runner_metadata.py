@@ -92,6 +92,7 @@ def check_step(runner, sb, batch) -> None:
         assert v[:T].tolist() == want[k], f"{k} of the scheduled rows"
         sentinel = 0 if k in ("input_ids", "positions") else -1
         assert (v[T:] == sentinel).all(), f"{k} of the padding rows"
+    assert batch.max_position.device.type == "cpu" and batch.max_position.tolist() == [max(want["positions"])]
     assert batch.block_table.shape[0] == Br
     assert batch.block_table[:B].tolist() == sb.block_tables.tolist()
     assert (batch.block_table[B:] == 0).all()
@@ -128,6 +129,7 @@ def check_decoder(runner, sb, batch) -> None:
         return
     assert dec.rows.tolist() == rows and dec.batch.win_idx.tolist() == win
     assert dec.queries.rows.tolist() == queries
+    assert dec.batch.max_position is batch.max_position      # an upper bound of the decoder's positions
     assert dec.queries.win_idx.tolist() == [win[q] for q in queries]
     assert dec.batch.positions.tolist() == batch.positions[rows].tolist()
     assert dec.batch.ring_dest.tolist() == batch.ring_dest[rows].tolist()

@@ -158,7 +158,7 @@ class Attention(nn.Module):
         cand_out = torch.empty(T, self.n_cand, dtype=torch.long, device=x.device) if produce else None
         ops.index_topk(qi, w, owner.index, owner.index_scale, batch.block_table, batch.batch_ids,
                        batch.positions, spec.ratio, owner.rows_per_page, owner.index_fmt, cand_in,
-                       self.cand_block, topk, cand_out)
+                       self.cand_block, topk, cand_out, batch.max_position)
         sel["topk", spec.layer] = topk
         if produce:
             sel["cand"] = cand_out

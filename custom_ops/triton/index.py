@@ -333,7 +333,7 @@ def _capturing(device: torch.device) -> bool:
 
 
 def triton_index_topk(q, w, plane, plane_scale, block_table, batch_ids, positions, ratio, rows_per_page,
-                      fmt, cand, cand_block, topk, cand_out, *, static_width: bool | None = None,
+                      fmt, cand, cand_block, topk, cand_out, max_position=None, *, static_width: bool | None = None,
                       score_budget: int | None = None, block_j: int | None = None,
                       select_block: int | None = None, row_max: int | None = None,
                       num_warps: int | None = None) -> None:
@@ -343,7 +343,7 @@ def triton_index_topk(q, w, plane, plane_scale, block_table, batch_ids, position
     T, K = topk.shape
     if w.dtype != torch.float32 or fmt not in ("fp8", "fp4"):
         return _ref.index_topk(q, w, plane, plane_scale, block_table, batch_ids, positions, ratio,
-                               rows_per_page, fmt, cand, cand_block, topk, cand_out)
+                               rows_per_page, fmt, cand, cand_block, topk, cand_out, max_position)
     topk.fill_(-1)
     if cand_out is not None:
         cand_out.fill_(-1)
@@ -357,14 +357,14 @@ def triton_index_topk(q, w, plane, plane_scale, block_table, batch_ids, position
     # compressed rows each token sees: for the dynamic width and the candidate blocks only (a
     # scorer in a captured graph that publishes no candidates launches none of these kernels)
     vis = None
-    if cand_out is not None or (cand is None and not static):
+    if cand_out is not None or (cand is None and not static and max_position is None):
         vis = torch.where(batch_ids >= 0, (positions + 1) // ratio, torch.zeros_like(positions))
     if cand is not None:
         width = cand.shape[1] * cand_block
     elif static:
         width = block_table.shape[1] * rows_per_page
     else:
-        width = int(vis.max())
+        width = _ref.visible_width(vis, max_position, ratio)
     if width <= 0:
         return
     if cand_out is not None:
