@@ -110,21 +110,28 @@ def graph_ms(chain, reps: int = 10) -> float:
     return timed(lambda: [chain.replay() for _ in range(reps)]) / reps
 
 
-def prefill_ms(eng, n: int, length: int, reps: int) -> tuple[float, float]:
-    """(wall ms median, kernel ms of one more) of steps prefilling `n` prompts of `length`."""
-    ts, dev = [], None
+def prefill_ms(eng, n: int, length: int, reps: int) -> tuple[float, float, dict, dict]:
+    """(wall ms median, kernel ms of one more, median host ms per phase of the timed steps,
+    {`step_idle`: one more step's device idle time by the host phase it waited for}) of steps
+    prefilling `n` prompts of `length`."""
+    ts, dev, idle, host = [], None, {}, {}
     g = torch.Generator().manual_seed(n * length)
-    for rep in range(reps + 1):
+    for rep in range(reps + 2):
         seqs = [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (length,), generator=g).tolist(),
                                 SamplingParams(max_tokens=1, ignore_eos=True)) for _ in range(n)]
         if rep < reps:
-            ts.append(timed(eng.step))
-        else:
+            with phases_timed(eng) as times:
+                ts.append(timed(eng.step))
+            for k, v in times.items():
+                host.setdefault(k, []).extend(v)
+        elif rep == reps:
             dev = kernel_time(eng.step)[0]
+        else:
+            idle = idle_by_phase(eng)
         while eng.has_unfinished():
             eng.step()
         assert all(s.is_finished for s in seqs)
-    return statistics.median(ts[1:]), dev
+    return statistics.median(ts[1:]), dev, median_by_phase(host), {"step_idle": idle} if idle else {}
 
 
 def profile(eng, kind: str, path: str, title: str, n: int = 1, order: int = 0, length: int | None = None) -> None:
@@ -169,8 +176,8 @@ def main():
                     help="check compiled pieces against eager first (minutes on flash-slice)")
     ap.add_argument("--decode-only", action="store_true",
                     help="the decode cases alone, and of the profiles each of their decode steps'")
-    ap.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 16, 64],
-                    help="decode batch sizes (comma-separated; default 1,16,64)")
+    ap.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",") if b], default=[1, 16, 64],
+                    help="decode batch sizes (comma-separated; default 1,16,64; empty: prefill cases alone)")
     ap.add_argument("--knob-variants", type=json.loads, default={}, metavar="JSON",
                     help='{name: {"package.module.CONSTANT": value, ...}}: FULL graphs of the compiled forward '
                          'captured again with those constants set, run as variant `name` beside the others '
@@ -284,7 +291,7 @@ def main():
         cases += [("prefill", 1, 4096), ("prefill", 8, 1024)]
         if "tr_hybrid" in variants:
             cases.append(("prefill", 1, 512))      # the largest token bucket: a prefill that replays
-        profiled = [("decode", 1), ("decode", 64), ("prefill", 1)]
+        profiled = [("decode", bs) for bs in (1, 64) if a.batches] + [("prefill", 1)]
     run_cases(eng, cases, variants, use, a.steps, res, save, a.knob_variants)
     if a.profile:
         for v in variants:
@@ -324,7 +331,7 @@ def run_cases(eng, cases, variants, use, steps: int, res: dict, save, knob_varia
                 if kind == "decode":
                     ms, dev, host, extra = decode_ms(eng, n, length, steps)
                 else:
-                    (ms, dev), host, extra = prefill_ms(eng, n, length, 3), None, {}
+                    ms, dev, host, extra = prefill_ms(eng, n, length, 3)
             res["results"].append({"variant": v, "step": kind, "requests": n, "tokens_each": length,
                                    "ms": round(ms, 3), "device_ms": round(dev, 3), **floor,
                                    **({"host_ms_by_phase": host} if host is not None else {}), **extra})

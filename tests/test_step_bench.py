@@ -40,7 +40,7 @@ def test_knob_variant_steps_run_with_its_constants(monkeypatch):
     monkeypatch.setattr(sb, "step_floor", lambda *a: {})
     monkeypatch.setattr(sb, "held_state_bytes", lambda *a: 0)
     monkeypatch.setattr(sb, "decode_ms", lambda *a: (seen.append(("decode", fp8_gemm.BF16_M)), (1.0, 1.0, None, {}))[1])
-    monkeypatch.setattr(sb, "prefill_ms", lambda *a: (seen.append(("prefill", fp8_gemm.BF16_M)), (1.0, 1.0))[1])
+    monkeypatch.setattr(sb, "prefill_ms", lambda *a: (seen.append(("prefill", fp8_gemm.BF16_M)), (1.0, 1.0, {}, {}))[1])
     eng = SimpleNamespace(runner=SimpleNamespace(model=None, cache=SimpleNamespace(geo=None)))
     res, default = {"results": []}, fp8_gemm.BF16_M
     sb.run_cases(eng, [("decode", 1, 8), ("prefill", 1, 8)], ["full", "mma"], lambda v: None, 1, res,
