@@ -7,7 +7,7 @@ it launched) and the profiler's tables sorted by device and by host time. Every 
 goes to one file: a device call brings back few files. The profiler inflates host times several
 fold; `phases_timed` gives the same phases' host times of ordinary steps (perf_counter, no sync).
 `kernel_time` sums a call's kernels; `kernel_gaps` finds where the device sat idle between them,
-`idle_by_phase` which host phase it was waiting for.
+`idle_by_phase` which host phase it was waiting for; `host_profile_step` the host's Python by function.
 """
 from __future__ import annotations
 
@@ -257,3 +257,23 @@ def profile_step(eng, title: str, path: str, phases=STEP_PHASES, rows: int = 40,
             f.write(kernel_table(prof.events(), order) + "\n\n")
         f.write(avg.table(sort_by="cpu_time_total", row_limit=rows, max_name_column_width=70) + "\n\n")
     return kernel_ms
+
+
+def host_profile_step(eng, title: str, path: str, rows: int = 40) -> None:
+    """One `eng.step()` under cProfile: the host's Python by function (a wait for the device
+    counts where it happens), its own time and cumulative, appended to `path`."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    eng.step()
+    prof.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    with open(path, "a") as f:
+        f.write(f"==== {title} (host, cProfile)\n{text.getvalue()}\n")

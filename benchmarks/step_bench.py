@@ -20,7 +20,7 @@ adds FULL-graph variants of the same compile, each captured with some kernel lau
 constants set and its steps run with them set (so its prefill steps, which no graph holds, take
 them too): a kernel default against its alternative in one engine, one compile, not one a tree. `--profile FILE`
 also appends torch.profiler tables of one decode step (batch 1 and 64; `--decode-only`: each of
-`--batches`) and one prefill step (1x4096),
+`--batches`) and one prefill step (1x4096) and one more prefill step's host Python under cProfile,
 the engine's phases (schedule, prepare, run, sample, logprobs, postprocess) as named ranges,
 per variant: where the time goes.
 
@@ -45,7 +45,8 @@ import time
 import torch
 
 from benchmarks.floor import held_state_bytes, step_floor, weight_bytes
-from benchmarks.profiling import idle_by_phase, kernel_gaps, kernel_time, median_by_phase, phases_timed, profile_step
+from benchmarks.profiling import (host_profile_step, idle_by_phase, kernel_gaps, kernel_time, median_by_phase,
+                                  phases_timed, profile_step)
 from runtime.cuda_graph import CUDAGraphRunner
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.piece_check import METRICS, by_piece, compare_pieces
@@ -149,6 +150,11 @@ def profile(eng, kind: str, path: str, title: str, n: int = 1, order: int = 0, l
     profile_step(eng, title, path, order=order)
     for s in seqs:
         eng.abort(s.request_id)
+    if kind == "prefill":       # and one more prefill step's host Python, by function
+        seq = eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (length,), generator=g).tolist(),
+                              SamplingParams(max_tokens=1, ignore_eos=True))
+        host_profile_step(eng, title, path)
+        eng.abort(seq.request_id)
 
 
 def prefill_logits(eng, ids) -> torch.Tensor:
