@@ -32,6 +32,7 @@ import torch
 from runtime.compile import TraceCache
 from runtime.engine import EngineArgs, LLMEngine
 from runtime.sampler import SamplingTensors, sample_tensors
+from runtime.sequence import SamplingParams
 from tests import harness as H
 from tests.graph_checks import decoding, planes_written_by_a_step, replay_equals_plain_forward, step_equals_plain_forward
 
@@ -154,7 +155,6 @@ def test_tr_hybrid_replays_equal_the_compiled_forward(cuda_weights, replay):
     """A prefill step, mixed steps (a prompt arriving while others decode, chunked) and decode
     steps, each replayed at its token bucket: the compiled forward's logits and cache at that
     width, bit for bit; no page or slot leaked."""
-    from runtime.sequence import SamplingParams
     eng = engine(cuda_weights, cudagraph_mode="TR_HYBRID", decoder_swa_bounded_replay=replay, max_prefill_chunk=9)
     rep = eng.graph_report
     # a graph per piece and bucket; under decoder replay the late layers' pieces a second one,
@@ -197,7 +197,6 @@ def test_tr_hybrid_padding_rows_are_inert(cuda_weights):
 
 @pytest.mark.parametrize("forced", [None, 3.51], ids=["verified", "forced-3.51"])
 def test_dspark_verify_steps_replay_full_graphs(cuda_weights, traces, forced):
-    from runtime.sequence import SamplingParams
     p = SamplingParams(max_tokens=12, ignore_eos=True)
     got, replays = {}, []
     for mode in ("NONE", "FULL"):
@@ -218,12 +217,11 @@ def test_dspark_verify_steps_replay_full_graphs(cuda_weights, traces, forced):
     assert any(w % 6 == 0 for w in replays), replays                 # verify widths: 6 x batch
 
 
-def test_a_decode_step_does_not_synchronize(cuda_weights, traces, monkeypatch):
-    """The step between schedule() and the sampled ids: no synchronization but the ids' copy."""
+def steps_without_sync(eng, n: int, monkeypatch) -> list:
+    """`n` engine steps, each under `torch.cuda.set_sync_debug_mode("error")` from schedule()'s
+    return to the sampled ids' copy (the one read allowed); returns each step's schedule."""
     import runtime.engine as E
-    eng = engine(cuda_weights, cudagraph_mode="FULL", cudagraph_capture_sizes="4")
-    decoding(eng, 3)
-    copies = []
+    copies, schedules = [], []
 
     def sample(rows, seqs, *rest):      # runtime.sampler.sample (same arguments), the one copy allowed
         st = SamplingTensors.build(seqs, rows.shape[-1], rows.device, torch.float32, *rest)
@@ -237,20 +235,40 @@ def test_a_decode_step_does_not_synchronize(cuda_weights, traces, monkeypatch):
     monkeypatch.setattr(E, "sample", sample)
     schedule = eng.scheduler.schedule
 
-    steady = []
-
     def schedule_then_error():
         sb = schedule()
-        steady.append(sb.steady)
+        schedules.append(sb)
         torch.cuda.set_sync_debug_mode("error")
         return sb
 
-    eng.scheduler.schedule = schedule_then_error
+    monkeypatch.setattr(eng.scheduler, "schedule", schedule_then_error)
     torch.cuda.synchronize()
     try:
-        for _ in range(3):
-            assert len(eng.step()) == 3
+        for _ in range(n):
+            eng.step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert copies == [1, 1, 1]          # one batched sample per step: no row-by-row retry
-    assert steady == [False, True, True]  # the first decode batch afresh, then repeated one row on
+    assert copies == [1] * n            # one batched sample per step: no row-by-row retry
+    return schedules
+
+
+def test_a_decode_step_does_not_synchronize(cuda_weights, traces, monkeypatch):
+    """The step between schedule() and the sampled ids: no synchronization but the ids' copy."""
+    eng = engine(cuda_weights, cudagraph_mode="FULL", cudagraph_capture_sizes="4")
+    decoding(eng, 3)
+    schedules = steps_without_sync(eng, 3, monkeypatch)
+    assert all(sb.decode and sb.scheduled_bs == 3 for sb in schedules)
+    assert [sb.steady for sb in schedules] == [False, True, True]  # the first decode batch afresh, then repeated one row on
+
+
+def test_a_prefill_step_does_not_synchronize(cuda_weights, traces, monkeypatch):
+    """A compiled prefill step (no graph holds it) neither: the indexers size their scores from
+    the host's largest position (Batch.max_position), not from the device."""
+    eng = engine(cuda_weights, cudagraph_mode="NONE")
+    p = SamplingParams(max_tokens=1, ignore_eos=True)
+    eng.add_request(H.prompts((150,), seed=5)[0], p)         # warm: every kernel of a prefill built
+    while eng.has_unfinished():
+        eng.step()
+    eng.add_request(H.prompts((200,), seed=6)[0], p)
+    (sb,) = steps_without_sync(eng, 1, monkeypatch)
+    assert not sb.decode and sb.scheduled_tokens == 200 and not eng.has_unfinished()
