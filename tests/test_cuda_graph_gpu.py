@@ -21,8 +21,8 @@ The CPU versions, with a recording stand-in: tests/test_cuda_graph_cpu.py, test_
 - DSpark's verify steps (the anchor and five drafts per request) replay FULL graphs, its draft
   replays graphs per request count, and the tokens are those of the same engine without
   graphs, drafts verified or acceptance forced.
-- One decode step runs under `torch.cuda.set_sync_debug_mode("error")` but for the sampler's
-  one copy of the ids.
+- Decode steps (FULL) and a compiled prefill step run under `torch.cuda.set_sync_debug_mode("error")`
+  but for the sampler's one copy of the ids.
 """
 from __future__ import annotations
 
