@@ -65,8 +65,8 @@ def index_topk(q, w, plane, plane_scale, block_table, batch_ids, positions, rati
     cand: [T, C] candidate blocks, ascending, -1 padded (REINDEX: score only inside them; a
     producer's cand_out), or None (score every visible row). cand_out: [T, C] <- this layer's
     own candidate blocks (the producer), ascending, -1 padded. max_position: [1] on the host, at
-    least the largest position of a row with batch_ids >= 0 (`Batch.max_position`), or None: the
-    scored width comes from it without reading the device."""
+    least the largest position of a row with batch_ids >= 0 (`Batch.max_position`): the scored
+    width comes from it without reading the device; None: from the positions on the device."""
     T, K = topk.shape
     acc = w.dtype
     qr = q.to(acc)
