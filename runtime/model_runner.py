@@ -126,7 +126,7 @@ class ModelRunner:
             fields["image_dest"] = self.plan_captures(sb, starts, np.cumsum(n) - n, T, host)
         if sb.spec:
             self.spec.stage(sb, fields, starts, n)
-        self.max_position[0] = int(fields["positions"].max())
+        self.max_position[0] = int(fields["positions"].max(initial=0))
         for k, a in fields.items():
             h = host[k]
             if not np.may_share_memory(h, a):      # (the window rows are written in place)
