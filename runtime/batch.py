@@ -43,6 +43,24 @@ class Batch:
     max_position: torch.Tensor | None = None   # [1] on the host: the largest position of a row (None: unknown)
 
 
+def window_rows(out: np.ndarray, pos, start, slot, floor, W: int, S: int) -> np.ndarray:
+    """`Batch.win_idx` of a forward's rows into `out` [T, W], a request's rows consecutive: for row
+    t at position p, positions p-W+1 .. p oldest first, each a ring row (slot*W + q % W) below the
+    request's first row of the forward (`start`), the forward's own row from there (S*W + t - (p - q),
+    S the ring's slots), -1 below `floor`. A row W-1 or more past both reads its forward's rows
+    only, S*W + t-W+1+j: one broadcast add; the general rule runs on the rest (at most W-1 a
+    request, and those near a floor)."""
+    T = len(pos)
+    np.add(np.arange(S * W - (W - 1), S * W - (W - 1) + T)[:, None], np.arange(W), out=out)
+    low = np.flatnonzero(pos - (W - 1) < np.maximum(start, floor))
+    if low.size:
+        p = pos[low, None]
+        q = p - (W - 1) + np.arange(W)
+        row = np.where(q >= start[low, None], S * W + low[:, None] - (p - q), slot[low, None] * W + q % W)
+        out[low] = np.where(q >= floor[low, None], row, -1)
+    return out
+
+
 def step_fields(T: int, B: int, W: int, max_pages: int, engram_ids: dict, page: int) -> dict:
     """Shape of every int64 field a step publishes. Per token: the Batch fields (dest1/dest2 are
     owner_dest[1]/[2]); per request: the block table, each request's last row, the requests

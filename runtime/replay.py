@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.batch import PAD
+from runtime.batch import PAD, window_rows
 from v41.attention import QueryRows
 
 
@@ -62,14 +62,8 @@ def plan(pos, bid, starts, tails, slots, sampled, W: int, S: int):
         return None
     rows = np.flatnonzero(dec)
     p, b = pos[rows], bid[rows]
-    count = np.bincount(b, minlength=len(starts))
-    first_row = np.cumsum(count) - count                     # each request's first decoder row
-    first_pos = np.maximum(starts, tails)                    # ... and its position
-    q = p[:, None] - (W - 1) + np.arange(W)
-    in_batch = q >= first_pos[b][:, None]
-    row = np.where(in_batch, S * W + first_row[b][:, None] + q - first_pos[b][:, None],
-                   slots[b][:, None] * W + q % W)
-    win = np.where(q >= tails[b][:, None], row, -1)
+    first_pos = np.maximum(starts, tails)        # each request's first decoder row's position
+    win = window_rows(np.empty((len(rows), W), np.int64), p, first_pos[b], slots[b], tails[b], W, S)
     queries = np.searchsorted(rows, last)
     return rows, win, queries
 

@@ -17,6 +17,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from runtime.batch import window_rows
 from runtime.cache import KVCache
 from runtime.scheduler import ScheduledBatch
 from v41.engram.hashing import DEAD, EngramLayout, LayerHashes
@@ -66,7 +67,8 @@ class StepRows:
         pos = np.repeat(starts, n) + within
         start_t, slot_t = np.repeat(starts, n), np.repeat(slots, n)
         end_t = start_t + np.repeat(n, n)
-        win = self.windows(host["win_idx"][:T], pos, start_t, slot_t, np.repeat(floor_r, n))
+        # written straight into the host mirror (the runner skips its copy)
+        win = window_rows(host["win_idx"][:T], pos, start_t, slot_t, np.repeat(floor_r, n), W, S)
         dest = self.owner_dest(sb.block_tables[bid, pos // self.page], pos, np.repeat(write_r, n))
         fields = dict(input_ids=ids, positions=pos, batch_ids=bid, win_idx=win,
                       ring_dest=np.where(pos >= end_t - W, slot_t * W + pos % W, -1),
@@ -74,23 +76,6 @@ class StepRows:
                       tail_dst=np.where((pos == end_t - 1) & (pos % 2 == 0), slot_t, -1),
                       dest1=dest[1], dest2=dest[2])
         return fields, meta, known, self.engram_ids(flat, src0, hl, n, starts, slots, T, host)
-
-    def windows(self, win: np.ndarray, pos, start_t, slot_t, floor_t) -> np.ndarray:
-        """Each row's window, positions p-W+1 .. p oldest first, into `win` [T, W] (the host
-        mirror): a ring row (slot*W + q % W) below the row's request's first row of the step, this
-        step's row (S*W + its row) from there, -1 below the row's encoder floor. A row W-1 or more
-        past both reads this step's rows only, S*W + t-W+1+j: one broadcast add; the rest (at
-        most W-1 a request, and those near a floor) take the general rule."""
-        W, S = self.W, self.cache.num_slots
-        T = len(pos)
-        np.add(np.arange(S * W - (W - 1), S * W - (W - 1) + T)[:, None], np.arange(W), out=win)
-        low = np.flatnonzero(pos - (W - 1) < np.maximum(start_t, floor_t))
-        if low.size:
-            p = pos[low, None]
-            q = p - (W - 1) + np.arange(W)
-            row = np.where(q >= start_t[low, None], S * W + low[:, None] - (p - q), slot_t[low, None] * W + q % W)
-            win[low] = np.where(q >= floor_t[low, None], row, -1)
-        return win
 
     def decode(self, sb: ScheduledBatch, host: dict):
         """`general` for a decode step (ScheduledBatch.decode: one final row per request; no
