@@ -72,14 +72,19 @@ def timed(fn) -> float:
     return a.elapsed_time(b)
 
 
+def add_random(eng, n: int, length: int, g: torch.Generator, max_tokens: int) -> list:
+    """`n` requests of `length` random token ids (from `g`), each making up to `max_tokens`."""
+    return [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (length,), generator=g).tolist(),
+                            SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for _ in range(n)]
+
+
 def decode_ms(eng, bs: int, ctx: int, steps: int) -> tuple[float, float, dict, dict]:
     """(wall ms median, kernel ms: the median of three more steps', median host ms per phase of
     the timed steps, {kernels: their median count, on CUDA one more step's idle time by host
     phase (`step_idle`), and with graphs how many of those steps replayed, graph_ms}) of decode
     steps at batch `bs`."""
     g = torch.Generator().manual_seed(bs)
-    seqs = [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (ctx,), generator=g).tolist(),
-                            SamplingParams(max_tokens=steps + DECODE_MARGIN, ignore_eos=True)) for _ in range(bs)]
+    seqs = add_random(eng, bs, ctx, g, steps + DECODE_MARGIN)
     while any(s.num_computed < s.num_prompt_tokens for s in seqs):
         eng.step()
     graphs = eng.runner.graphs
@@ -118,8 +123,7 @@ def prefill_ms(eng, n: int, length: int, reps: int) -> tuple[float, float, dict,
     ts, dev, idle, host = [], None, {}, {}
     g = torch.Generator().manual_seed(n * length)
     for rep in range(reps + 2):
-        seqs = [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (length,), generator=g).tolist(),
-                                SamplingParams(max_tokens=1, ignore_eos=True)) for _ in range(n)]
+        seqs = add_random(eng, n, length, g, 1)
         if rep < reps:
             with phases_timed(eng) as times:
                 ts.append(timed(eng.step))
@@ -141,8 +145,7 @@ def profile(eng, kind: str, path: str, title: str, n: int = 1, order: int = 0, l
     kernels listed in launch order)."""
     g = torch.Generator().manual_seed(7)
     n, length = (n, length or 1024) if kind == "decode" else (1, length or 4096)
-    seqs = [eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (length,), generator=g).tolist(),
-                            SamplingParams(max_tokens=DECODE_MARGIN, ignore_eos=True)) for _ in range(n)]
+    seqs = add_random(eng, n, length, g, DECODE_MARGIN)
     if kind == "decode":
         while any(s.num_computed < s.num_prompt_tokens for s in seqs):
             eng.step()
@@ -151,8 +154,7 @@ def profile(eng, kind: str, path: str, title: str, n: int = 1, order: int = 0, l
     for s in seqs:
         eng.abort(s.request_id)
     if kind == "prefill":       # and one more prefill step's host Python, by function
-        seq = eng.add_request(torch.randint(3, min(120000, eng.cfg.vocab_size), (length,), generator=g).tolist(),
-                              SamplingParams(max_tokens=1, ignore_eos=True))
+        (seq,) = add_random(eng, 1, length, g, 1)
         host_profile_step(eng, title, path)
         eng.abort(seq.request_id)
 

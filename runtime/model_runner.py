@@ -65,6 +65,7 @@ class ModelRunner:
         self._row_views = {}            # rows -> the Batch fields' and Engram rows' first rows (batch_view)
         # the step's largest position, on the host: the indexer sizes its scores without a device read
         self.max_position = torch.zeros(1, dtype=torch.long)
+        self._max_position = self.max_position.numpy()      # written through numpy: no torch dispatch a step
         self._ones, self._rows = np.ones(max_num_batched_tokens, np.int64), np.arange(max_num_batched_tokens)
         self.graphs = None              # runtime.cuda_graph.graph_runner (FULL, TR_HYBRID), when captured
         self.use_forward(self.model, static_shapes=False)
@@ -126,7 +127,7 @@ class ModelRunner:
             fields["image_dest"] = self.plan_captures(sb, starts, np.cumsum(n) - n, T, host)
         if sb.spec:
             self.spec.stage(sb, fields, starts, n)
-        self.max_position[0] = int(fields["positions"].max(initial=0))
+        self._max_position[0] = fields["positions"].max(initial=0)
         for k, a in fields.items():
             h = host[k]
             if not np.may_share_memory(h, a):      # (the window rows are written in place)
@@ -191,7 +192,7 @@ class ModelRunner:
             self.buf[k][:tokens].fill_(pad)
         self.block_table_rows(1).fill_(0)
         self._table = None
-        self.max_position[0] = 0
+        self._max_position[0] = 0
         batch = self.batch_view(tokens, 1, [])
         for b in batch.engram_rows.values():
             b.zero_()
