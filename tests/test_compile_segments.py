@@ -15,9 +15,9 @@ def test_split_points_follow_the_topology(toy_cfg, mini):
     from v41.config import preset
     for cfg in (toy_cfg, preset("flash")):
         p = C.SplitPoints.of(cfg)
-        assert (p.boundary, p.last, p.early, p.late, p.eager) == (20, 39, range(0, 20), range(21, 39), (20, 39))
+        assert (p.boundary, p.last, p.early, p.late, p.single) == (20, 39, range(0, 20), range(21, 39), (20, 39))
     p = C.SplitPoints.of(mini[1])
-    assert (p.early, p.late, p.eager) == (range(0, 5), range(6, 7), (5, 7))
+    assert (p.early, p.late, p.single) == (range(0, 5), range(6, 7), (5, 7))
 
 
 def test_split_forward_equals_unsplit_eager(toy_weights):
@@ -76,10 +76,11 @@ def test_split_equals_unsplit_compiled(mini, mini_backbone, mini_split):
     assert all(torch.equal(b, r) for b, r in zip(unsplit, ref_full))
 
 
-def test_steps_without_a_decoder_plan_run_no_layer_eagerly(mini, mini_split):
-    """The boundary and last layers (5 and 7 in the mini model) run eagerly in the steps with a
-    decoder plan (prompt chunks: their rows change there) and compiled (_Layer5, _Layer7) in
-    decode steps, which then call no layer's Python forward."""
+def test_only_the_last_layer_of_a_decoder_plan_runs_eagerly(mini, mini_split):
+    """The last layer (7 in the mini model) runs eagerly in the steps with a decoder plan (prompt
+    chunks: it computes its query rows alone), the boundary layer (5) compiled there on the
+    decoder's rows (_Layer5), and decode steps run both compiled (_Layer5, _Layer7): they call
+    no layer's Python forward."""
     eng, fwd = mini_split
     calls = []
     for i in (5, 7):
@@ -96,7 +97,7 @@ def test_steps_without_a_decoder_plan_run_no_layer_eagerly(mini, mini_split):
         for i in (5, 7):
             del eng.runner.model.layers[i].forward
     prompt, *decode = per_step
-    assert prompt == [5, 7] and decode == [[], []], per_step
+    assert prompt == [7] and decode == [[], []], per_step
 
 
 def test_piece_check_finds_the_wrong_piece(mini_split, monkeypatch, tmp_path):

@@ -81,9 +81,9 @@ def key_factors(cfg, args, ccfg: CompileConfig, device) -> dict:
         "compile": {"level": ccfg.level, "backend": str(ccfg.backend), "passes": ccfg.passes,
                     "fused_lowering": ccfg.fused_lowering,
                     **({"splitting_ops": list(ccfg.splitting_ops)} if ccfg.splitting_ops else {})},
-        "split": ({"segments": ["_EarlyLayers", "_LateLayers"] + [f"_Layer{i}" for i in points.eager],
+        "split": ({"segments": ["_EarlyLayers", "_LateLayers"] + [f"_Layer{i}" for i in points.single],
                    "early": [0, points.boundary],
-                   "late": [points.boundary + 1, points.last], "eager": list(points.eager)}
+                   "late": [points.boundary + 1, points.last], "single": list(points.single)}
                   if ccfg.split else {"segments": ["_Backbone"]}),
         "capture_sizes": list(ccfg.capture_sizes),
         "sources": source_hashes(),

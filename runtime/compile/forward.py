@@ -117,7 +117,7 @@ class CompiledForward:
             self.segments = {"_EarlyLayers": _EarlyLayers(model, pts.early)}
             if len(pts.late):
                 self.segments["_LateLayers"] = _LateLayers(model, pts.late)
-            for i in pts.eager:
+            for i in pts.single:
                 self.segments[f"_Layer{i}"] = _Layer(model, i)
         else:
             self.segments = {"_Backbone": _Backbone(model)}

@@ -15,7 +15,7 @@ SEGMENTS = ("_Backbone", "_EarlyLayers", "_LateLayers", "_Layer")
 @dataclass(frozen=True)
 class SplitPoints:
     """Layers of each part of the forward (any topology): early [0, boundary), the boundary
-    layer (eager), late (boundary, last), the last layer (eager)."""
+    layer, late (boundary, last), the last layer."""
     boundary: int
     last: int
 
@@ -33,7 +33,8 @@ class SplitPoints:
         return range(self.boundary + 1, self.last)
 
     @property
-    def eager(self) -> tuple:
+    def single(self) -> tuple:
+        """The layers that are one-layer segments (`_Layer<i>`)."""
         return tuple(sorted({self.boundary, self.last}))
 
 
@@ -77,10 +78,11 @@ class _LateLayers(nn.Module):
 
 
 class _Layer(_LateLayers):
-    """One of the layers the split forward runs eagerly where rows change (the boundary layer,
-    the last layer), compiled for the steps whose rows do not change there: a step without a
-    decoder plan (decode and verify steps) runs every row through every layer, so it runs no
-    layer eagerly (segment `_Layer<i>`)."""
+    """The boundary or the last layer as a segment of its own (`_Layer<i>`): the boundary layer
+    of every step (with a decoder plan on the decoder's rows, which `enter_decoder` gathers
+    between the segments), the last layer of a step without a decoder plan (decode and verify
+    steps: every row through every layer; with one, the last layer computes its query rows
+    alone and runs eagerly)."""
 
     def __init__(self, model, layer: int):
         super().__init__(model, range(layer, layer + 1))
@@ -89,19 +91,19 @@ class _Layer(_LateLayers):
 def split_forward(model, batch, cache, early: Callable, late: Callable | None, points: SplitPoints,
                   layer: Callable | None = None):
     """The forward as segments: `early`/`late` are the (compiled or eager) segment callables;
-    `layer(i, X, pre, batch, cache, sel)` runs the boundary or last layer `i` of a step without
-    a decoder plan (None: eagerly, as a step with one always does)."""
+    `layer(i, X, pre, batch, cache, sel)` runs the boundary or last layer `i` on every row it
+    receives (None: eagerly). A step with a decoder plan runs the last layer eagerly on its query
+    rows; the boundary layer, on the decoder's rows, is then a layer like the late ones."""
     sel: dict = {}
     X, pre = early(batch, cache, sel)
     queries = None
     if batch.decoder is not None:     # bounded replay: the decoder runs on its rows alone
-        layer = None
         X, pre, batch, sel, queries = model.enter_decoder(X, pre, batch, cache, sel)
         if not X.shape[0]:
             return model.final(X, pre)
 
     def block(i, X, pre, q):
-        if layer is not None:
+        if layer is not None and q is None:
             return layer(i, X, pre, batch, cache, sel)
         return model.layers[i](X, pre, batch, cache, sel, q)
 
