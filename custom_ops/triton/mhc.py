@@ -50,6 +50,9 @@ COEF_TOKEN_PROGRAMS = 512
 COEF_WARPS = 4
 COEF_TILE = 2048              # elements of the [splits, hc, hc] tile a one-token program sums at once
 STREAM_TILE = 4096            # elements of X per program in collapse / expand
+# columns a collapse / expand program takes at most, read at each launch (so step_bench
+# --knob-variants can try others in one engine): at one token and Flash's D that is 5 programs
+STREAM_BLOCK_D = 1024
 
 
 @triton.jit
@@ -207,7 +210,7 @@ def coef_block_t(T: int) -> int:
 
 
 def _stream_tiles(T: int, D: int, hc: int, block_d: int | None):
-    bd = block_d or min(triton.next_power_of_2(D), 1024)
+    bd = block_d or min(triton.next_power_of_2(D), STREAM_BLOCK_D)
     bt = max(1, min(triton.next_power_of_2(T), STREAM_TILE // (bd * hc)))
     return bt, bd, (triton.cdiv(T, bt), triton.cdiv(D, bd))
 
