@@ -92,8 +92,9 @@ tests)
     # modules' Triton compiles (most of a cold run: test_native_gemm_gpu.py and test_fused_ops_gpu.py
     # did not finish in 225 s in one process, 2026-12-05) spread over eight processes on the one
     # GPU; the memory and compile modules measure the device or compile alone: one process
+    # (timeout -s INT here and below: pytest cut by the limit still prints what passed and failed)
     n=8; case $m in *memory*|*compile*|*pdl*) n=0 ;; esac
-    timeout 240 $py -m pytest -q -x -n $n -m gpu --timeout=300 --tb=long -p no:cacheprovider "$m" \
+    timeout -s INT 240 $py -m pytest -q -x -n $n -m gpu --timeout=300 --tb=long -p no:cacheprovider "$m" \
       > "$OUT/$(basename "$m" .py).log" 2>&1
     echo "rc=$?"; tail -3 "$OUT/$(basename "$m" .py).log"
   done ;;
@@ -129,7 +130,7 @@ graphtests|harness)
   export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / ${#groups[@]} > 0 ? $(nproc) / ${#groups[@]} : 1 ))
   i=0
   for k in "${groups[@]}"; do
-    { timeout 570 $py -m pytest -v -rA -p no:xdist -m gpu --timeout=540 --tb=short --durations=0 -p no:cacheprovider \
+    { timeout -s INT 570 $py -m pytest -v -rA -p no:xdist -m gpu --timeout=540 --tb=short --durations=0 -p no:cacheprovider \
         tests/test_cuda_graph_gpu.py -k "$k" > "$OUT/$PART-$i.log" 2>&1
       echo "rc=$?" >> "$OUT/$PART-$i.log"; } &
     i=$((i + 1))
@@ -178,7 +179,7 @@ native-decode)
   # the kernels' GPU tests first (dependent launch, fused ops, native GEMMs, attention and index,
   # the FP4 MMA GEMVs; eight processes), then native decode steps only
   step "kernel GPU tests"
-  timeout 200 $py -m pytest -q -n 8 -m gpu -p no:cacheprovider --timeout=190 tests/test_pdl_gpu.py \
+  timeout -s INT 200 $py -m pytest -q -n 8 -m gpu -p no:cacheprovider --timeout=190 tests/test_pdl_gpu.py \
     tests/test_fused_ops_gpu.py tests/test_native_gemm_gpu.py tests/test_kernels_gpu.py \
     tests/test_fp4_mma_gpu.py tests/test_overlap_gpu.py > "$OUT/fused-ops-gpu.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/fused-ops-gpu.log"
@@ -256,7 +257,7 @@ dense-prefill)
   # fp8_gemm's path 'bf16' against the FP8 MMA at prefill widths: its GPU test, then Flash's dense
   # shapes at 2,048 and 4,096 rows with native_gemm_bench's prefill sweep as the knobs
   step "tests/test_native_gemm_gpu.py -k 'paths or block_gemm'"
-  timeout 240 $py -m pytest -q -x -n 8 -m gpu --timeout=220 --tb=long -p no:cacheprovider \
+  timeout -s INT 240 $py -m pytest -q -x -n 8 -m gpu --timeout=220 --tb=long -p no:cacheprovider \
     tests/test_native_gemm_gpu.py -k "paths or block_gemm" > "$OUT/dense-prefill-tests.log" 2>&1
   echo "rc=$?"; tail -2 "$OUT/dense-prefill-tests.log"
   step "native_gemm_bench --one-row --dense-widths 2048,4096 (PREFILL_SWEEP)"
@@ -296,7 +297,7 @@ tma)
     > "$OUT/experts-tma.log" 2>&1
   echo "rc=$?"; tail -1 "$OUT/experts-tma.log"
   step "tests/test_native_gemm_gpu.py -k tma"
-  timeout 100 $py -m pytest -q -x -n 4 -m gpu --tb=long -p no:cacheprovider tests/test_native_gemm_gpu.py -k tma \
+  timeout -s INT 100 $py -m pytest -q -x -n 4 -m gpu --tb=long -p no:cacheprovider tests/test_native_gemm_gpu.py -k tma \
     > "$OUT/tma-tests.log" 2>&1
   echo "rc=$?"; tail -3 "$OUT/tma-tests.log" ;;
 replay)
