@@ -2,8 +2,8 @@
 (each is a kernel launch, or a graph node once captured: on the H200 a FULL decode step's
 replay idles ~0.5 us between nodes and most eager ops are 1-2 us kernels).
 
-With decoder bounded replay the compiled forward runs the last layer eagerly in a step with a
-decoder plan (it computes the sampled rows alone; decode steps run it compiled), and DSpark runs its context
+With decoder bounded replay the compiled forward runs no layer eagerly (but the last layer of a
+step whose decoder rows sample nothing, and of TR_HYBRID's decoder plans), and DSpark runs its context
 keys, verification, commit and its three draft blocks eagerly (the draft graph of
 runtime/draft_graphs.py captures those eager ops). This counts, on the CPU toy (Flash's
 40-layer topology, tiny widths; op counts do not depend on widths), one decode step of one

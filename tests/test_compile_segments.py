@@ -68,7 +68,7 @@ def test_split_equals_unsplit_compiled(mini, mini_backbone, mini_split):
     ref_full = step_logits(mini_engine(mini, decoder_swa_bounded_replay=False), MINI_REQS)
     eng, fwd = mini_split
     split = step_logits(eng, MINI_REQS)
-    assert list(fwd.segments) == ["_EarlyLayers", "_LateLayers", "_Layer5", "_Layer7"]
+    assert list(fwd.segments) == ["_EarlyLayers", "_LateLayers", "_Layer5", "_Layer7", "_QueryLayer7"]
     assert fwd.stats()["matches"]["mhc"] > 0              # the passes ran on these layers' roles
     unsplit = mini_backbone[3]
     assert len(split) == len(ref) and len(unsplit) == len(ref_full)
@@ -76,11 +76,11 @@ def test_split_equals_unsplit_compiled(mini, mini_backbone, mini_split):
     assert all(torch.equal(b, r) for b, r in zip(unsplit, ref_full))
 
 
-def test_only_the_last_layer_of_a_decoder_plan_runs_eagerly(mini, mini_split):
-    """The last layer (7 in the mini model) runs eagerly in the steps with a decoder plan (prompt
-    chunks: it computes its query rows alone), the boundary layer (5) compiled there on the
-    decoder's rows (_Layer5), and decode steps run both compiled (_Layer5, _Layer7): they call
-    no layer's Python forward."""
+def test_no_layer_runs_eagerly(mini, mini_split):
+    """A step with a decoder plan (a prompt chunk) runs the boundary layer (5 in the mini model)
+    compiled on the decoder's rows (_Layer5) and the last layer (7) compiled on its query rows
+    (_QueryLayer7); decode steps run both as _Layer5 and _Layer7: no step calls a layer's Python
+    forward."""
     eng, fwd = mini_split
     calls = []
     for i in (5, 7):
@@ -97,7 +97,7 @@ def test_only_the_last_layer_of_a_decoder_plan_runs_eagerly(mini, mini_split):
         for i in (5, 7):
             del eng.runner.model.layers[i].forward
     prompt, *decode = per_step
-    assert prompt == [7] and decode == [[], []], per_step
+    assert prompt == [] and decode == [[], []], per_step
 
 
 def test_piece_check_finds_the_wrong_piece(mini_split, monkeypatch, tmp_path):

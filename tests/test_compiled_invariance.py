@@ -63,7 +63,7 @@ def test_compiled_forward_is_installed(compiled_engine):
     from runtime.compile import CompiledForward
     fwd = compiled_engine.runner.forward
     assert isinstance(fwd, CompiledForward) and fwd.warm
-    assert list(fwd.segments) == ["_EarlyLayers", "_LateLayers", "_Layer20", "_Layer39"]
+    assert list(fwd.segments) == ["_EarlyLayers", "_LateLayers", "_Layer20", "_Layer39", "_QueryLayer39"]
     rep = compiled_engine.compile_report
     assert rep["start"] in ("cold", "warm") and Path(rep["cache_dir"], "READY").exists()
     # every fused pattern of the toy is found (counts of the distinct compiled pieces)
@@ -138,7 +138,7 @@ def test_prebuild_then_serving_starts_warm(capsys):
     assert prebuild.main(argv) == 0
     first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert Path(first["cache_dir"], "READY").exists() and Path(first["cache_dir"], "factors.json").exists()
-    assert first["segments"] == ["_EarlyLayers", "_LateLayers", "_Layer20", "_Layer39"] and first["capture_sizes"] == [1, 2, 4, 8, 512]
+    assert first["segments"] == ["_EarlyLayers", "_LateLayers", "_Layer20", "_Layer39", "_QueryLayer39"] and first["capture_sizes"] == [1, 2, 4, 8, 512]
     assert prebuild.main(argv) == 0
     second = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert second["start"] == "warm" and second["cache_dir"] == first["cache_dir"]

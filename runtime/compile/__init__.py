@@ -10,16 +10,19 @@ while serving is an error. What this module does:
       _EarlyLayers   embedding + layers [0, boundary)           compiled
       layer boundary               _Layer<boundary>             compiled
       _LateLayers    layers (boundary, last)                      compiled
-      layer last, final collapse + norm    eager with a decoder plan, else _Layer<last>
+      layer last     _QueryLayer<last> with a decoder plan, else _Layer<last>    compiled
+      final collapse + norm                                       eager
 
   With it off, `_Backbone` (the whole `Transformer.forward`) is one graph. The rows change
   between the segments: `Transformer.enter_decoder` (eager) gathers each request's tail rows
   after the boundary layer's compression (runtime/replay.py plans them), the boundary layer then
   runs on those rows as any layer does, and the last layer runs its query, attention and FFN on
-  the sampled rows alone, eagerly. A step without a decoder plan (decode and DSpark verify
-  steps, the ones FULL graphs replay) changes no rows, so it runs both layers compiled as
-  one-layer segments `_Layer<i>` (their pieces are the same compiled callables as the other
-  layers of their role): such a step runs no layer eagerly.
+  the sampled rows alone (`_QueryLayer<last>`: two dynamic dims, the decoder's rows and the
+  query rows, traced by `CompiledForward.trace_query_layer`; TR_HYBRID, whose captures run no
+  query row, and a step with none run that layer eagerly). A step without a decoder plan
+  (decode and DSpark verify steps, the ones FULL graphs replay) changes no rows, so it runs both
+  layers as one-layer segments `_Layer<i>` (their pieces are the same compiled callables as the
+  other layers of their role).
 
 * One trace per segment. `torch.compile(fullgraph=True, dynamic=False)` with dim 0 of every
   token-shaped input marked dynamic (and `backed_size_oblivious`, so a 1-token step needs no

@@ -24,8 +24,10 @@ from runtime.compile.config import CompileConfig
 from runtime.compile.debug import _depyf
 from runtime.compile.draft import compile_draft
 from runtime.compile.piece_graphs import PieceGraphs
-from runtime.compile.segments import (SplitPoints, _Backbone, _EarlyLayers, _LateLayers, _Layer, call_context,
-                                      mark_tokens, split_forward)
+from runtime.compile.segments import (SplitPoints, _Backbone, _EarlyLayers, _LateLayers, _Layer, _QueryLayer,
+                                      call_context, mark_queries, mark_tokens, split_forward)
+from runtime.replay import DecoderRows
+from v41.attention import QueryRows
 from v41.keyed_dir import default_cache_root
 
 log = logging.getLogger("v41.compile")
@@ -109,6 +111,7 @@ class CompiledForward:
         self.model, self.ccfg = model, ccfg
         self.points = SplitPoints.of(model.cfg)
         self.warm = False
+        self.queries_traced = False
         self.pass_manager = pass_manager
         if pass_manager is None and ccfg.backend in ("inductor", "post_grad_eager") and ccfg.passes:
             self.pass_manager = PassManager(model.cfg, model.dtype, lowering=ccfg.fused_lowering)
@@ -119,6 +122,8 @@ class CompiledForward:
                 self.segments["_LateLayers"] = _LateLayers(model, pts.late)
             for i in pts.single:
                 self.segments[f"_Layer{i}"] = _Layer(model, i)
+            if not ccfg.splitting_ops:     # TR_HYBRID's captures run no query row: its last layer stays eager
+                self.segments[f"_QueryLayer{pts.last}"] = _QueryLayer(model, pts.last)
         else:
             self.segments = {"_Backbone": _Backbone(model)}
         self.backends: dict[str, Any] = {}
@@ -163,6 +168,14 @@ class CompiledForward:
             mark_tokens(b, X, pre, sel)
         return self._call(name, X, pre, b, c, sel)
 
+    def _query_layer(self, i: int, X, pre, b, c, sel, queries):
+        """_QueryLayer<i>, its decoder rows and query rows marked dynamic while tracing."""
+        if not self.warm:
+            mark_tokens(b, X, pre, sel)
+            mark_queries(queries)
+            self.queries_traced = True
+        return self._call(f"_QueryLayer{i}", X, pre, b, c, sel, queries)
+
     def __call__(self, batch, cache):
         with call_context(self.warm):
             if not self.warm:
@@ -170,11 +183,29 @@ class CompiledForward:
             if "_Backbone" in self.segments:
                 return self._call("_Backbone", batch, cache)
             late = functools.partial(self._layers, "_LateLayers") if "_LateLayers" in self.segments else None
+            query = self._query_layer if f"_QueryLayer{self.points.last}" in self.fns else None
             return split_forward(self.model, batch, cache, lambda b, c, s: self._call("_EarlyLayers", b, c, s),
-                                 late, self.points, lambda i, *a: self._layers(f"_Layer{i}", *a))
+                                 late, self.points, lambda i, *a: self._layers(f"_Layer{i}", *a), query)
+
+    def trace_query_layer(self, runner, rows: int) -> None:
+        """Trace _QueryLayer<last> (before `finish_warmup`): a padding step of `rows` rows with a
+        decoder plan over all of them and its first rows // 2 as query rows (two distinct counts,
+        so the trace keeps them two symbols). Under 3 rows it traces nothing (`finish_warmup`)."""
+        if rows < 3:
+            return
+        b = runner.padding_batch(rows)
+        q = torch.arange(rows // 2, device=b.positions.device)
+        b.decoder = DecoderRows(torch.arange(rows, device=q.device), b,
+                                QueryRows(q, b.positions[q], b.batch_ids[q], b.win_idx[q], b.block_table))
+        self(b, runner.cache)
 
     def finish_warmup(self) -> None:
-        """From now on a recompile is an error."""
+        """From now on a recompile is an error. A _QueryLayer not traced by then (a forward warmed
+        without `trace_query_layer`) is dropped: the last layer of a decoder plan runs eagerly."""
+        name = f"_QueryLayer{self.points.last}"
+        if not self.warm and not self.queries_traced:
+            for d in (self.segments, self.fns, self.raw, self.backends):
+                d.pop(name, None)
         self.warm = True
         if self._share_key is not None:
             self._traces.mark_warm(self._share_key)
@@ -210,6 +241,8 @@ def compile_runner(runner, args, ccfg: CompileConfig, traces: TraceCache | None 
             if not fwd.warm:
                 with depyf_ctx:
                     fwd(runner.padding_batch(max(sizes)), runner.cache)     # the one trace
+                    if f"_QueryLayer{fwd.points.last}" in fwd.segments:
+                        fwd.trace_query_layer(runner, max(sizes))
                 fwd.finish_warmup()
             for s in sizes:
                 fwd(runner.padding_batch(s), runner.cache)

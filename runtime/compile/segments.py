@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-SEGMENTS = ("_Backbone", "_EarlyLayers", "_LateLayers", "_Layer")
+SEGMENTS = ("_Backbone", "_EarlyLayers", "_LateLayers", "_Layer", "_QueryLayer")
 
 
 @dataclass(frozen=True)
@@ -81,19 +81,32 @@ class _Layer(_LateLayers):
     """The boundary or the last layer as a segment of its own (`_Layer<i>`): the boundary layer
     of every step (with a decoder plan on the decoder's rows, which `enter_decoder` gathers
     between the segments), the last layer of a step without a decoder plan (decode and verify
-    steps: every row through every layer; with one, the last layer computes its query rows
-    alone and runs eagerly)."""
+    steps: every row through every layer; with one, `_QueryLayer`)."""
 
     def __init__(self, model, layer: int):
         super().__init__(model, range(layer, layer + 1))
 
 
+class _QueryLayer(_Layer):
+    """The last layer of a step with a decoder plan (segment `_QueryLayer<i>`): every decoder
+    row's window KV, the rest on the step's query rows alone (`queries`, v41.attention.QueryRows:
+    the rows it samples). Its two token counts, the decoder's rows and the query rows, are the
+    segment's dynamic dims."""
+
+    def forward(self, X, pre, batch, cache, sel, queries):
+        for block in self.layers:
+            X, pre = block(X, pre, batch, cache, sel, queries)
+        return X, pre
+
+
 def split_forward(model, batch, cache, early: Callable, late: Callable | None, points: SplitPoints,
-                  layer: Callable | None = None):
+                  layer: Callable | None = None, query_layer: Callable | None = None):
     """The forward as segments: `early`/`late` are the (compiled or eager) segment callables;
     `layer(i, X, pre, batch, cache, sel)` runs the boundary or last layer `i` on every row it
-    receives (None: eagerly). A step with a decoder plan runs the last layer eagerly on its query
-    rows; the boundary layer, on the decoder's rows, is then a layer like the late ones."""
+    receives, `query_layer(i, X, pre, batch, cache, sel, queries)` the last layer of a step with a
+    decoder plan on its query rows (None: eagerly). The boundary layer, on the decoder's rows, is
+    then a layer like the late ones. A step with no query row (none samples) runs the last layer
+    eagerly: it leaves the window KV alone."""
     sel: dict = {}
     X, pre = early(batch, cache, sel)
     queries = None
@@ -103,8 +116,11 @@ def split_forward(model, batch, cache, early: Callable, late: Callable | None, p
             return model.final(X, pre)
 
     def block(i, X, pre, q):
-        if layer is not None and q is None:
-            return layer(i, X, pre, batch, cache, sel)
+        if q is None:
+            if layer is not None:
+                return layer(i, X, pre, batch, cache, sel)
+        elif query_layer is not None and q.rows.shape[0]:
+            return query_layer(i, X, pre, batch, cache, sel, q)
         return model.layers[i](X, pre, batch, cache, sel, q)
 
     X, pre = block(points.boundary, X, pre, queries if points.last == points.boundary else None)
@@ -142,5 +158,11 @@ def call_context(warm: bool):
 
 def mark_tokens(batch, *extra) -> None:
     for t in token_tensors(batch, *extra):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def mark_queries(queries) -> None:
+    """The query rows' count: dim 0 of every per-query field (QueryRows)."""
+    for t in (queries.rows, queries.positions, queries.batch_ids, queries.win_idx):
         torch._dynamo.maybe_mark_dynamic(t, 0)
 
