@@ -53,11 +53,13 @@ def mini_backbone(mini):
 def mini_split(mini):
     """The mini model compiled as _EarlyLayers/_LateLayers (the piecewise backend,
     post_grad_eager, every pass with auto lowering: on the CPU the fused ops run their reference
-    impls, the eager arithmetic), traced at 64 padding rows: (engine, forward)."""
+    impls, the eager arithmetic), traced at 64 padding rows, its _QueryLayer7 too (as
+    compile_runner does): (engine, forward)."""
     eng = mini_engine(mini)
     fwd = compiled(eng.runner, split=True)
     with torch.inference_mode():
         fwd(eng.runner.padding_batch(64), eng.runner.cache)
+        fwd.trace_query_layer(eng.runner, 64)
     return eng, fwd
 
 
@@ -109,8 +111,8 @@ def test_piece_check_finds_the_wrong_piece(mini_split, monkeypatch, tmp_path):
     with compare_pieces(fwd, eager_twice=True, save_dir=tmp_path) as rows:
         step_logits(eng, MINI_REQS[:1], max_tokens=2, prefix="check")
     pieces = {r["piece"] for r in rows}
-    # embedding, layers 0-4 and 6; 5 and 7 (eager in steps with a decoder plan) in decode steps
-    assert len(pieces) == 9 and {"_Layer5.submod_1", "_Layer7.submod_1"} <= pieces, pieces
+    # embedding, layers 0-4 and 6, 5 and 7 as _Layer5 / _Layer7 (decode steps), 7 as _QueryLayer7 (the prompt step)
+    assert len(pieces) == 10 and {"_Layer5.submod_1", "_Layer7.submod_1", "_QueryLayer7.submod_1"} <= pieces, pieces
     assert all(r["rel_l2"] == r["ids_differing"] == r["inputs_rel_l2"] == r["eager_rel_l2"] == 0 for r in rows)
     saved = torch.load(tmp_path / "_EarlyLayers.submod_2.pt")
     assert all(torch.equal(a, b) for a, b in zip(saved["compiled"], saved["eager"]))
