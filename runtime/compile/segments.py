@@ -106,7 +106,7 @@ def split_forward(model, batch, cache, early: Callable, late: Callable | None, p
     receives, `query_layer(i, X, pre, batch, cache, sel, queries)` the last layer of a step with a
     decoder plan on its query rows (None: eagerly). The boundary layer, on the decoder's rows, is
     then a layer like the late ones. A step with no query row (none samples) runs the last layer
-    eagerly: it leaves the window KV alone."""
+    eagerly: its window KV is all that layer computes then."""
     sel: dict = {}
     X, pre = early(batch, cache, sel)
     queries = None
