@@ -82,7 +82,7 @@ def key_factors(cfg, args, ccfg: CompileConfig, device) -> dict:
                     "fused_lowering": ccfg.fused_lowering,
                     **({"splitting_ops": list(ccfg.splitting_ops)} if ccfg.splitting_ops else {})},
         "split": ({"segments": ["_EarlyLayers", "_LateLayers"] + [f"_Layer{i}" for i in points.single]
-                   + ([] if ccfg.splitting_ops else [f"_QueryLayer{points.last}"]),
+                   + ([] if ccfg.splitting_ops else [points.query_segment]),
                    "early": [0, points.boundary],
                    "late": [points.boundary + 1, points.last], "single": list(points.single)}
                   if ccfg.split else {"segments": ["_Backbone"]}),

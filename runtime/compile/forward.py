@@ -123,7 +123,7 @@ class CompiledForward:
             for i in pts.single:
                 self.segments[f"_Layer{i}"] = _Layer(model, i)
             if not ccfg.splitting_ops:     # TR_HYBRID's captures run no query row: its last layer stays eager
-                self.segments[f"_QueryLayer{pts.last}"] = _QueryLayer(model, pts.last)
+                self.segments[pts.query_segment] = _QueryLayer(model, pts.last)
         else:
             self.segments = {"_Backbone": _Backbone(model)}
         self.backends: dict[str, Any] = {}
@@ -169,12 +169,12 @@ class CompiledForward:
         return self._call(name, X, pre, b, c, sel)
 
     def _query_layer(self, i: int, X, pre, b, c, sel, queries):
-        """_QueryLayer<i>, its decoder rows and query rows marked dynamic while tracing."""
+        """_QueryLayer<i> (i: the last layer), its decoder rows and query rows marked dynamic while tracing."""
         if not self.warm:
             mark_tokens(b, X, pre, sel)
             mark_queries(queries)
             self.queries_traced = True
-        return self._call(f"_QueryLayer{i}", X, pre, b, c, sel, queries)
+        return self._call(self.points.query_segment, X, pre, b, c, sel, queries)
 
     def __call__(self, batch, cache):
         with call_context(self.warm):
@@ -183,15 +183,16 @@ class CompiledForward:
             if "_Backbone" in self.segments:
                 return self._call("_Backbone", batch, cache)
             late = functools.partial(self._layers, "_LateLayers") if "_LateLayers" in self.segments else None
-            query = self._query_layer if f"_QueryLayer{self.points.last}" in self.fns else None
+            query = self._query_layer if self.points.query_segment in self.fns else None
             return split_forward(self.model, batch, cache, lambda b, c, s: self._call("_EarlyLayers", b, c, s),
                                  late, self.points, lambda i, *a: self._layers(f"_Layer{i}", *a), query)
 
     def trace_query_layer(self, runner, rows: int) -> None:
         """Trace _QueryLayer<last> (before `finish_warmup`): a padding step of `rows` rows with a
         decoder plan over all of them and its first rows // 2 as query rows (two distinct counts,
-        so the trace keeps them two symbols). Under 3 rows it traces nothing (`finish_warmup`)."""
-        if rows < 3:
+        so the trace keeps them two symbols). Without the segment (TR_HYBRID) or under 3 rows it
+        traces nothing (`finish_warmup`)."""
+        if self.points.query_segment not in self.segments or rows < 3:
             return
         b = runner.padding_batch(rows)
         q = torch.arange(rows // 2, device=b.positions.device)
@@ -202,10 +203,9 @@ class CompiledForward:
     def finish_warmup(self) -> None:
         """From now on a recompile is an error. A _QueryLayer not traced by then (a forward warmed
         without `trace_query_layer`) is dropped: the last layer of a decoder plan runs eagerly."""
-        name = f"_QueryLayer{self.points.last}"
         if not self.warm and not self.queries_traced:
             for d in (self.segments, self.fns, self.raw, self.backends):
-                d.pop(name, None)
+                d.pop(self.points.query_segment, None)
         self.warm = True
         if self._share_key is not None:
             self._traces.mark_warm(self._share_key)
@@ -241,8 +241,7 @@ def compile_runner(runner, args, ccfg: CompileConfig, traces: TraceCache | None 
             if not fwd.warm:
                 with depyf_ctx:
                     fwd(runner.padding_batch(max(sizes)), runner.cache)     # the one trace
-                    if f"_QueryLayer{fwd.points.last}" in fwd.segments:
-                        fwd.trace_query_layer(runner, max(sizes))
+                    fwd.trace_query_layer(runner, max(sizes))
                 fwd.finish_warmup()
             for s in sizes:
                 fwd(runner.padding_batch(s), runner.cache)

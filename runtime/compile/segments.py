@@ -37,6 +37,11 @@ class SplitPoints:
         """The layers that are one-layer segments (`_Layer<i>`)."""
         return tuple(sorted({self.boundary, self.last}))
 
+    @property
+    def query_segment(self) -> str:
+        """The name of the last layer's segment on a decoder plan's query rows (`_QueryLayer`)."""
+        return f"_QueryLayer{self.last}"
+
 
 class _Backbone(nn.Module):
     """The whole forward, one graph (bounded replay off)."""
